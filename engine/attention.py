@@ -1,0 +1,67 @@
+"""Attention metadata (built by the runner each step) and the op sets the model calls.
+
+The model receives an Ops object and an AttnMetadata as arguments; nothing is global.
+Batches put decode tokens (one new token per sequence) first, so decode attention runs on the
+first num_decode rows and prefill attention on the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import reference
+from kvcache.pool import LayerCache
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 = skip
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    num_decode: int  # the first num_decode sequences have exactly one new token
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    apply_rotary: Callable
+    silu_and_mul: Callable
+    write_kv_cache: Callable
+    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len)
+
+
+def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                       k_scale=None, v_scale=None, max_query_len=None):
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                     scale, k_scale, v_scale)
+
+
+def reference_ops() -> Ops:
+    return Ops(reference.rms_norm, reference.apply_rotary, reference.silu_and_mul,
+               reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill)
+
+
+def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]."""
+    c = layer_cache
+    ops.write_kv_cache(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
+    nd = meta.num_decode
+    num_seqs = meta.seq_lens.shape[0]
+    if nd == num_seqs:
+        return ops.decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, c.k_scale, c.v_scale)
+    if nd == 0:
+        return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len)
+    out = torch.empty_like(q)
+    out[:nd] = ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                    c.k_scale, c.v_scale)
+    qsl = meta.query_start_loc[nd:] - nd
+    out[nd:] = ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len)
+    return out

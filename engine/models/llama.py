@@ -1,0 +1,162 @@
+"""The Llama family in one file: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+q/k/v and gate/up projections are stored fused (the loader packs Hugging Face's separate
+weights), so each layer runs four matmuls. Ops and attention metadata arrive as arguments.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention import AttnMetadata, Ops, paged_attention
+from engine.config import ModelConfig
+from kvcache.pool import LayerCache
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rs["factor"])
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by factor, short ones kept, the band between interpolated.
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def rope_cos_sin(cfg: ModelConfig, max_positions: int, device: torch.device | str) -> torch.Tensor:
+    """[max_positions, 2, head_dim] float32: cos and sin, duplicated over both halves."""
+    inv_freq = rope_inv_freq(cfg)
+    t = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                cache: LayerCache, meta: AttnMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
+        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        o = paged_attention(ops, q, k, v, cache, meta, self.scale)
+        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        ln = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, ln.weight, ln.eps)
+        else:
+            h, residual = ops.rms_norm(x, ln.weight, ln.eps, residual)
+        h = self.self_attn(ops, h, positions, cos_sin, cache, meta)
+        ln = self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, ln.weight, ln.eps, residual)
+        return self.mlp(ops, h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim], set by the runner
+
+    def forward(self, ops: Ops, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: AttnMetadata, logit_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logit_indices), vocab] in float32."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(ops, x, residual, positions, self.cos_sin, cache, meta)
+        x, _ = ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        return self.compute_logits(x[logit_indices])
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face tensor name -> (our parameter name, shard row offset, shard rows).
+        Rows = -1 means the whole parameter."""
+        cfg = self.cfg
+        m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, -1),
+                                              "model.norm.weight": ("norm.weight", 0, -1)}
+        if self.lm_head is not None:
+            m["lm_head.weight"] = ("lm_head.weight", 0, -1)
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        for i in range(cfg.num_layers):
+            hf, our = f"model.layers.{i}.", f"layers.{i}."
+            for part, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                m[hf + f"self_attn.{part}.weight"] = (our + "self_attn.qkv_proj.weight", off, rows)
+                if cfg.attention_bias:
+                    m[hf + f"self_attn.{part}.bias"] = (our + "self_attn.qkv_proj.bias", off, rows)
+            m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0, inter)
+            m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", inter, inter)
+            for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                         "post_attention_layernorm.weight"):
+                m[hf + name] = (our + name, 0, -1)
+            if cfg.qk_norm:
+                for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                    m[hf + name] = (our + name, 0, -1)
+        return m

@@ -1,0 +1,121 @@
+"""Plain-torch reference ops: the test oracle for every Triton kernel and the CPU execution path.
+
+Shapes (see kvcache/spec.py for the page layout):
+  k_cache, v_cache  [num_blocks, num_kv_heads, block_size, head_dim]  storage dtype
+  k_scale, v_scale  [num_blocks, num_kv_heads, block_size] float32, only for fp8/int8 caches
+  slot_mapping      [T] int, slot = block * block_size + offset, -1 = skip
+  block_tables      [B, max_blocks] int32 (unused tail entries are ignored)
+  seq_lens          [B] int32, tokens in the cache for each sequence after this step's write
+  query_start_loc   [B + 1] int32, prefix sums of query lengths; queries are the LAST q_len
+                    positions of their sequence
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache import quant
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None, kv_dtype: str | None = None) -> None:
+    """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k, v = k[keep], v[keep]
+    if kv_dtype in quant.QMAX:
+        kq, ks = quant.quantize(k, kv_dtype)
+        vq, vs = quant.quantize(v, kv_dtype)
+        k_cache[blocks, :, offsets] = kq
+        v_cache[blocks, :, offsets] = vq
+        k_scale[blocks, :, offsets] = ks
+        v_scale[blocks, :, offsets] = vs
+    else:
+        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+              seq_len: int) -> torch.Tensor:
+    """One sequence's cached entries as float32 [num_kv_heads, seq_len, head_dim]."""
+    block_size = cache.shape[2]
+    nblocks = -(-seq_len // block_size)
+    idx = block_table[:nblocks].long()
+    x = cache[idx]  # [nb, H, bs, D]
+    if scale is not None:
+        x = quant.dequantize(x, scale[idx])
+    x = x.float().permute(1, 0, 2, 3).reshape(cache.shape[1], nblocks * block_size, cache.shape[3])
+    return x[:, :seq_len]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    softmax_scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
+
+    Covers both prefill chunks (q_len > 1, attending to the cached prefix and to themselves) and
+    decode (q_len == 1). Accumulates in float32; the result has q's dtype.
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = qsl[i], qsl[i + 1]
+        if hi == lo:
+            continue
+        k = gather_kv(k_cache, k_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
+        v = gather_kv(v_cache, v_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
+        qi = q[lo:hi].float().transpose(0, 1)  # [H, q_len, D]
+        scores = (qi @ k.transpose(1, 2)) * softmax_scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode: one query token per sequence, q [B, num_heads, head_dim]."""
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, softmax_scale, k_scale, v_scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as Hugging Face's Llama computes it; with residual, first x += residual and
+    return (normed, x + residual) so the caller keeps the sum as the next residual."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding. q [T, Hq, D], k [T, Hkv, D], cos_sin [max_pos, 2, D] float32
+    (cos then sin, each already duplicated over both halves)."""
+    cs = cos_sin[positions.long()]
+    cos = cs[:, 0].unsqueeze(1).to(q.dtype)
+    sin = cs[:, 1].unsqueeze(1).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] holding gate then up -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

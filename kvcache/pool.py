@@ -1,0 +1,43 @@
+"""The KV pool: the GPU (or CPU) tensors behind the block manager's block ids."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import quant
+from kvcache.spec import KVCacheSpec
+
+
+@dataclass
+class LayerCache:
+    """One layer's view of the pool."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    kv_dtype: str | None  # "fp8" | "int8", or None for an unquantized cache
+
+
+class KVPool:
+    """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype, plus
+    float32 scales [layers, 2, num_blocks, kv_heads, block_size] for fp8/int8."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=quant.storage_dtype(spec.dtype), device=device)
+        self.scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device) if spec.quantized else None)
+        kv_dtype = spec.dtype if spec.quantized else None
+        self.layers = [
+            LayerCache(self.kv[i, 0], self.kv[i, 1],
+                       None if self.scales is None else self.scales[i, 0],
+                       None if self.scales is None else self.scales[i, 1], kv_dtype)
+            for i in range(spec.num_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.kv.numel() * self.kv.element_size()
+        return n + (0 if self.scales is None else self.scales.numel() * 4)

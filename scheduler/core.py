@@ -1,0 +1,107 @@
+"""EngineCore: one synchronous step of the whole engine, shared by the offline LLM and the
+asyncio server loop. schedule -> execute -> update -> detokenize -> outputs.
+
+Torch-free: it talks to an Executor (the model runner) and a tokenizer it is given.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvcache.block_manager import BlockManager
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.policy import Scheduler, SchedulerConfig
+from scheduler.request import Batch, SampleOutput, SamplingParams, Sequence, StepOutput, next_seq_id
+
+log = logging.getLogger("pagedserve")
+
+
+class Executor(Protocol):
+    def execute(self, batch: Batch) -> list[SampleOutput | None]: ...
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_step_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, tokenizer: Any, scheduler_config: SchedulerConfig,
+                 num_blocks: int, block_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.eos_token_ids = eos_token_ids
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    seq_id: int | None = None) -> Sequence:
+        """Queue a request; raises RequestRejected (a ValueError) when it can never be served."""
+        seq = Sequence(seq_id if seq_id is not None else next_seq_id(), prompt_token_ids, params,
+                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        self.scheduler.add(seq)
+        self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        return seq
+
+    def abort(self, seq_id: int) -> bool:
+        self.detok.pop(seq_id, None)
+        return self.scheduler.abort(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[StepOutput]:
+        before = self.scheduler.num_preemptions
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += self.scheduler.num_preemptions - before
+        if batch is None:
+            return []
+        self.stats.num_steps += 1
+        try:
+            samples = self.executor.execute(batch)
+        except Exception as e:  # a fault in the model step fails this step's requests, not the engine
+            log.exception("model step failed; failing %d requests", len(batch.items))
+            self.stats.num_step_failures += 1
+            return self._fail(batch, f"internal error during generation ({type(e).__name__})")
+        outputs = self.scheduler.update(batch, samples)
+        now = time.monotonic()
+        seqs = {it.seq.seq_id: it.seq for it in batch.items}
+        for out in outputs:
+            self.stats.generation_tokens += len(out.new_token_ids)
+            seq = seqs[out.seq_id]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+            detok = self.detok[out.seq_id]
+            out.new_text = detok.add(out.new_token_ids, final=out.finished)
+            if detok.stopped and not out.finished:
+                self.scheduler.finish(seq, "stop")
+                out.finished, out.finish_reason = True, "stop"
+            if out.finished:
+                del self.detok[out.seq_id]
+        return outputs
+
+    def _fail(self, batch: Batch, message: str) -> list[StepOutput]:
+        outputs = []
+        for it in batch.items:
+            seq = it.seq
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "error")
+            self.detok.pop(seq.seq_id, None)
+            outputs.append(StepOutput(seq.seq_id, [], True, "error", error=message,
+                                      num_prompt_tokens=seq.num_prompt_tokens,
+                                      num_output_tokens=seq.num_output_tokens))
+        return outputs

@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop strings, per request.
+
+Text is produced by decoding a small window of recent tokens and emitting what grew, so a
+multi-byte character split across tokens is held until complete. Text that could be the start
+of a stop string is held back too, so streamed deltas always concatenate to the final text.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all decoded output text (up to a stop string, once one is found)
+        self.emitted = 0  # characters of text already handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        """Feed new token ids; return the text that can be emitted now. Sets self.stopped when a
+        stop string appears (the text is cut before it). final=True flushes held-back text."""
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        elif final and full.endswith("\ufffd") and len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        if self.stop:
+            self._find_stop()
+        end = len(self.text) if (final or self.stopped) else len(self.text) - self._held_back()
+        delta = self.text[self.emitted:max(end, self.emitted)]
+        self.emitted += len(delta)
+        return delta
+
+    def _find_stop(self) -> None:
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self.emitted - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

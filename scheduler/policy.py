@@ -1,0 +1,162 @@
+"""The scheduling policy: which sequences run in the next step, and with how many tokens.
+
+Each step: running sequences first, oldest first (a decode takes one token, an unfinished
+prefill the rest of its prompt up to the token budget); then waiting sequences in arrival order,
+as chunked prefills for whatever budget is left. When the cache runs out, the newest running
+sequence is preempted (its blocks freed, recomputed later) and re-queued at the front.
+Torch-free.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache.block_manager import BlockManager
+from scheduler.request import Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, StepOutput
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration; the message says why."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise RequestRejected if seq could not be served even alone."""
+        n = seq.num_prompt_tokens
+        if n == 0:
+            raise RequestRejected("the prompt is empty; send at least one token")
+        if n >= self.config.max_model_len:
+            raise RequestRejected(f"the prompt has {n} tokens but the model's context length is "
+                                  f"{self.config.max_model_len}; shorten the prompt to at most "
+                                  f"{self.config.max_model_len - 1} tokens")
+        need = self.bm.blocks_needed(seq.max_total_tokens())
+        if need > self.bm.num_blocks:
+            raise RequestRejected(f"the request needs up to {seq.max_total_tokens()} tokens of KV cache "
+                                  f"({need} blocks) but the whole cache holds {self.bm.num_blocks} blocks; "
+                                  f"lower max_tokens or the prompt length")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
+
+    def schedule(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while self.bm.append(seq.block_table, seq.num_computed_tokens + n) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        # Admitting new work right after a preemption would only thrash: wait for room.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self.bm.append(seq.block_table, seq.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+        if not items:
+            return None
+        items.sort(key=lambda it: it.num_new_tokens != 1)  # stable: decodes first, in order
+        return Batch(items, sum(1 for it in items if it.num_new_tokens == 1))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
+        """Advance the sequences of an executed batch and append their new tokens."""
+        outputs = []
+        for it, sample in zip(batch.items, samples):
+            seq = it.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = it.end
+            if not it.samples or sample is None:
+                continue
+            seq.token_ids.append(sample.token_id)
+            reason = self._finish_reason(seq, sample.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            outputs.append(StepOutput(seq.seq_id, [sample.token_id], reason is not None, reason,
+                                      logprobs=[sample.logprob] if sample.logprob else [],
+                                      num_prompt_tokens=seq.num_prompt_tokens,
+                                      num_output_tokens=seq.num_output_tokens,
+                                      num_cached_tokens=seq.num_cached_tokens))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in seq.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire seq (finished, stopped by a stop string, aborted, failed) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.seq_id, None)
+
+    def abort(self, seq_id: int) -> bool:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self.finish(seq, "abort")
+        return True
+
+    def check_integrity(self) -> None:
+        self.bm.check_integrity(s.block_table for s in self.running + list(self.waiting))
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in self.waiting)

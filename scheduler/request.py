@@ -1,0 +1,191 @@
+"""The vocabulary every layer shares: sampling parameters, sequences, batches, step outputs.
+
+Torch-free. A sequence is a plain object with counters; its phase follows from them:
+it is prefilling while num_computed_tokens < len(token_ids) - 1, decoding after.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (the OpenAI fields plus a few vLLM extensions).
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    return next(_seq_ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and KV-cache bookkeeping.
+
+    token_ids holds the prompt followed by the generated tokens. num_computed_tokens counts the
+    tokens whose K/V are in the cache; block_table lists the cache blocks, in order.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold in the cache."""
+        limit = self.num_prompt_tokens + (self.params.max_tokens if self.params.max_tokens is not None else 10**12)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        return limit
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: num_new_tokens tokens starting at position start."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so the step yields a new token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    """The work of one model step. Items with one new token (decodes) come first."""
+
+    items: list[ScheduledSeq]
+    num_decode: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_new_tokens for it in self.items)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode == len(self.items)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SampleOutput:
+    """What the executor returns for an item that samples."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request; text fields are filled by the detokenizer."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    new_text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0

@@ -1,0 +1,19 @@
+"""pagedserve's user-facing layer: `from serve import LLM, SamplingParams`."""
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.request import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so that `import serve.config` (and the CLI's --help) stay free of torch.
+    if name == "LLM":
+        from serve.llm import LLM
+        return LLM
+    if name == "EngineConfig":
+        from serve.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(name)

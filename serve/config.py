@@ -1,0 +1,57 @@
+"""EngineConfig: every engine setting, validated once at the edge with messages a user can act on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a Hugging Face folder (or config.json with load_format dummy); None = default
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 2.0
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def choice(name: str, options: tuple[str, ...]) -> None:
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {', '.join(options)}; got {getattr(self, name)!r}")
+
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+
+        choice("dtype", DTYPES)
+        choice("device", DEVICES)
+        if self.kv_cache_dtype in ("fp8_e4m3", "bf16", "fp16"):
+            object.__setattr__(self, "kv_cache_dtype", {"fp8_e4m3": "fp8", "bf16": "bfloat16", "fp16": "float16"}[self.kv_cache_dtype])
+        choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        choice("load_format", LOAD_FORMATS)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        if self.block_size & (self.block_size - 1) or not 8 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be a power of two between 8 and 256; got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 1.0]; got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError("cpu_kv_cache_gib must be > 0")

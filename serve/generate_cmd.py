@@ -1,0 +1,43 @@
+"""`serve generate`: offline generation from the command line."""
+from __future__ import annotations
+
+import argparse
+
+from scheduler.request import SamplingParams
+from serve.cli_args import add_engine_arguments, engine_config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos,
+                            seed=args.seed if args.temperature > 0 else None)
+    cfg = engine_config_from_args(args)
+    from serve.llm import LLM  # torch is imported only once the arguments are known to be good
+
+    llm = LLM.from_config(cfg, show_progress=True)
+    if args.chat:
+        prompts = []
+        for text in args.prompts:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+            prompts.append(llm.chat_prompt(msgs))
+    else:
+        prompts = args.prompts
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(args.prompts, outputs):
+        if len(outputs) > 1:
+            print(f"### {prompt}")
+        print(out.text)
+    return 0

@@ -1,0 +1,107 @@
+"""Offline generation: LLM(...).generate(prompts, params) for scripts and tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+from scheduler.request import SamplingParams, TokenLogprob
+from serve.build import build_engine
+from serve.config import EngineConfig
+
+
+@dataclass
+class GenerationOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list["GenerationOutput"]:
+        """vLLM-style access (output.outputs[0].text)."""
+        return [self]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 kv_cache_dtype: str = "auto", block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, load_format: str = "auto",
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0,
+                 show_progress: bool = False) -> None:
+        self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
+                                   kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                                   num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, load_format=load_format,
+                                   max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                                   enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                                   seed=seed)
+        self.engine = build_engine(self.config, show_progress=show_progress)
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "LLM":
+        self = cls.__new__(cls)
+        self.config = config
+        self.engine = build_engine(config, show_progress=show_progress)
+        self.tokenizer = self.engine.tokenizer
+        return self
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of messages rendered with the tokenizer's chat template, ready for a reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """One output per prompt, in order. prompts: strings or token-id lists."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        core = self.engine.core
+        results: dict[int, GenerationOutput] = {}
+        order: list[int] = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                ids = self.encode(prompt)
+                seq = core.add_request(ids, p)
+                results[seq.seq_id] = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
+                order.append(seq.seq_id)
+        except Exception:
+            for sid in order:
+                core.abort(sid)
+            raise
+        pending = set(order)
+        while pending:
+            for out in core.step():
+                r = results.get(out.seq_id)
+                if r is None:
+                    continue
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                r.logprobs.extend(out.logprobs)
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    pending.discard(out.seq_id)
+                    if out.error:
+                        raise RuntimeError(out.error)
+        return [results[sid] for sid in order]
