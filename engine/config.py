@@ -96,6 +96,15 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context the engine serves: max_position_embeddings, or the sliding window
+        where one applies (there is no sliding-window attention here, so stay inside it)."""
+        window = self.raw.get("sliding_window")
+        if window and self.raw.get("use_sliding_window", self.architecture == "MistralForCausalLM"):
+            return min(self.max_position_embeddings, int(window))
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

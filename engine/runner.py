@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.sampler import SamplingBatch, sample
+from kvcache.calc import kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput
@@ -81,18 +82,25 @@ class ModelRunner:
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
             return max(1, self.kv_spec.num_blocks_for(self.cfg.cpu_kv_cache_gib * 2**30))
-        free, total = torch.cuda.mem_get_info(self.device)
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        weights = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.cfg.gpu_memory_utilization) - peak - max(0, used_by_others)
-        blocks = self.kv_spec.num_blocks_for(budget)
+        self.activation_bytes = torch.cuda.max_memory_allocated(self.device) - weights + max(0, outside_torch)
+        self.weight_bytes = weights
+        kv_bytes = kv_cache_bytes(total, self.cfg.gpu_memory_utilization, weights, self.activation_bytes,
+                                  self.graph_bytes_reserved())
+        blocks = self.kv_spec.num_blocks_for(kv_bytes)
         if blocks < 1:
             raise ValueError("no GPU memory is left for the KV cache after the weights and activations; "
                              "raise --gpu-memory-utilization or lower --max-num-batched-tokens")
         return blocks
+
+    def graph_bytes_reserved(self) -> int:
+        """GPU memory set aside for CUDA-graph capture (0 until graphs are enabled)."""
+        return 0
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -1,31 +1,45 @@
 """The paged KV cache's allocator. Torch-free: it hands out block ids, the pool holds the tensors.
 
-A block is owned by the sequences whose block tables list it; ref_count counts them. Free blocks
-wait in a FIFO. Out of blocks is not an error: allocation answers None and the scheduler decides
-whom to preempt.
+A block is owned by the sequences whose block tables list it; ref_count counts them. Out of blocks
+is not an error: allocation answers None and the scheduler decides whom to preempt.
+
+Prefix caching: a full block is named by a hash chained over its prefix (the parent block's hash
+and its own token ids). A lookup that finds the hash confirms the block's stored token ids before
+reuse. A freed block keeps its hash and stays reusable until memory is needed; the free queue is
+ordered least recently freed first, so eviction is LRU. Every operation is O(1) per block.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence as Seq
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        # Free blocks, least recently freed first (the next to be handed out / evicted).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - len(self.free_queue)
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -34,12 +48,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks with ref count 1, or None (and nothing taken) when fewer are free."""
-        if n > len(self.free_blocks):
+        """n fresh blocks with ref count 1, or None (and nothing taken) when fewer are free.
+        Cached blocks on the free queue are evicted as they are handed out."""
+        if n > len(self.free_queue):
             return None
-        out = [self.free_blocks.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            self._uncache(b)
             self.ref_counts[b] = 1
+            out.append(b)
         return out
 
     def append(self, block_table: list[int], num_tokens: int) -> list[int] | None:
@@ -54,27 +72,92 @@ class BlockManager:
         return new
 
     def share(self, block: int) -> None:
-        """Another owner takes a reference to an allocated block."""
-        assert self.ref_counts[block] > 0, f"block {block} is free"
+        """Another owner takes a reference to a block (a free cached block leaves the free queue)."""
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
         self.ref_counts[block] += 1
 
-    def free(self, block_table: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds go back to the free list."""
-        for b in block_table:
+    def free(self, block_table: Seq[int]) -> None:
+        """Drop one reference to each block. Tail blocks are queued first so that, among a
+        sequence's cached blocks, the ends of prefixes are evicted before their beginnings."""
+        for b in reversed(block_table):
             assert self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks.append(b)
+                self.free_queue[b] = None
 
-    def check_integrity(self, block_tables: Iterable[list[int]]) -> None:
-        """Raise AssertionError unless every block is free XOR owned, and ref counts equal the
-        number of owning tables. block_tables: the tables of every live sequence."""
+    # -- prefix caching ------------------------------------------------------------------------
+
+    def prefix_hashes(self, token_ids: Seq[int], hashes: list[int]) -> list[int]:
+        """Extend `hashes` (a sequence's memo) to cover every full block of token_ids; return it."""
+        bs = self.block_size
+        for i in range(len(hashes), len(token_ids) // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def match_prefix(self, token_ids: Seq[int], hashes: list[int]) -> list[int]:
+        """The cached blocks holding the longest prefix of token_ids (full blocks only). Looks,
+        takes nothing: pass the result to admit()."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        hits = []
+        for i, h in enumerate(self.prefix_hashes(token_ids, hashes)):
+            b = self.cached.get(h)
+            if b is None or self.block_tokens[b] != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(b)
+        return hits
+
+    def admit(self, hits: list[int], num_tokens: int) -> list[int] | None:
+        """A block table for a new sequence: the prefix-cache hits, then fresh blocks up to
+        num_tokens tokens. None (nothing taken) if the free blocks don't suffice."""
+        new = self.blocks_needed(num_tokens) - len(hits)
+        idle_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if new + idle_hits > len(self.free_queue):
+            return None
+        for b in hits:
+            self.share(b)
+        table = list(hits)
+        table.extend(self.allocate(max(0, new)) or [])
+        return table
+
+    def cache_blocks(self, block_table: Seq[int], token_ids: Seq[int], hashes: list[int], num_computed: int) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(block_table))
+        self.prefix_hashes(token_ids[:full * bs], hashes)
+        for i in range(full):
+            b, h = block_table[i], hashes[i]
+            if self.block_hashes[b] is not None:
+                continue
+            if h in self.cached:
+                continue  # the same prefix already lives in another block; keep that one
+            self.cached[h] = b
+            self.block_hashes[b] = h
+            self.block_tokens[b] = tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def _uncache(self, b: int) -> None:
+        h = self.block_hashes[b]
+        if h is not None:
+            del self.cached[h]
+            self.block_hashes[b] = None
+            self.block_tokens[b] = None
+            self.num_evictions += 1
+
+    def check_integrity(self, block_tables: Iterable[Seq[int]]) -> None:
+        """Raise AssertionError unless every block is free XOR owned, ref counts equal the number
+        of owning tables, and the prefix cache maps each hash to a block that carries it."""
         owners = [0] * self.num_blocks
         for table in block_tables:
             for b in table:
                 owners[b] += 1
-        free = set(self.free_blocks)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
         for b in range(self.num_blocks):
             assert owners[b] == self.ref_counts[b], f"block {b}: ref count {self.ref_counts[b]} but {owners[b]} owners"
-            assert (b in free) == (owners[b] == 0), f"block {b}: free={b in free} with {owners[b]} owners"
+            assert (b in self.free_queue) == (owners[b] == 0), f"block {b}: free={b in self.free_queue} with {owners[b]} owners"
+        for h, b in self.cached.items():
+            assert self.block_hashes[b] == h, f"cache entry {h} -> block {b} whose hash is {self.block_hashes[b]}"
+            assert self.block_tokens[b] is not None and len(self.block_tokens[b]) == self.block_size
+        assert sum(h is not None for h in self.block_hashes) == len(self.cached), "a hashed block is not in the cache"

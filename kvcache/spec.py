@@ -50,6 +50,9 @@ class KVCacheSpec:
         when there are fewer KV heads than ranks (each rank then keeps one)."""
         if tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        tp = tensor_parallel_size
+        if (num_kv_heads >= tp and num_kv_heads % tp) or (num_kv_heads < tp and tp % num_kv_heads):
+            raise ValueError(f"{num_kv_heads} KV heads can't be split evenly over {tp} tensor-parallel GPUs")
         heads = max(1, num_kv_heads // tensor_parallel_size)
         return cls(num_layers, heads, head_dim, block_size, dtype)
 

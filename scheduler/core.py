@@ -36,7 +36,7 @@ class EngineCore:
                  num_blocks: int, block_size: int, eos_token_ids: frozenset[int]) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = eos_token_ids
         self.detok: dict[int, IncrementalDetokenizer] = {}

@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    enable_prefix_caching: bool = True
 
 
 class Scheduler:
@@ -34,6 +35,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which found cached
 
     @property
     def num_unfinished(self) -> int:
@@ -81,10 +84,22 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash: wait for room.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self.bm.append(seq.block_table, seq.num_computed_tokens + n) is None:
+            hits = self.bm.match_prefix(seq.token_ids, seq.block_hashes)
+            if len(hits) * self.bm.block_size >= seq.num_tokens:
+                hits.pop()  # compute at least the last block, so the step yields logits
+            num_cached = len(hits) * self.bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            table = self.bm.admit(hits, num_cached + n)
+            if table is None:
                 break
             self.waiting.popleft()
+            seq.block_table = table
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            if self.bm.enable_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
@@ -112,6 +127,7 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = it.end
+            self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.end)
             if not it.samples or sample is None:
                 continue
             seq.token_ids.append(sample.token_id)

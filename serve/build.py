@@ -87,10 +87,7 @@ def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozens
 def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
-    max_len = model_cfg.max_position_embeddings
-    window = model_cfg.raw.get("sliding_window")
-    if window and model_cfg.raw.get("use_sliding_window", model_cfg.architecture == "MistralForCausalLM"):
-        max_len = min(max_len, int(window))  # no sliding-window attention: stay inside the window
+    max_len = model_cfg.max_context_len
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
             raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context length {max_len}")
@@ -102,7 +99,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
         max_len = capacity
     tokenizer = load_tokenizer(path)
     core = EngineCore(runner, tokenizer,
-                      SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len),
+                      SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)

@@ -1,0 +1,544 @@
+"""KV-cache sizing: how many blocks, tokens and sequences fit on a GPU, and `serve kv-calc`.
+
+The engine sizes its pool with kv_cache_bytes() and plan() below, so the calculator's prediction
+and `serve run`'s startup line come from the same code. Bytes per token and per block come from
+kvcache/spec.py (the one sizing formula); weight bytes from engine/config.py.
+
+    budget    = floor(total GPU bytes x memory utilization)
+    KV bytes  = budget - weights (per GPU) - activation peak - CUDA graph pool
+    blocks    = floor(KV bytes / bytes per block)
+
+Without a measured activation peak, plan() uses estimate_activation_bytes(): a documented
+estimate that `serve kv-calc --measure` replaces with the engine's own profile. The engine's
+profile maps onto these terms as: weight_bytes = the parameters' bytes, activation_bytes =
+max_memory_allocated() during the profile forward - weight_bytes + memory outside torch's
+allocator (total - free - memory_reserved()).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config import DTYPE_BYTES, ModelConfig, ModelConfigError
+from kvcache.presets import GiB, MiB, PresetError, resolve_gpu_memory, resolve_model
+from kvcache.spec import KVCacheSpec, resolve_kv_dtype
+
+# EngineConfig's defaults (a test keeps them equal)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
+# Memory outside torch's allocator once CUDA, cuBLAS and the kernels are loaded: 685 MiB measured
+# on an H100 80GB HBM3 with torch 2.11 + CUDA 13; rounded up.
+RUNTIME_OVERHEAD_BYTES = 768 * MiB
+ROPE_TABLE_BYTES_PER_POSITION_DIM = 2 * 4  # the runner's cos and sin table, float32
+
+
+class KVCalcError(ValueError):
+    """Base of the calculator's errors; every message says what to change."""
+
+
+class KVCalcInputError(KVCalcError):
+    """A value the calculator can't use (non-positive size, unknown dtype, bad TP degree)."""
+
+
+class DoesNotFitError(KVCalcError):
+    """The inputs are valid but leave no room for a KV cache."""
+
+
+class WeightsDontFitError(DoesNotFitError):
+    """The weights alone exceed the memory budget."""
+
+
+class NoRoomForKVCacheError(DoesNotFitError):
+    """The weights fit, but activations and graphs leave less than one block for the KV cache."""
+
+
+def resolve_model_dtype(dtype: str, model: ModelConfig) -> str:
+    """--dtype: 'auto' follows the config's torch_dtype."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(dtype.lower(), dtype.lower())
+    if name == "auto":
+        name = model.torch_dtype
+    if name not in DTYPE_BYTES:
+        raise KVCalcInputError(f"--dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}")
+    return name
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    try:
+        return resolve_kv_dtype(kv_cache_dtype.lower(), model_dtype)
+    except ValueError:
+        raise KVCalcInputError(f"--kv-cache-dtype must be one of auto, bfloat16, float16, fp8, int8; "
+                               f"got {kv_cache_dtype!r}") from None
+
+
+def check_tensor_parallel(model: ModelConfig, tensor_parallel_size: int) -> None:
+    """Attention heads split evenly; KV heads split evenly or are replicated whole."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise KVCalcInputError(f"--tensor-parallel-size must be >= 1; got {tp}")
+    if model.num_heads % tp:
+        raise KVCalcInputError(f"--tensor-parallel-size {tp} must divide the {model.num_heads} attention heads")
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise KVCalcInputError(f"--tensor-parallel-size {tp} must divide the {kv} KV heads or be a multiple of them")
+
+
+def weight_bytes_per_gpu(model: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Weights held by one rank: matmuls and the embedding split across ranks, norms on every
+    rank, and KV projections copied to each rank that shares a KV head."""
+    tp = tensor_parallel_size
+    if tp == 1:
+        return model.weight_bytes(dtype)
+    h, hd = model.hidden_size, model.head_dim
+    replicated = model.num_layers * (2 * h + (2 * hd if model.qk_norm else 0)) + h
+    kv_copies = max(1, model.num_kv_heads // tp) * tp - model.num_kv_heads
+    kv_copy_params = model.num_layers * 2 * kv_copies * hd * (h + (1 if model.attention_bias else 0))
+    sharded = model.num_params() - replicated + kv_copy_params
+    return (-(-sharded // tp) + replicated) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What one GPU holds beside the weights and the KV cache, as the engine's profile sees it:
+    the peak of one forward over the profile's tokens, the rope table, and the memory CUDA holds
+    outside torch's allocator. An estimate, not a measurement."""
+    profile_tokens: int  # min(max_num_batched_tokens, max_model_len), as the engine profiles
+    layer_bytes: int  # the largest layer's live tensors
+    logits_bytes: int  # final hidden states and the logits of the sampled rows
+    buffer_bytes: int  # the rope cos/sin table
+    runtime_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return max(self.layer_bytes, self.logits_bytes) + self.buffer_bytes + self.runtime_bytes
+
+
+def estimate_activation_bytes(model: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
+                              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                              max_model_len: int | None = None) -> ActivationEstimate:
+    """Per token, a layer keeps the residual, the layer input and its normed copy (3 x hidden),
+    plus either attention's q, k, v and output or the MLP's gate_up, silu(gate) and product
+    (4 x intermediate, unfused). Attention itself is flash-style: nothing quadratic in length.
+    Checked on an H100 against a torch layer at 8192 tokens (Llama-3-8B and -70B shapes)."""
+    tp = tensor_parallel_size
+    e = DTYPE_BYTES[dtype]
+    max_len = model.max_context_len if max_model_len is None else max_model_len
+    tokens = min(max_num_batched_tokens, max_len)
+    h = model.hidden_size
+    q = model.q_size // tp
+    kv = max(1, model.num_kv_heads // tp) * model.head_dim
+    inter = -(-model.intermediate_size // tp)
+    attention = 3 * h + (q + 2 * kv) + q
+    mlp = 3 * h + 4 * inter
+    layer = tokens * max(attention, mlp) * e
+    # the lm_head's output in the model dtype and its float32 copy, over the full vocabulary
+    logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4)
+    rope = max_len * model.head_dim * ROPE_TABLE_BYTES_PER_POSITION_DIM
+    return ActivationEstimate(tokens, layer, logits, rope, RUNTIME_OVERHEAD_BYTES)
+
+
+def kv_cache_bytes(total_gpu_bytes: int, memory_utilization: float, weight_bytes: int,
+                   activation_bytes: int, graph_bytes: int = 0) -> int:
+    """Bytes left for the KV cache on one GPU (0 when nothing is left). The engine and the
+    calculator both call this, so they agree to the byte."""
+    if total_gpu_bytes <= 0:
+        raise KVCalcInputError(f"GPU memory must be more than 0 bytes; got {total_gpu_bytes}")
+    if not 0.0 < memory_utilization <= 1.0:
+        raise KVCalcInputError(f"memory utilization must be in (0, 1]; got {memory_utilization}")
+    for name, value in (("weight_bytes", weight_bytes), ("activation_bytes", activation_bytes), ("graph_bytes", graph_bytes)):
+        if value < 0:
+            raise KVCalcInputError(f"{name} must be >= 0; got {value}")
+    budget = int(total_gpu_bytes * memory_utilization)
+    return max(0, budget - weight_bytes - activation_bytes - graph_bytes)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The sizing of one GPU's KV cache. All byte counts are per GPU."""
+    spec: KVCacheSpec
+    dtype: str  # of the weights
+    gpu_memory_bytes: int
+    memory_utilization: float
+    max_model_len: int
+    tensor_parallel_size: int
+    num_params: int
+    weight_bytes: int
+    activation_bytes: int
+    activation_estimated: bool  # True: estimate_activation_bytes(); False: given (measured)
+    graph_bytes: int
+    kv_cache_bytes: int
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.gpu_memory_bytes * self.memory_utilization)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.spec.num_blocks_for(self.kv_cache_bytes)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return self.spec.blocks_for_tokens(self.max_model_len)
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        """Sequences of max_model_len tokens that fit at once (each holds whole blocks)."""
+        return self.num_blocks // self.blocks_per_seq
+
+    def with_kv_dtype(self, kv_dtype: str) -> "KVPlan":
+        """The same budget with another KV storage dtype."""
+        return replace(self, spec=replace(self.spec, dtype=kv_dtype))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "weight_bytes": self.weight_bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_block": self.bytes_per_block,
+            "num_blocks": self.num_blocks,
+            "max_tokens": self.max_tokens,
+            "max_concurrent_seqs": self.max_concurrent_seqs,
+            "kv_cache_dtype": self.kv_dtype,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "num_params": self.num_params,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "memory_utilization": self.memory_utilization,
+            "budget_bytes": self.budget_bytes,
+            "activation_bytes": self.activation_bytes,
+            "activation_estimated": self.activation_estimated,
+            "graph_bytes": self.graph_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "num_layers": self.spec.num_layers,
+            "num_kv_heads_per_gpu": self.spec.num_kv_heads,
+            "head_dim": self.spec.head_dim,
+            "warnings": list(self.warnings),
+        }
+
+
+MAX_SUGGESTED_TP = 8  # the GPUs of one host
+
+
+def _smallest_tp_that_fits(model: ModelConfig, dtype: str, kv_dtype: str, block_size: int, gpu_memory_bytes: int,
+                           memory_utilization: float, activation_bytes: int | None, graph_bytes: int, start: int,
+                           max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
+    """The smallest tensor-parallel degree above start that leaves room for one KV block."""
+    for tp in range(start + 1, MAX_SUGGESTED_TP + 1):
+        try:
+            check_tensor_parallel(model, tp)
+        except KVCalcInputError:
+            continue
+        act = (estimate_activation_bytes(model, dtype, tp, max_num_batched_tokens, max_num_seqs, max_model_len).total_bytes
+               if activation_bytes is None else activation_bytes)
+        spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype, tp)
+        weights = weight_bytes_per_gpu(model, dtype, tp)
+        if kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, act, graph_bytes) >= spec.bytes_per_block:
+            return tp
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def plan(model: ModelConfig, gpu_memory_bytes: int, memory_utilization: float = 0.9,
+         kv_cache_dtype: str = "auto", dtype: str = "auto", block_size: int = 16,
+         max_model_len: int | None = None, tensor_parallel_size: int = 1,
+         activation_bytes: int | None = None, graph_bytes: int = 0, *,
+         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, model_name: str = "the model") -> KVPlan:
+    """Size one GPU's KV cache. Raises KVCalcInputError for unusable values, WeightsDontFitError
+    when the weights exceed the budget, NoRoomForKVCacheError when not one block is left."""
+    weight_dtype = resolve_model_dtype(dtype, model)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
+    check_tensor_parallel(model, tensor_parallel_size)
+    for name, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+        if value is not None and value < 1:
+            raise KVCalcInputError(f"{name} must be >= 1; got {value}")
+    max_len = model.max_context_len if max_model_len is None else max_model_len
+    if max_len > model.max_context_len:
+        raise KVCalcInputError(f"--max-model-len {max_len:,} exceeds the model's context length "
+                               f"{model.max_context_len:,}")
+    spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size,
+                                 kv_dtype, tensor_parallel_size)
+    weights = weight_bytes_per_gpu(model, weight_dtype, tensor_parallel_size)
+    estimated = activation_bytes is None
+    if activation_bytes is None:
+        activation_bytes = estimate_activation_bytes(model, weight_dtype, tensor_parallel_size, max_num_batched_tokens,
+                                                     max_num_seqs, max_len).total_bytes
+    kv_bytes = kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, activation_bytes, graph_bytes)
+
+    budget = int(gpu_memory_bytes * memory_utilization)
+    available = f"{_gib(gpu_memory_bytes)} x {memory_utilization:.2f} = {_gib(budget)} is available per GPU"
+    if weights >= budget:
+        per_gpu = " per GPU" if tensor_parallel_size > 1 else ""
+        tp = _smallest_tp_that_fits(model, weight_dtype, kv_dtype, block_size, gpu_memory_bytes, memory_utilization,
+                                    None if estimated else activation_bytes, graph_bytes, tensor_parallel_size,
+                                    max_num_batched_tokens, max_num_seqs, max_len)
+        advice = (f"use --tensor-parallel-size {tp} or more" if tp is not None
+                  else f"use GPUs with more memory (tensor parallel up to {MAX_SUGGESTED_TP} is not enough)")
+        raise WeightsDontFitError(f"{model_name} needs {_gib(weights)} of weights in {weight_dtype}{per_gpu} "
+                                  f"but {available}; {advice}")
+    if kv_bytes < spec.bytes_per_block:
+        what = "estimated" if estimated else "given"
+        raise NoRoomForKVCacheError(
+            f"{model_name}: {_gib(weights)} of weights + {_gib(activation_bytes)} of activations ({what}) "
+            f"+ {_gib(graph_bytes)} of CUDA graphs leave no room for one KV block of {spec.bytes_per_block:,} B; "
+            f"{available}; raise --memory-utilization or --tensor-parallel-size")
+
+    warnings = []
+    result = KVPlan(spec, weight_dtype, gpu_memory_bytes, memory_utilization, max_len, tensor_parallel_size,
+                    model.num_params(), weights, activation_bytes, estimated, graph_bytes, kv_bytes)
+    if result.max_concurrent_seqs == 0:
+        warnings.append(f"the cache holds {result.max_tokens:,} tokens, fewer than one sequence of --max-model-len "
+                        f"{max_len:,}; the engine would lower max_model_len to {result.max_tokens:,}")
+    return replace(result, warnings=tuple(warnings))
+
+
+def table_kv_dtypes(base: KVPlan) -> tuple[str, ...]:
+    """The comparison table's rows: the weights' dtype first (the reference), fp8, int8, and the
+    chosen KV dtype when it is none of those."""
+    rows = [base.dtype, "fp8", "int8"]
+    if base.kv_dtype not in rows:
+        rows.append(base.kv_dtype)
+    return tuple(rows)
+
+
+# ---------------------------------------------------------------- CLI: serve kv-calc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Values are read as strings and checked in run(), so every mistake gets one line and exit 2.
+    parser.add_argument("--model", help="model folder, config.json, or preset: Llama-3-8B, Llama-3-70B, "
+                        "Qwen2.5-0.5B, Qwen2.5-7B, Mistral-7B, Qwen3-8B")
+    parser.add_argument("--gpu-memory", help="memory of one GPU: a size (80GiB, 80GB) or a GPU name "
+                        "(H100, H200, A100-40GB, A100-80GB, L4, RTX4090, ...)")
+    parser.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
+                        default="0.9", help="fraction of GPU memory the engine may use (default 0.9)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | fp8 | int8")
+    parser.add_argument("--dtype", default="auto", help="weights: auto | bfloat16 | float16 | float32")
+    parser.add_argument("--block-size", default="16", help="tokens per KV block (default 16)")
+    parser.add_argument("--max-model-len", default=None,
+                        help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
+    parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
+    parser.add_argument("--max-num-batched-tokens", default=str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
+                        help="most tokens in one step: sizes the activation estimate (default %(default)s)")
+    parser.add_argument("--max-num-seqs", default=str(DEFAULT_MAX_NUM_SEQS),
+                        help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="measure each KV dtype's accuracy against the bf16 cache (runs the model)")
+    parser.add_argument("--measure", action="store_true",
+                        help="load the model on the local GPU and print the engine's measured sizing next to this one")
+
+
+@dataclass(frozen=True)
+class CalcRequest:
+    """The CLI's arguments, checked."""
+    model_name: str
+    model: ModelConfig
+    gpu_label: str
+    gpu_memory_bytes: int
+    memory_utilization: float
+    kv_cache_dtype: str
+    dtype: str
+    block_size: int
+    max_model_len: int | None
+    tensor_parallel_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+def _parse_int(flag: str, value: Any) -> int:
+    text = str(value).strip().lower()
+    scale = 1024 if text.endswith("k") else 1
+    try:
+        number = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise KVCalcInputError(f"{flag} must be a whole number; got {value!r}") from None
+    if number < 1:
+        raise KVCalcInputError(f"{flag} must be >= 1; got {value!r}")
+    return number
+
+
+def _parse_fraction(flag: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise KVCalcInputError(f"{flag} must be a number in (0, 1], e.g. 0.9; got {value!r}") from None
+    if not 0.0 < number <= 1.0:
+        raise KVCalcInputError(f"{flag} must be in (0, 1], e.g. 0.9; got {value!r}")
+    return number
+
+
+def _check_engine_limits(req: CalcRequest) -> None:
+    """What `serve run` would refuse, the calculator refuses too, with the same words."""
+    from serve.config import EngineConfig
+
+    dtype = resolve_model_dtype(req.dtype, req.model)
+    kv_dtype = resolve_kv_cache_dtype(req.kv_cache_dtype, dtype)
+    try:
+        EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, block_size=req.block_size,
+                     max_model_len=req.max_model_len, gpu_memory_utilization=req.memory_utilization,
+                     max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs)
+    except ValueError as e:
+        raise KVCalcInputError(str(e)) from None
+
+
+def read_request(args: argparse.Namespace) -> CalcRequest:
+    if not args.model:
+        raise KVCalcInputError("--model is required: a model folder, a config.json, or a preset such as Llama-3-8B")
+    if not args.gpu_memory:
+        raise KVCalcInputError("--gpu-memory is required: a size such as 80GiB or a GPU such as H100")
+    model = resolve_model(args.model)
+    gpu = resolve_gpu_memory(str(args.gpu_memory))
+    max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
+    req = CalcRequest(
+        model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
+        memory_utilization=_parse_fraction("--memory-utilization", args.memory_utilization),
+        kv_cache_dtype=str(args.kv_cache_dtype).lower(), dtype=str(args.dtype).lower(),
+        block_size=_parse_int("--block-size", args.block_size), max_model_len=max_len,
+        tensor_parallel_size=_parse_int("--tensor-parallel-size", args.tensor_parallel_size),
+        max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
+        max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
+    )
+    _check_engine_limits(req)
+    return req
+
+
+def plan_request(req: CalcRequest) -> KVPlan:
+    return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
+                req.block_size, req.max_model_len, req.tensor_parallel_size,
+                max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
+                model_name=req.model_name)
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, at most two decimals: 131072 -> '128 KiB', 1081344 -> '1.03 MiB'."""
+    value, unit = float(n), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    if unit == "B":
+        return f"{n} B"
+    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
+def _table_rows(base: KVPlan) -> list[KVPlan]:
+    return [base.with_kv_dtype(d) for d in table_kv_dtypes(base)]
+
+
+def _line(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<30}{value:>14}" + (f"  {note}" if note else "")
+
+
+def format_text(req: CalcRequest, base: KVPlan) -> str:
+    tp = f", tensor parallel {base.tensor_parallel_size} (figures per GPU)" if base.tensor_parallel_size > 1 else ""
+    act = (f"estimate: {req.max_num_batched_tokens:,} batched tokens + CUDA runtime; --measure measures it"
+           if base.activation_estimated else "measured")
+    seq_len = f"{base.max_model_len:,}"
+    lines = [
+        f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
+        f" = {format_bytes(base.budget_bytes)}{tp}",
+        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
+        _line("activations", format_bytes(base.activation_bytes), act),
+        _line("CUDA graphs", format_bytes(base.graph_bytes), "" if base.graph_bytes else "not counted"),
+        _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
+        _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
+        _line("KV bytes per block", f"{base.bytes_per_block:,}",
+              f"{format_bytes(base.bytes_per_block)}, {base.block_size} tokens"),
+        _line("blocks", f"{base.num_blocks:,}"),
+        _line("tokens that fit", f"{base.max_tokens:,}"),
+        _line(f"sequences of {seq_len} tokens", f"{base.max_concurrent_seqs:,}", "at once (--max-model-len)"),
+        "",
+        f"  {'KV dtype':<10}{'per token':>11}{'per block':>11}{'blocks':>10}{'tokens':>12}"
+        f"{'seqs @ ' + seq_len:>16}{'vs ' + base.dtype:>14}",
+    ]
+    rows = _table_rows(base)
+    for row in rows:
+        mark = "*" if row.kv_dtype == base.kv_dtype else " "
+        lines.append(f"{mark} {row.kv_dtype:<10}{format_bytes(row.bytes_per_token):>11}{format_bytes(row.bytes_per_block):>11}"
+                     f"{row.num_blocks:>10,}{row.max_tokens:>12,}{row.max_concurrent_seqs:>16,}"
+                     f"{row.max_tokens / rows[0].max_tokens:>13.2f}x")
+    lines.append("  fp8 and int8 include one float32 scale per token and KV head, for K and for V; * = chosen")
+    return "\n".join(lines)
+
+
+def format_json(req: CalcRequest, base: KVPlan) -> str:
+    out = {"model": req.model_name, "gpu": req.gpu_label, **base.to_dict()}
+    out["table"] = [{"kv_cache_dtype": r.kv_dtype, "bytes_per_token": r.bytes_per_token,
+                     "bytes_per_block": r.bytes_per_block, "num_blocks": r.num_blocks,
+                     "max_tokens": r.max_tokens, "max_concurrent_seqs": r.max_concurrent_seqs}
+                    for r in _table_rows(base)]
+    return json.dumps(out, indent=2)
+
+
+def _run_accuracy(args: argparse.Namespace) -> int:
+    raise NotImplementedError("serve kv-calc --accuracy: placeholder, to be implemented with the engine")
+
+
+def _run_measure(args: argparse.Namespace) -> int:
+    raise NotImplementedError("serve kv-calc --measure: placeholder, to be implemented with the engine")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: printed; 1: the model doesn't fit (message on stderr); 2: bad input (message on stderr)."""
+    if getattr(args, "accuracy", False):
+        return _run_accuracy(args)
+    if getattr(args, "measure", False):
+        return _run_measure(args)
+    try:
+        req = read_request(args)
+        base = plan_request(req)
+    except DoesNotFitError as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 1
+    except (KVCalcInputError, PresetError, ModelConfigError) as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(format_json(req, base))
+    else:
+        print(format_text(req, base))
+        for warning in base.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="serve kv-calc", description="How many KV-cache blocks, tokens and "
+                                     "sequences fit on a GPU.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

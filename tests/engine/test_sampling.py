@@ -1,0 +1,92 @@
+"""Sampling parameters end to end, and the sampler itself."""
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampler import SamplingBatch, apply_top_k_top_p, sample
+from serve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", num_kv_blocks=128)
+
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46]]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
+    a = llm.generate(PROMPTS, p)
+    b = llm.generate(PROMPTS[:1] + [[9] * 30] + PROMPTS[1:], p)  # different batch mates
+    assert a[0].token_ids == b[0].token_ids and a[1].token_ids == b[2].token_ids
+    c = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, seed=124, ignore_eos=True))
+    assert [o.token_ids for o in c] != [o.token_ids for o in a]
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    topk1 = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=5.0, top_k=1, ignore_eos=True))
+    tiny_p = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=5.0, top_p=1e-6, ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1] == [o.token_ids for o in tiny_p]
+
+
+def test_max_tokens_stop_token_ids_and_eos(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    toks = greedy[1].token_ids
+    stop_at = toks[4]
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.token_ids == toks[:toks.index(stop_at) + 1] and out.finish_reason == "stop"
+    # EOS: make the engine treat that token as EOS; ignore_eos turns it off again
+    core = llm.engine.core
+    saved = core.eos_token_ids
+    core.eos_token_ids = frozenset([stop_at])
+    try:
+        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0))[0]
+        assert out.token_ids == toks[:toks.index(stop_at) + 1] and out.finish_reason == "stop"
+        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+        assert out.token_ids == toks and out.finish_reason == "length"
+    finally:
+        core.eos_token_ids = saved
+
+
+def test_stop_strings_cut_text(llm):
+    full = llm.generate(["Hello, world!"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate(["Hello, world!"], SamplingParams(max_tokens=16, temperature=0, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+
+
+def test_invalid_params_raise_clear_errors():
+    for bad, msg in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+                     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**bad)
+
+
+def test_top_k_top_p_mask():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    probs = logits.softmax(-1)[0]
+    p = float(probs[0] + probs[1]) - 1e-4  # nucleus needs the top two tokens
+    out = apply_top_k_top_p(logits, torch.tensor([5]), torch.tensor([p]))
+    assert torch.isfinite(out[0, :2]).all() and torch.isinf(out[0, 2:]).all()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens, _ = sample(logits, SamplingBatch(params, [0] * 4000), torch.Generator().manual_seed(0))
+    freq = Counter(tokens)
+    assert abs(freq[0] / 4000 - 0.5) < 0.04 and abs(freq[1] / 4000 - 0.3) < 0.04 and freq[3] == 0
+
+
+def test_logprobs(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True))[0]
+    assert len(out.logprobs) == 3
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0][0] == tok

@@ -1,0 +1,36 @@
+"""Incremental detokenization: deltas concatenate to the full decode; stop strings are held back."""
+from scheduler.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """Each id is one UTF-8 byte: multi-byte characters span several ids."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(text, stop=(), tok=ByteTokenizer()):
+    d = IncrementalDetokenizer(tok, list(stop))
+    ids = list(text.encode())
+    deltas = [d.add([i], final=(k == len(ids) - 1)) for k, i in enumerate(ids)]
+    return deltas, d
+
+
+def test_multibyte_characters_are_never_split():
+    text = "naïve 北京 🚀!"
+    deltas, _ = feed(text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_cuts_and_partial_matches_are_held_back():
+    deltas, d = feed("hello STOP world", stop=["STOP"])
+    assert d.stopped and "".join(deltas) == "hello "
+    deltas, d = feed("a ST b", stop=["STOP"])  # a partial match that never completes is released
+    assert not d.stopped and "".join(deltas) == "a ST b"
+    assert "".join(deltas[:4]) == "a "  # "S", "ST" held while they could start "STOP"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    deltas, d = feed("xx END yy STOP", stop=["STOP", "END"])
+    assert "".join(deltas) == "xx "

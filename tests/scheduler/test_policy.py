@@ -1,0 +1,133 @@
+"""Scheduler policy with a fake executor (torch-free, milliseconds)."""
+import pytest
+
+from kvcache.block_manager import BlockManager
+from scheduler.policy import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.request import SampleOutput, SamplingParams, Sequence
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, caching), bm)
+
+
+def seq(sid, n, max_tokens=4, **kw):
+    return Sequence(sid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw),
+                    max_model_len=256)
+
+
+def fake_execute(batch):
+    """Next token = 1000 + position, so outputs are checkable."""
+    return [SampleOutput(1000 + it.end) if it.samples else None for it in batch.items]
+
+
+def run_all(s, max_steps=1000):
+    steps = []
+    for _ in range(max_steps):
+        b = s.schedule()
+        if b is None:
+            break
+        steps.append([(it.seq.seq_id, it.start, it.num_new_tokens) for it in b.items])
+        s.update(b, fake_execute(b))
+        s.check_integrity()
+    return steps
+
+
+def test_decodes_first_then_chunked_prefill_within_budget():
+    s = make(budget=10)
+    a, b = seq(0, 3), seq(1, 25)
+    s.add(a)
+    s.add(b)
+    steps = run_all(s)
+    assert steps[0] == [(0, 0, 3), (1, 0, 7)]  # a's whole prompt, then a chunk of b
+    assert steps[1] == [(0, 3, 1), (1, 7, 9)]  # a decodes first, b gets the rest of the budget
+    assert all(sum(n for _, _, n in st) <= 10 for st in steps)
+    assert a.output_token_ids == [1000 + 3 + i for i in range(4)]
+    assert a.finish_reason == b.finish_reason == "length"
+
+
+def test_max_num_seqs_and_fcfs():
+    s = make(max_num_seqs=2)
+    seqs = [seq(i, 2, max_tokens=3) for i in range(5)]
+    for q in seqs:
+        s.add(q)
+    steps = run_all(s)
+    assert all(len(st) <= 2 for st in steps)
+    first_seen = {}
+    for i, st in enumerate(steps):
+        for sid, _, _ in st:
+            first_seen.setdefault(sid, i)
+    assert sorted(first_seen, key=first_seen.get) == [0, 1, 2, 3, 4]
+    assert all(q.is_finished for q in seqs)
+
+
+def test_preemption_newest_first_requeued_at_front_and_outputs_unchanged():
+    # 3 sequences of 8 prompt tokens growing to 16 need 4 blocks of 4 each; 9 blocks fit 2 of them.
+    s = make(num_blocks=9, budget=64)
+    seqs = [seq(i, 8, max_tokens=8) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    b = s.schedule()
+    assert [it.seq.seq_id for it in b.items] == [0, 1, 2]
+    s.update(b, fake_execute(b))
+    while s.num_preemptions == 0:  # growth past 12 tokens: 2, the newest, is preempted first
+        b = s.schedule()
+        s.update(b, fake_execute(b))
+    assert [q.seq_id for q in s.waiting] == [2] and seqs[2].num_computed_tokens == 0
+    run_all(s)
+    for q in seqs:
+        assert q.output_token_ids == [1000 + 8 + i for i in range(8)]
+    assert s.bm.num_free_blocks == 9
+
+
+def test_request_that_never_fits_is_rejected_with_reason():
+    s = make(num_blocks=4, block_size=4)
+    with pytest.raises(RequestRejected, match="needs up to"):
+        s.add(seq(0, 10, max_tokens=10))
+    with pytest.raises(RequestRejected, match="context length"):
+        make().add(Sequence(1, list(range(300)), SamplingParams(), max_model_len=256))
+    with pytest.raises(RequestRejected, match="empty"):
+        make().add(Sequence(2, [], SamplingParams()))
+
+
+def test_abort_frees_blocks_everywhere():
+    s = make(max_num_seqs=1)
+    a, b = seq(0, 5), seq(1, 5)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    s.update(batch, fake_execute(batch))
+    assert s.abort(0) and s.abort(1) and not s.abort(1)
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+    assert a.finish_reason == "abort" and s.num_unfinished == 0
+    s.check_integrity()
+
+
+def test_no_starvation_under_pressure():
+    s = make(num_blocks=12, max_num_seqs=4, budget=16)
+    seqs = [seq(i, 3 + (i * 7) % 13, max_tokens=6 + i % 5) for i in range(20)]
+    for q in seqs:
+        s.add(q)
+    run_all(s, max_steps=5000)
+    assert all(q.is_finished and q.finish_reason == "length" for q in seqs)
+    assert s.bm.num_free_blocks == 12
+
+
+def test_prefix_cache_counts_cached_tokens_as_computed():
+    s = make(caching=True, budget=64)
+    a = seq(0, 13, max_tokens=2)
+    s.add(a)
+    run_all(s)
+    b = Sequence(1, a.prompt_token_ids[:12] + [7, 8], SamplingParams(max_tokens=2, ignore_eos=True), max_model_len=256)
+    s.add(b)
+    batch = s.schedule()
+    assert [(it.start, it.num_new_tokens) for it in batch.items] == [(12, 2)]  # 3 full blocks hit
+    assert b.num_cached_tokens == 12
+    s.update(batch, fake_execute(batch))
+    run_all(s)
+    # The exact same prompt: all blocks hit, but the last block is recomputed to get logits.
+    c = Sequence(2, list(a.prompt_token_ids[:12]), SamplingParams(max_tokens=1, ignore_eos=True), max_model_len=256)
+    s.add(c)
+    batch = s.schedule()
+    assert [(it.start, it.num_new_tokens) for it in batch.items] == [(8, 4)]
+    assert s.prefix_cache_hits == 12 + 8
