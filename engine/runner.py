@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.sampler import SamplingBatch, sample
@@ -40,14 +42,12 @@ def resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> s
     return model_cfg.torch_dtype if device.type == "cuda" else "float32"
 
 
-def select_ops(device: torch.device) -> Ops:
-    if device.type == "cuda":
-        try:
-            from engine.triton_ops import triton_ops
-        except ImportError:
-            return reference_ops()
-        return triton_ops()
-    return reference_ops()
+def select_ops(device: torch.device, backend: str) -> Ops:
+    """Triton kernels on a GPU, the torch reference on the CPU (or wherever asked for)."""
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return reference_ops()
+    from engine.triton_ops import triton_ops
+    return triton_ops()
 
 
 class ModelRunner:
@@ -59,7 +59,8 @@ class ModelRunner:
         self.dtype_name = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.max_model_len = max_model_len
-        self.ops = select_ops(self.device)
+        self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
+        self.ops = select_ops(self.device, cfg.backend)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
         with torch.device("meta"):
@@ -78,6 +79,11 @@ class ModelRunner:
                                    cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
+                                       self.max_blocks_per_seq, self.device)
+            self.graphs.capture()
 
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
@@ -99,8 +105,17 @@ class ModelRunner:
         return blocks
 
     def graph_bytes_reserved(self) -> int:
-        """GPU memory set aside for CUDA-graph capture (0 until graphs are enabled)."""
-        return 0
+        """GPU memory set aside, before the KV pool is sized, for the decode graphs captured after
+        it: the static inputs and the activations of the largest bucket (the graphs share one
+        pool), with the logits in float32, plus a margin. A GPU test checks it covers the real pool."""
+        if self.cfg.enforce_eager:
+            return 0
+        m, bs = self.model_cfg, self.cfg.max_num_seqs
+        e = self.dtype.itemsize
+        per_token = (6 * m.hidden_size + 2 * (m.q_size + 2 * m.kv_size) + 3 * m.intermediate_size) * e
+        logits = m.vocab_size * (e + 4)
+        static = bs * (5 * 8 + 4 * -(-self.max_model_len // self.cfg.block_size))
+        return bs * (per_token + logits) + static + 64 * 2**20
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -121,49 +136,56 @@ class ModelRunner:
         del pool
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch]:
+        """Host-side inputs of one step, built with numpy and sent to the device in two copies:
+        int64 [ids | positions | slots | logit indices] and int32 [seq_lens | query starts | tables]."""
         bs = self.kv_spec.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        logit_idx: list[int] = []
-        params, out_pos = [], []
-        max_blocks = max(len(it.seq.block_table) for it in batch.items)
-        tables = []
-        for it in batch.items:
-            seq, s, e = it.seq, it.start, it.end
-            ids.extend(seq.token_ids[s:e])
-            positions.extend(range(s, e))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s, e))
-            qsl.append(qsl[-1] + it.num_new_tokens)
-            seq_lens.append(e)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            if it.samples:
-                logit_idx.append(qsl[-1] - 1)
-                params.append(seq.params)
-                out_pos.append(seq.num_output_tokens)
-        dev = self.device
-
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        items = batch.items
+        n_seqs, n_tok = len(items), batch.num_tokens
+        q_lens = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=n_seqs)
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n_seqs)
+        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        width = self.max_blocks_per_seq  # fixed: the decode kernel's split-K plan depends on it
+        i32 = np.zeros(2 * n_seqs + 1 + n_seqs * width, dtype=np.int32)
+        tables = i32[2 * n_seqs + 1:].reshape(n_seqs, width)
+        if batch.is_decode_only:
+            ids = np.fromiter((it.seq.token_ids[it.start] for it in items), dtype=np.int64, count=n_seqs)
+        else:
+            ids = np.fromiter((t for it in items for t in it.seq.token_ids[it.start:it.end]), dtype=np.int64, count=n_tok)
+        for i, it in enumerate(items):
+            tables[i, :len(it.seq.block_table)] = it.seq.block_table
+        seq_idx = np.repeat(np.arange(n_seqs), q_lens)
+        positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
+        slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        sampled = [i for i, it in enumerate(items) if it.samples]
+        logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
+        i32[:n_seqs] = starts + q_lens
+        i32[n_seqs:2 * n_seqs + 1] = qsl
+        i64 = np.concatenate([ids, positions, slots, logit_idx])
+        d64, d32 = torch.from_numpy(i64), torch.from_numpy(i32)
+        if self.device.type == "cuda":
+            d64 = d64.pin_memory().to(self.device, non_blocking=True)
+            d32 = d32.pin_memory().to(self.device, non_blocking=True)
         meta = AttnMetadata(
-            slot_mapping=t(slots, torch.int64),
-            block_tables=t(tables, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            query_start_loc=t(qsl, torch.int32),
+            slot_mapping=d64[2 * n_tok:3 * n_tok],
+            block_tables=d32[2 * n_seqs + 1:].view(n_seqs, width),
+            seq_lens=d32[:n_seqs],
+            query_start_loc=d32[n_seqs:2 * n_seqs + 1],
             num_decode=batch.num_decode,
-            max_query_len=max(it.num_new_tokens for it in batch.items),
+            max_query_len=int(q_lens.max()),
         )
-        return t(ids, torch.int64), t(positions, torch.int64), meta, t(logit_idx, torch.int64), SamplingBatch(params, out_pos)
+        sbatch = SamplingBatch([items[i].seq.params for i in sampled], [items[i].seq.num_output_tokens for i in sampled])
+        return d64[:n_tok], d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:], sbatch
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[SampleOutput | None]:
         input_ids, positions, meta, logit_idx, sbatch = self.prepare(batch)
         outputs: list[SampleOutput | None] = [None] * len(batch.items)
-        logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
+        n = len(batch.items)
+        if self.graphs is not None and batch.is_decode_only and n <= self.graphs.max_bs:
+            logits = self.graphs.replay(n, input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        else:
+            logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
         if not sbatch.params:
             return outputs
         tokens, logprobs = sample(logits, sbatch, self.generator)

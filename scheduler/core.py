@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from kvcache.block_manager import BlockManager
 from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.token_bytes import token_bytes_table
 from scheduler.policy import Scheduler, SchedulerConfig
 from scheduler.request import Batch, SampleOutput, SamplingParams, Sequence, StepOutput, next_seq_id
 
@@ -40,6 +41,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = eos_token_ids
         self.detok: dict[int, IncrementalDetokenizer] = {}
+        self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
         self.stats = EngineStats()
 
     @property
@@ -52,7 +54,8 @@ class EngineCore:
         seq = Sequence(seq_id if seq_id is not None else next_seq_id(), prompt_token_ids, params,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         self.scheduler.add(seq)
-        self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                        self.token_bytes[params.skip_special_tokens])
         return seq
 
     def abort(self, seq_id: int) -> bool:

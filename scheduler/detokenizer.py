@@ -6,14 +6,21 @@ of a stop string is held back too, so streamed deltas always concatenate to the 
 """
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True) -> None:
+    """token_bytes: an id -> bytes table (scheduler/token_bytes.py) for byte-level tokenizers; with
+    it, text comes from an incremental UTF-8 decoder instead of the tokenizer."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True,
+                 token_bytes: list[bytes] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special = skip_special_tokens
+        self.token_bytes = token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if token_bytes is not None else None
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -30,6 +37,20 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(new_ids)
+        if self.utf8 is not None:
+            table = self.token_bytes
+            data = b"".join(table[i] if 0 <= i < len(table) else b"" for i in new_ids)
+            self.text += self.utf8.decode(data, final)
+        else:
+            self._decode_window(final)
+        if self.stop:
+            self._find_stop()
+        end = len(self.text) if (final or self.stopped) else len(self.text) - self._held_back()
+        delta = self.text[self.emitted:max(end, self.emitted)]
+        self.emitted += len(delta)
+        return delta
+
+    def _decode_window(self, final: bool) -> None:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -37,12 +58,6 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         elif final and full.endswith("\ufffd") and len(full) > len(prefix):
             self.text += full[len(prefix):]
-        if self.stop:
-            self._find_stop()
-        end = len(self.text) if (final or self.stopped) else len(self.text) - self._held_back()
-        delta = self.text[self.emitted:max(end, self.emitted)]
-        self.emitted += len(delta)
-        return delta
 
     def _find_stop(self) -> None:
         longest = max(len(s) for s in self.stop)

@@ -7,6 +7,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +45,7 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_dtype", {"fp8_e4m3": "fp8", "bf16": "bfloat16", "fp16": "float16"}[self.kv_cache_dtype])
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("load_format", LOAD_FORMATS)
+        choice("backend", BACKENDS)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
         if self.block_size & (self.block_size - 1) or not 8 <= self.block_size <= 256:

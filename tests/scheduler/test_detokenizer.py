@@ -34,3 +34,22 @@ def test_stop_string_cuts_and_partial_matches_are_held_back():
 def test_earliest_of_several_stop_strings_wins():
     deltas, d = feed("xx END yy STOP", stop=["STOP", "END"])
     assert "".join(deltas) == "xx "
+
+
+def test_byte_table_fast_path_equals_tokenizer_decode(tiny_models):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from scheduler.token_bytes import token_bytes_table
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+    rng = random.Random(0)
+    for skip in (True, False):
+        table = token_bytes_table(tok, skip)
+        assert table is not None
+        for _ in range(100):
+            ids = [rng.randrange(len(table)) for _ in range(rng.randrange(1, 30))]
+            d = IncrementalDetokenizer(tok, [], skip, table)
+            text = "".join(d.add([i], final=k == len(ids) - 1) for k, i in enumerate(ids))
+            assert text == tok.decode(ids, skip_special_tokens=skip)

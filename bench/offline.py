@@ -1,0 +1,88 @@
+"""Offline engine throughput: LLM.generate over random token-id prompts, against the roofline.
+
+python -m bench.offline --model bench/presets/llama3-8b --load-format dummy --num-prompts 64 \
+    --input-len 512 --output-len 128 [--enforce-eager] [--profile out.txt] [--result-json PATH]
+
+No HTTP in the way: this isolates the engine (scheduler, runner, kernels, graphs) from the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from bench.hardware import measure
+from bench.roofline import ModelCost, estimate
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of a run to this file")
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args(argv)
+
+    hw = measure()
+    from serve import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=not args.no_prefix_caching)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate([[rng.randrange(vocab) for _ in range(16)] for _ in range(4)], SamplingParams(max_tokens=4, ignore_eos=True))
+    import torch
+
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    result = dict(model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
+                  input_len=args.input_len, output_len=args.output_len, enforce_eager=args.enforce_eager,
+                  kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
+                  output_throughput=n_out / elapsed, steps=llm.engine.core.stats.num_steps,
+                  date=time.strftime("%Y-%m-%d"))
+    rates = hw.rates()
+    if rates is not None:
+        cost = ModelCost.of(llm.engine.model_config, args.kv_cache_dtype)
+        est = estimate(cost, [(args.input_len, args.output_len)] * args.num_prompts, rates, concurrency=args.max_num_seqs)
+        result.update(roofline_output_throughput=est.output_throughput,
+                      roofline_fraction=(n_out / elapsed) / est.output_throughput,
+                      roofline_decode_step_ms=est.decode_step_s * 1e3, roofline_prefill_s=est.prefill_s,
+                      copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            llm.generate(prompts[: min(len(prompts), args.max_num_seqs)], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=40))
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    print(json.dumps(result))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
