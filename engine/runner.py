@@ -16,7 +16,7 @@ from engine.cuda_graph import DecodeGraphs
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.sampler import SamplingBatch, sample
-from kvcache.calc import kv_cache_bytes
+from kvcache.calc import estimate_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput
@@ -74,6 +74,8 @@ class ModelRunner:
         model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
         self.model = model.eval()
 
+        self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
+        self.activation_bytes: int | None = None
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                    cfg.block_size, kv_dtype)
@@ -105,17 +107,11 @@ class ModelRunner:
         return blocks
 
     def graph_bytes_reserved(self) -> int:
-        """GPU memory set aside, before the KV pool is sized, for the decode graphs captured after
-        it: the static inputs and the activations of the largest bucket (the graphs share one
-        pool), with the logits in float32, plus a margin. A GPU test checks it covers the real pool."""
+        """GPU memory set aside for the decode graphs captured after the pool is sized."""
         if self.cfg.enforce_eager:
             return 0
-        m, bs = self.model_cfg, self.cfg.max_num_seqs
-        e = self.dtype.itemsize
-        per_token = (6 * m.hidden_size + 2 * (m.q_size + 2 * m.kv_size) + 3 * m.intermediate_size) * e
-        logits = m.vocab_size * (e + 4)
-        static = bs * (5 * 8 + 4 * -(-self.max_model_len // self.cfg.block_size))
-        return bs * (per_token + logits) + static + 64 * 2**20
+        return estimate_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_seqs, self.max_model_len,
+                                    self.cfg.block_size)
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from engine.config import DTYPE_BYTES, ModelConfig, ModelConfigError
@@ -139,6 +140,21 @@ def estimate_activation_bytes(model: ModelConfig, dtype: str, tensor_parallel_si
     logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4)
     rope = max_len * model.head_dim * ROPE_TABLE_BYTES_PER_POSITION_DIM
     return ActivationEstimate(tokens, layer, logits, rope, RUNTIME_OVERHEAD_BYTES)
+
+
+def estimate_graph_bytes(model: ModelConfig, dtype: str, max_num_seqs: int, max_model_len: int,
+                         block_size: int, tensor_parallel_size: int = 1) -> int:
+    """GPU memory the engine sets aside, before sizing the KV pool, for the decode CUDA graphs it
+    captures afterwards: the activations of the largest batch bucket (all graphs share one pool),
+    the logits in the model dtype and float32, the static inputs, and a 64 MiB margin. The engine
+    calls this same function; a GPU test checks it covers the pool really captured."""
+    tp = tensor_parallel_size
+    e = DTYPE_BYTES[dtype]
+    q, kv = model.q_size // tp, max(1, model.num_kv_heads // tp) * model.head_dim
+    per_token = (6 * model.hidden_size + 2 * (q + 2 * kv) + 3 * -(-model.intermediate_size // tp)) * e
+    logits = model.vocab_size * (e + 4)
+    static = max_num_seqs * (5 * 8 + 4 * -(-max_model_len // block_size))
+    return max_num_seqs * (per_token + logits) + static + 64 * 2**20
 
 
 def kv_cache_bytes(total_gpu_bytes: int, memory_utilization: float, weight_bytes: int,
@@ -433,9 +449,12 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
     return req
 
 
-def plan_request(req: CalcRequest) -> KVPlan:
+def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
+    dtype = resolve_model_dtype(req.dtype, req.model)
+    max_len = req.max_model_len or req.model.max_context_len
+    graphs = estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, req.block_size, req.tensor_parallel_size)
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
-                req.block_size, req.max_model_len, req.tensor_parallel_size,
+                req.block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
                 model_name=req.model_name)
 
@@ -470,7 +489,7 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         f" = {format_bytes(base.budget_bytes)}{tp}",
         _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
         _line("activations", format_bytes(base.activation_bytes), act),
-        _line("CUDA graphs", format_bytes(base.graph_bytes), "" if base.graph_bytes else "not counted"),
+        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode graphs, reserved as the engine does"),
         _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
         _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
         _line("KV bytes per block", f"{base.bytes_per_block:,}",
@@ -506,7 +525,61 @@ def _run_accuracy(args: argparse.Namespace) -> int:
 
 
 def _run_measure(args: argparse.Namespace) -> int:
-    raise NotImplementedError("serve kv-calc --measure: placeholder, to be implemented with the engine")
+    """Load the model (dummy weights) on the local GPU with the engine's own sizing, and print what
+    it measured and allocated next to this calculator's prediction for the same GPU."""
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("serve kv-calc: --measure needs a CUDA GPU on this machine", file=sys.stderr)
+        return 2
+    total = torch.cuda.mem_get_info()[1]
+    if not args.gpu_memory:
+        args.gpu_memory = f"{total}B"
+    try:
+        req = read_request(args)
+        predicted = plan_request(req)
+    except DoesNotFitError as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 1
+    except (KVCalcInputError, PresetError, ModelConfigError) as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
+    from serve.build import build_engine
+    from serve.config import EngineConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(req.model.raw or {}))
+        cfg = EngineConfig(model=tmp, load_format="dummy", dtype=req.dtype, kv_cache_dtype=req.kv_cache_dtype,
+                           block_size=req.block_size, max_model_len=req.max_model_len,
+                           max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
+                           gpu_memory_utilization=req.memory_utilization)
+        runner = build_engine(cfg, show_progress=False).runner
+    graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
+    measured = plan_request(req, activation_bytes=runner.activation_bytes)
+    result = {
+        "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,
+        "predicted_num_blocks": predicted.num_blocks, "allocated_num_blocks": runner.num_blocks,
+        "prediction_error": predicted.num_blocks / runner.num_blocks - 1,
+        "predicted_activation_bytes": predicted.activation_bytes, "measured_activation_bytes": runner.activation_bytes,
+        "weight_bytes_predicted": predicted.weight_bytes, "weight_bytes_measured": runner.weight_bytes,
+        "graph_bytes_reserved": predicted.graph_bytes, "graph_pool_bytes_captured": graph_pool,
+        "num_blocks_with_measured_activations": measured.num_blocks,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [("weights", predicted.weight_bytes, runner.weight_bytes),
+            ("activations (profile peak)", predicted.activation_bytes, runner.activation_bytes),
+            ("CUDA graphs (reserved / captured)", predicted.graph_bytes, graph_pool)]
+    print(f"{req.model_name} on {result['gpu']} ({format_bytes(total)}), utilization {req.memory_utilization:.2f}")
+    print(f"  {'':<34}{'predicted':>14}{'measured':>14}")
+    for label, p, m in rows:
+        print(f"  {label:<34}{format_bytes(p):>14}{format_bytes(m):>14}")
+    print(f"  {'KV blocks':<34}{predicted.num_blocks:>14,}{runner.num_blocks:>14,}"
+          f"  ({result['prediction_error']:+.2%})")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
