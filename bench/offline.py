@@ -1,6 +1,6 @@
 """Offline engine throughput: LLM.generate over random token-id prompts, against the roofline.
 
-python -m bench.offline --model bench/presets/llama3-8b --load-format dummy --num-prompts 64 \
+python -m bench.offline --model llama3-8b --load-format dummy --num-prompts 64 \
     --input-len 512 --output-len 128 [--enforce-eager] [--profile out.txt] [--result-json PATH]
 
 No HTTP in the way: this isolates the engine (scheduler, runner, kernels, graphs) from the server.

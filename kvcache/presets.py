@@ -12,6 +12,7 @@ overstates CUDA's figure by a few hundred MiB (under 1% of the cache); pass a si
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,21 @@ def resolve_model(spec: str) -> ResolvedModel:
         names = ", ".join(p.name for p in MODEL_PRESETS)
         raise PresetError(f"--model {spec!r} is neither a model folder, a config.json, nor a preset ({names})")
     return ResolvedModel(preset.name, preset.model_config())
+
+
+def preset_folder(name: str, root: Path) -> Path | None:
+    """A folder holding the named preset's config.json (written under root on first use), for
+    serving the shape with dummy weights; None when no preset has that name."""
+    preset = find_model_preset(name)
+    if preset is None:
+        return None
+    folder = root / preset.name
+    config = folder / "config.json"
+    text = json.dumps(preset.config_dict(), indent=1)
+    if not config.is_file() or config.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        config.write_text(text)
+    return folder
 
 
 _UNITS = {

@@ -57,6 +57,13 @@ def resolve_model_path(cfg: EngineConfig, show_progress: bool = True) -> Path:
         from engine.default_model import default_model_path
         return default_model_path(quiet=not show_progress)
     p = Path(cfg.model).expanduser()
+    if not p.exists() and cfg.load_format == "dummy":
+        from engine.default_model import cache_dir
+        from kvcache.presets import preset_folder
+
+        folder = preset_folder(cfg.model, cache_dir() / "presets")
+        if folder is not None:
+            return folder
     if p.is_file() and p.name.endswith(".json"):
         if cfg.load_format != "dummy":
             raise ModelConfigError(f"{p} is a config file: pass its folder, or add --load-format dummy for random weights")

@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from serve.cli_args import OneLineErrorParser
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "run": ("serve.run_cmd", "start the OpenAI-compatible HTTP server"),
@@ -15,14 +17,11 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="serve", description="pagedserve: a small LLM inference server")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = OneLineErrorParser(prog="serve", description="pagedserve: a small LLM inference server")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
+        mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)

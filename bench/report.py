@@ -1,0 +1,160 @@
+"""The run's report: the text table printed at the end, and the result JSON."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.client import RequestResult
+from bench.metrics import SLO, BenchmarkMetrics, Distribution
+from bench.roofline import HardwareRates, RooflineEstimate
+from bench.workload import WorkloadSpec
+
+WIDTH = 50
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What was run, where: the header of the result."""
+
+    date: str  # ISO 8601
+    model: str | None  # the model folder or preset given with --model
+    served_model_name: str
+    url: str
+    gpu: str | None
+    workload: WorkloadSpec
+    concurrency: int | None
+    request_rate: float | None  # None: all requests at once
+    ignore_eos: bool
+    kv_cache_dtype: str
+    server_args: str | None = None  # when the run started its own server
+
+
+@dataclass(frozen=True)
+class Roofline:
+    estimate: RooflineEstimate
+    rates: HardwareRates
+
+    def fraction(self, output_throughput: float) -> float:
+        return output_throughput / self.estimate.output_throughput
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000.0
+
+
+def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestResult],
+                roofline: Roofline | None, slo: SLO | None) -> dict:
+    w = info.workload
+    out = {
+        "date": info.date,
+        "gpu": info.gpu,
+        "model": info.model or info.served_model_name,
+        "served_model_name": info.served_model_name,
+        "url": info.url,
+        "server_args": info.server_args,
+        "concurrency": info.concurrency,
+        "request_rate": info.request_rate,
+        "num_prompts": w.num_prompts,
+        "input_len": w.input_len,
+        "output_len": w.output_len,
+        "range_ratio": w.range_ratio,
+        "shared_prefix_len": w.shared_prefix_len,
+        "ignore_eos": info.ignore_eos,
+        "seed": w.seed,
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "completed": metrics.completed,
+        "failed": metrics.failed,
+        "errors": metrics.errors,
+        "duration_s": metrics.duration_s,
+        "total_input_tokens": metrics.total_input_tokens,
+        "total_output_tokens": metrics.total_output_tokens,
+        "request_throughput": metrics.request_throughput,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+        "goodput": metrics.goodput,
+        "slo": slo.as_dict() if slo else None,
+    }
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        dist: Distribution = getattr(metrics, name)
+        for stat in ("mean", "median", "p90", "p99"):
+            out[f"{stat}_{name}_ms"] = getattr(dist, stat)
+    est = roofline.estimate if roofline else None
+    out.update({
+        "copy_bandwidth_tbs": roofline.rates.copy_bandwidth / 1e12 if roofline else None,
+        "matmul_tflops": roofline.rates.matmul_flops / 1e12 if roofline else None,
+        "roofline_output_throughput": est.output_throughput if est else None,
+        "roofline_fraction": roofline.fraction(metrics.output_throughput) if roofline else None,
+        "roofline_prefill_s": est.prefill_s if est else None,
+        "roofline_decode_s": est.decode_s if est else None,
+        "roofline_decode_step_ms": est.decode_step_s * 1000.0 if est else None,
+    })
+    out["requests"] = [
+        {"start_s": r.start_s, "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
+         "ttft_ms": _ms(r.ttft_s), "tpot_ms": _ms(r.tpot_s), "e2el_ms": _ms(r.e2el_s) if r.success else None,
+         "error": r.error or None}
+        for r in results
+    ]
+    return out
+
+
+def _row(label: str, value: object, digits: int = 2) -> str:
+    if value is None:
+        text = "n/a"
+    elif isinstance(value, float):
+        text = f"{value:,.{digits}f}"
+    else:
+        text = str(value)
+    return f"{label:<{WIDTH - 12}}{text:>12}"
+
+
+def _title(text: str, fill: str = "-") -> str:
+    return f" {text} ".center(WIDTH, fill)
+
+
+def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline | None) -> str:
+    lines = [
+        _title("Serving Benchmark Result", "="),
+        _row("Successful requests:", metrics.completed),
+        _row("Failed requests:", metrics.failed),
+        _row("Maximum request concurrency:", info.concurrency or "unlimited"),
+        _row("Request rate (req/s):", info.request_rate if info.request_rate is not None else "inf"),
+        _row("Benchmark duration (s):", metrics.duration_s),
+        _row("Total input tokens:", metrics.total_input_tokens),
+        _row("Total generated tokens:", metrics.total_output_tokens),
+        _row("Request throughput (req/s):", metrics.request_throughput),
+        _row("Output token throughput (tok/s):", metrics.output_throughput),
+        _row("Total token throughput (tok/s):", metrics.total_token_throughput),
+    ]
+    if metrics.goodput is not None:
+        lines.append(_row("Request goodput (req/s):", metrics.goodput))
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        dist: Distribution = getattr(metrics, name)
+        label = name.upper()
+        lines += [
+            _title(title),
+            _row(f"Mean {label} (ms):", dist.mean),
+            _row(f"Median {label} (ms):", dist.median),
+            _row(f"P90 {label} (ms):", dist.p90),
+            _row(f"P99 {label} (ms):", dist.p99),
+        ]
+    lines.append(_title("Roofline"))
+    lines.append(_row("GPU:", info.gpu or "n/a"))
+    if roofline is None:
+        lines.append(_row("Roofline bound:", "n/a"))
+    else:
+        est = roofline.estimate
+        step_ms = est.decode_step_s * 1000.0
+        lines += [
+            _row("Copy bandwidth (TB/s):", roofline.rates.copy_bandwidth / 1e12),
+            _row("Matmul rate (TFLOP/s):", roofline.rates.matmul_flops / 1e12, 0),
+            _row("Roofline output throughput (tok/s):", est.output_throughput),
+            _row("Fraction of roofline:", roofline.fraction(metrics.output_throughput), 3),
+            _row("Roofline decode step (ms):", step_ms, 3),
+            _row("Median TPOT / roofline step:",
+                 metrics.tpot.median / step_ms if metrics.tpot.median is not None and step_ms > 0 else None),
+        ]
+    if metrics.errors:
+        lines.append(_title("Errors"))
+        lines += [f"{n:>5} x {msg}" for msg, n in sorted(metrics.errors.items(), key=lambda kv: -kv[1])]
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)

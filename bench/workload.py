@@ -1,0 +1,85 @@
+"""The benchmark workload: random token-id prompts and their arrival schedule, both seeded."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """num_prompts prompts of about input_len tokens asking for about output_len tokens.
+
+    Lengths are drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)].
+    The first shared_prefix_len tokens of every prompt are the same; they count towards the
+    prompt's length, so a prompt is never shorter than the shared prefix.
+    """
+
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+    shared_prefix_len: int = 0
+    vocab_size: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "input_len", "output_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.shared_prefix_len < 0:
+            raise ValueError(f"--shared-prefix-len must be >= 0, got {self.shared_prefix_len}")
+        if self.shared_prefix_len > self.min_input_len:
+            raise ValueError(
+                f"--shared-prefix-len {self.shared_prefix_len} is longer than the shortest prompt "
+                f"({self.min_input_len} tokens); lower it or raise --input-len")
+
+    @property
+    def min_input_len(self) -> int:
+        return length_range(self.input_len, self.range_ratio)[0]
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt: list[int]
+    output_len: int
+
+
+def length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] lengths for a mean length and a range ratio (never below 1)."""
+    low = max(1, math.floor(length * (1.0 - range_ratio)))
+    high = max(low, math.ceil(length * (1.0 + range_ratio)))
+    return low, high
+
+
+def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
+    # Separate streams for lengths and tokens, so changing one option doesn't reshuffle the other.
+    len_rng = np.random.default_rng([spec.seed, 0])
+    tok_rng = np.random.default_rng([spec.seed, 1])
+    in_lo, in_hi = length_range(spec.input_len, spec.range_ratio)
+    out_lo, out_hi = length_range(spec.output_len, spec.range_ratio)
+    input_lens = len_rng.integers(in_lo, in_hi + 1, size=spec.num_prompts)
+    output_lens = len_rng.integers(out_lo, out_hi + 1, size=spec.num_prompts)
+    prefix = tok_rng.integers(0, spec.vocab_size, size=spec.shared_prefix_len).tolist()
+    requests = []
+    for i in range(spec.num_prompts):
+        suffix = tok_rng.integers(0, spec.vocab_size, size=int(input_lens[i]) - spec.shared_prefix_len)
+        requests.append(BenchRequest(index=i, prompt=prefix + suffix.tolist(), output_len=int(output_lens[i])))
+    return requests
+
+
+def arrival_offsets(num_requests: int, request_rate: float | None, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process at request_rate
+    requests/s, or all at once when request_rate is None or infinite."""
+    if request_rate is None or math.isinf(request_rate):
+        return [0.0] * num_requests
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    rng = np.random.default_rng([seed, 2])
+    gaps = rng.exponential(1.0 / request_rate, size=num_requests)
+    gaps[0] = 0.0  # the first request opens the run
+    return np.cumsum(gaps).tolist()

@@ -1,0 +1,113 @@
+"""`serve bench` end to end against a fake server whose timing and token counts are known.
+
+Timing asserts leave room for scheduling jitter: the client timestamps a chunk when it gets to
+read it, so a late first chunk shortens the gaps after it; lower bounds are the fake's sleeps less
+a few ms, upper bounds are generous.
+"""
+from __future__ import annotations
+
+import pytest
+
+from bench.workload import arrival_offsets
+
+REQUIRED_KEYS = {
+    "gpu", "model", "date", "concurrency", "request_rate", "num_prompts", "input_len", "output_len", "completed",
+    "failed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+    "roofline_output_throughput", "roofline_fraction", "goodput",
+    *(f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+}
+# the fake streams chunks of 1, 2, 1, 2, ... tokens: 9 tokens come in 6 chunks
+TTFT, GAP, OUT = 0.05, 0.02, 9
+
+
+def test_counts_and_latencies(fake_server, bench):
+    srv = fake_server(ttft_s=TTFT, chunk_interval_s=GAP, tokens_per_chunk=(1, 2))
+    code, res = bench("--url", srv.base_url, "--num-prompts", "8", "--input-len", "12", "--output-len", str(OUT),
+                      "--concurrency", "4", "--ignore-eos")
+    assert code == 0
+    assert REQUIRED_KEYS <= res.keys()
+    assert (res["completed"], res["failed"]) == (8, 0)
+    assert res["total_output_tokens"] == 8 * OUT and res["total_input_tokens"] == 8 * 12
+    assert res["model"] == "fake-model" and res["concurrency"] == 4 and res["request_rate"] is None
+    assert 50 <= res["median_ttft_ms"] < 50 + 150
+    # per request the ITLs are 10, 10, 20, 10, 10, 20, 10, 10 ms: median 10, mean 13.75
+    assert 10 - 3 <= res["median_itl_ms"] < 10 + 25
+    assert 13.75 - 3 <= res["mean_itl_ms"] < 13.75 + 25
+    assert res["p90_itl_ms"] > 15  # the single-token chunks' 20 ms gaps
+    e2e = (TTFT + 5 * GAP) * 1000
+    assert e2e <= res["median_e2el_ms"] < e2e + 200
+    assert 12.5 - 3 <= res["median_tpot_ms"] < 12.5 + 25  # (e2e - ttft) / 8
+    assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration_s"])
+    assert res["roofline_output_throughput"] is None  # no --model: no roofline
+    # what the server was sent
+    body = srv.behaviour.seen[-1]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True} and len(body["prompt"]) == 12
+
+
+def test_concurrency_is_a_cap(fake_server, bench):
+    srv = fake_server(ttft_s=0.03, chunk_interval_s=0.01)
+    code, res = bench("--url", srv.base_url, "--num-prompts", "6", "--input-len", "4", "--output-len", "3",
+                      "--concurrency", "2")
+    assert code == 0
+    spans = [(r["start_s"], r["start_s"] + r["e2el_ms"] / 1000) for r in res["requests"]]
+    for start, _ in spans:
+        in_flight = sum(1 for s, e in spans if s <= start < e)
+        assert in_flight <= 2
+
+
+def test_failures_are_counted(fake_server, bench):
+    # the server's request 0 is the test request; 3, 6 and 9 fail
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005, fail_every=3)
+    code, res = bench("--url", srv.base_url, "--num-prompts", "9", "--input-len", "4", "--output-len", "3",
+                      "--concurrency", "3")
+    assert code == 0
+    assert (res["completed"], res["failed"]) == (6, 3)
+    assert res["total_output_tokens"] == 6 * 3
+    assert list(res["errors"]) == ["HTTP 500: {\"error\":{\"message\":\"injected failure\"}}"]
+    assert sum(r["error"] is not None for r in res["requests"]) == 3
+
+
+def test_goodput(fake_server, bench):
+    srv = fake_server(ttft_s=0.03, chunk_interval_s=0.01)
+    args = ("--url", srv.base_url, "--num-prompts", "4", "--input-len", "4", "--output-len", "3")
+    code, res = bench(*args, "--goodput", "ttft:5000", "tpot:5000")
+    assert code == 0 and res["goodput"] == pytest.approx(res["request_throughput"])
+    assert res["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 5000.0}
+    code, res = bench(*args, "--goodput", "ttft:10")  # the fake waits 30 ms before the first token
+    assert code == 0 and res["goodput"] == 0.0
+    code, res = bench(*args)
+    assert res["goodput"] is None
+
+
+def test_poisson_arrivals_follow_the_seeded_schedule(fake_server, bench):
+    srv = fake_server(ttft_s=0.005, chunk_interval_s=0.005)
+    code, res = bench("--url", srv.base_url, "--num-prompts", "8", "--input-len", "4", "--output-len", "2",
+                      "--request-rate", "40", "--seed", "3")
+    assert code == 0 and res["request_rate"] == 40.0
+    expected = arrival_offsets(8, 40.0, seed=3)
+    starts = [r["start_s"] for r in res["requests"]]
+    for got, want in zip(starts, expected):
+        assert want - 0.002 <= got < want + 0.1
+
+
+def test_roofline_and_plot(fake_server, bench, tmp_path):
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005, model_name="qwen")
+    png = tmp_path / "bench.png"
+    code, res = bench("--url", srv.base_url, "--model", "qwen2.5-0.5b", "--served-model-name", "qwen",
+                      "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--concurrency", "4",
+                      "--copy-bandwidth", "3.01", "--matmul-tflops", "810", "--plot", str(png))
+    assert code == 0
+    assert res["roofline_output_throughput"] > 0
+    assert res["roofline_fraction"] == pytest.approx(res["output_throughput"] / res["roofline_output_throughput"])
+    assert res["roofline_decode_step_ms"] > 0 and res["copy_bandwidth_tbs"] == 3.01
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # token ids come from the model's vocabulary
+    assert all(0 <= t < 151936 for body in srv.behaviour.seen for t in body["prompt"])
+
+
+def test_wrong_model_name_fails_fast(fake_server, bench, capsys):
+    srv = fake_server()
+    code, res = bench("--url", srv.base_url, "--served-model-name", "nope", "--num-prompts", "2")
+    assert code == 1 and res is None
+    assert "test request" in capsys.readouterr().err

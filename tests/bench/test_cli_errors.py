@@ -1,0 +1,41 @@
+"""Bad command lines: one line on stderr, exit code 2, no traceback, nothing sent anywhere."""
+from __future__ import annotations
+
+import pytest
+
+from bench.cli import main
+
+BAD = [
+    [],  # neither --url nor --model
+    ["--url", "localhost:8000"],
+    ["--url", "http://127.0.0.1:9", "--goodput", "ttft"],
+    ["--url", "http://127.0.0.1:9", "--goodput", "latency:5"],
+    ["--url", "http://127.0.0.1:9", "--concurrency", "0"],
+    ["--url", "http://127.0.0.1:9", "--request-rate", "-1"],
+    ["--url", "http://127.0.0.1:9", "--range-ratio", "1.5"],
+    ["--url", "http://127.0.0.1:9", "--input-len", "16", "--shared-prefix-len", "17"],
+    ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],
+    ["--url", "http://127.0.0.1:9", "--server-args=--enforce-eager"],
+    ["--url", "http://127.0.0.1:9", "--copy-bandwidth", "3"],
+    ["--url", "http://127.0.0.1:9", "--result-json", "/no/such/folder/r.json"],
+    ["--url", "http://127.0.0.1:9", "--model", "no-such-model"],
+    ["--url", "http://127.0.0.1:9", "--model", "llama3-8b", "--kv-cache-dtype", "fp4"],
+    ["--model", "llama3-8b", "--server-command", "no-such-program-xyz run"],
+    ["--model", "llama3-8b", "--server-args", "'unterminated"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD, ids=[" ".join(a) or "nothing" for a in BAD])
+def test_bad_input(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("serve bench: error: ")
+    assert "Traceback" not in err[0]
+
+
+def test_bad_number_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--url", "http://127.0.0.1:9", "--concurrency", "abc"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--concurrency" in err[0]
