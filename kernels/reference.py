@@ -71,8 +71,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = gather_kv(v_cache, v_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
         qi = q[lo:hi].float().transpose(0, 1)  # [H, q_len, D]
         scores = (qi @ k.transpose(1, 2)) * softmax_scale  # [H, q_len, seq_len]
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out

@@ -1,0 +1,410 @@
+"""Kernel micro-benchmarks on the GPU: `python -m bench.kernels [--sweep] [--out DIR]`.
+
+Times every Triton kernel with triton.testing.do_bench (CUDA events, warmed up, L2 flushed before
+each run, median of many) and writes bench/results/kernels-<gpu-name-slug>.json: for each case
+the shape, time, bytes moved (each input read once, each output written once), achieved GB/s
+and the fraction of the device-to-device copy bandwidth measured in the same run (bytes read +
+written). Prefill attention is compared with torch's scaled_dot_product_attention on the same
+contiguous tensors (every SDPA backend that runs; the fastest is the baseline), and each fused op
+with the torch reference it replaces. --sweep also times launch configurations of the attention
+kernels (compiled in parallel worker processes first) and records them all.
+
+Targets (issue 3; H100, Llama-3-8B heads 32 q / 8 kv, head_dim 128, batch 64, context 4096):
+bf16 decode >= 0.8 of copy bandwidth; fp8 and int8 KV decode >= 1.7x faster than bf16;
+prefill (4 chunks of 2048 new tokens, no prefix, causal) >= 0.8x SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0):
+    import torch
+    from kvcache import quant
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk_seq = -(-ctx // bs)
+    nb = B * nblk_seq + 1
+    def page():
+        x = torch.randn((nb, Hkv, bs, D), device="cuda", generator=g, dtype=dtype)
+        if kv is None:
+            return x, None
+        out = torch.empty((nb, Hkv, bs, D), device="cuda", dtype=quant.storage_dtype(kv))
+        scale = torch.empty((nb, Hkv, bs), device="cuda", dtype=torch.float32)
+        for i in range(0, nb, 4096):  # chunks keep the float32 temporaries small
+            out[i:i + 4096], scale[i:i + 4096] = quant.quantize(x[i:i + 4096], kv)
+        return out, scale
+    kc, ks = page()
+    vc, vs = page()
+    # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding)
+    perm = torch.randperm(nb - 1, device="cuda", generator=g)[:B * nblk_seq] + 1
+    bt = perm.view(B, nblk_seq).to(torch.int32).contiguous()
+    sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn((B, Hq, D), device="cuda", generator=g, dtype=dtype)
+    return q, kc, vc, ks, vs, bt, sl
+
+
+def decode_bytes(B, ctx, Hq, Hkv, D, bs, kv, elem_q=2):
+    """Fewest bytes a decode step must move: K/V (+ scales) of every token once, q in, out, block table."""
+    elem = 1 if kv else elem_q
+    kv_bytes = 2 * B * ctx * Hkv * D * elem
+    scale_bytes = 2 * B * ctx * Hkv * 4 if kv else 0
+    return kv_bytes + scale_bytes + 2 * B * Hq * D * elem_q + B * math.ceil(ctx / bs) * 4
+
+
+# ----------------------------------------------------------------------------- timing
+
+def bench(fn, warmup=25, rep=200):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3  # seconds
+
+
+def copy_bandwidth():
+    import torch
+    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * 2 / t
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+DECODE_TARGET = dict(B=64, ctx=4096, bs=16, **{"Hq": 32, "Hkv": 8, "D": 128})
+
+
+def decode_sweep_configs():
+    cfgs = []
+    for tile_n, splits, stages, warps in itertools.product((32, 64, 128), (1, 2, 4), (2, 3, 4, 5), (4, 8)):
+        cfgs.append({"tile_n": tile_n, "num_splits": splits, "num_stages": stages, "num_warps": warps})
+    return cfgs
+
+
+def prefill_sweep_configs():
+    cfgs = []
+    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4, 5)):
+        cfgs.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages})
+    return cfgs
+
+
+def _warm_one(job):
+    """Worker process: compile one launch configuration into Triton's on-disk cache, launching it
+    on tiny inputs with the same compile-time constants as the real case."""
+    kind, kv, cfg = job
+    import torch
+    try:
+        if kind == "decode":
+            from kernels.paged_attention import paged_decode_attention
+            t = DECODE_TARGET
+            q, kc, vc, ks, vs, _, _ = decode_inputs(2, 64, t["Hq"], t["Hkv"], t["D"], t["bs"], kv)
+            nblk = t["ctx"] // t["bs"]
+            bt = torch.zeros((t["B"], nblk), dtype=torch.int32, device="cuda")
+            sl = torch.ones(t["B"], dtype=torch.int32, device="cuda")
+            q = torch.randn((t["B"], t["Hq"], t["D"]), device="cuda", dtype=torch.bfloat16)
+            paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, config=cfg)
+        else:
+            from kernels.prefill_attention import paged_prefill_attention
+            q = torch.randn((2048, 32, 128), device="cuda", dtype=torch.bfloat16)
+            kc = torch.randn((129, 8, 16, 128), device="cuda", dtype=torch.bfloat16)
+            bt = torch.arange(1, 129, dtype=torch.int32, device="cuda").view(1, 128)
+            sl = torch.tensor([2048], dtype=torch.int32, device="cuda")
+            qsl = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
+            paged_prefill_attention(q, kc, kc, bt, sl, qsl, 0.1, max_query_len=2048, config=cfg)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # out of shared memory and the like: recorded by the timing pass
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def warm_cache(jobs, workers):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    t0 = time.time()
+    import importlib
+    worker = importlib.import_module("bench.kernels")._warm_one  # picklable by module name
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        errs = list(ex.map(worker, jobs, chunksize=2))
+    print(f"compiled {len(jobs)} configurations in {time.time() - t0:.0f}s "
+          f"({sum(e is not None for e in errs)} failed)", flush=True)
+
+
+# ----------------------------------------------------------------------------- cases
+
+def run_decode(copy_bw, cases, sweep):
+    import torch
+    from kernels.paged_attention import decode_config, paged_decode_attention
+
+    rows, sweeps = [], {}
+    for c in cases:
+        B, ctx, Hq, Hkv, D, bs, kv = c["B"], c["ctx"], c["Hq"], c["Hkv"], c["D"], c["bs"], c["kv"]
+        q, kc, vc, ks, vs, bt, sl = decode_inputs(B, ctx, Hq, Hkv, D, bs, kv)
+        out = torch.empty_like(q)
+        nbytes = decode_bytes(B, ctx, Hq, Hkv, D, bs, kv)
+        fn = lambda cfg=None: paged_decode_attention(q, kc, vc, bt, sl, D**-0.5, ks, vs, out=out, config=cfg)
+        t = bench(fn)
+        cfg = decode_config(B, Hkv, bt.shape[1] * bs, D, False, kv is not None)
+        shape = {k: v for k, v in c.items() if k != "sweep"}
+        row = {"kernel": "paged_decode_attention", "shape": {**shape, "kv": kv or "bf16"}, "config": cfg,
+               "time_us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9, "frac_copy_bw": nbytes / t / copy_bw}
+        if sweep and c.get("sweep"):
+            res = []
+            for sc in decode_sweep_configs():
+                try:
+                    ts = bench(lambda: fn(sc), warmup=10, rep=60)
+                    res.append({**sc, "time_us": ts * 1e6, "frac_copy_bw": nbytes / ts / copy_bw})
+                except Exception as e:
+                    res.append({**sc, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            ok = sorted((r for r in res if "time_us" in r), key=lambda r: r["time_us"])
+            sweeps[f"decode-{kv or 'bf16'}-B{B}-ctx{ctx}-bs{bs}"] = res
+            if ok:
+                row["best_sweep"] = ok[0]
+                print(f"  best decode {kv or 'bf16'}: {ok[0]}", flush=True)
+        rows.append(row)
+        print(f"decode {row['shape']}: {t * 1e6:.1f} us, {row['GBps']:.0f} GB/s, "
+              f"{row['frac_copy_bw']:.2f} of copy", flush=True)
+        del q, kc, vc, ks, vs, bt, sl, out
+        torch.cuda.empty_cache()
+    return rows, sweeps
+
+
+def run_prefill(copy_bw, sweep):
+    import torch
+    import torch.nn.functional as F
+    from kernels.prefill_attention import paged_prefill_attention, prefill_config
+
+    rows, sweeps = [], {}
+    for kv in (None, "fp8"):
+        nseq, L, Hq, Hkv, D, bs = 4, 2048, 32, 8, 128, 16
+        q, kc, vc, ks, vs, bt, sl = decode_inputs(nseq, L, Hq, Hkv, D, bs, kv, seed=1)
+        T = nseq * L
+        qp = torch.randn((T, Hq, D), device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+        flops = nseq * Hq * 4 * D * (L * (L + 1) / 2)
+        fn = lambda cfg=None: paged_prefill_attention(qp, kc, vc, bt, sl, qsl, D**-0.5, ks, vs,
+                                                      max_query_len=L, config=cfg)
+        t = bench(fn)
+        shape = {"num_seqs": nseq, "new_tokens": L, "prefix": 0, "Hq": Hq, "Hkv": Hkv, "D": D, "bs": bs,
+                 "kv": kv or "bf16"}
+        row = {"kernel": "paged_prefill_attention", "shape": shape, "config": prefill_config(L, D, False, kv is not None),
+               "time_us": t * 1e6, "TFLOPs": flops / t / 1e12,
+               "bytes": decode_bytes(nseq, L, Hq, Hkv, D, bs, kv) + 2 * T * Hq * D * 2}
+        row["GBps"] = row["bytes"] / t / 1e9
+        row["frac_copy_bw"] = row["bytes"] / t / copy_bw
+        if kv is None:
+            # SDPA on the same values, contiguous [B, H, L, D]
+            qs = qp.view(nseq, L, Hq, D).transpose(1, 2).contiguous()
+            ks_ = torch.randn((nseq, Hkv, L, D), device="cuda", dtype=torch.bfloat16)
+            vs_ = torch.randn((nseq, Hkv, L, D), device="cuda", dtype=torch.bfloat16)
+            ke = ks_.repeat_interleave(Hq // Hkv, dim=1)
+            ve = vs_.repeat_interleave(Hq // Hkv, dim=1)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            sdpa = {}
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                             ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("default", None)):
+                for gqa in (False, True):
+                    key = f"{name}{'-gqa' if gqa else ''}"
+                    def call(be=be, gqa=gqa):
+                        a, b = (ks_, vs_) if gqa else (ke, ve)
+                        if be is None:
+                            return F.scaled_dot_product_attention(qs, a, b, is_causal=True, enable_gqa=gqa)
+                        with sdpa_kernel([be]):
+                            return F.scaled_dot_product_attention(qs, a, b, is_causal=True, enable_gqa=gqa)
+                    try:
+                        call()
+                        sdpa[key] = bench(call) * 1e6
+                    except Exception as e:
+                        sdpa[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            times = {k: v for k, v in sdpa.items() if isinstance(v, float)}
+            best = min(times, key=times.get)
+            row["sdpa_us"] = sdpa
+            row["sdpa_best"] = best
+            row["speed_vs_sdpa"] = times[best] / (t * 1e6)
+            row["sdpa_best_TFLOPs"] = flops / (times[best] * 1e-6) / 1e12
+            print(f"prefill: {t * 1e6:.0f} us ({row['TFLOPs']:.0f} TFLOP/s); SDPA {sdpa}; "
+                  f"speed vs best SDPA ({best}) {row['speed_vs_sdpa']:.2f}", flush=True)
+            del qs, ks_, vs_, ke, ve
+            if sweep:
+                res = []
+                for sc in prefill_sweep_configs():
+                    try:
+                        ts = bench(lambda: fn(sc), warmup=10, rep=60)
+                        res.append({**sc, "time_us": ts * 1e6, "TFLOPs": flops / ts / 1e12})
+                    except Exception as e:
+                        res.append({**sc, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                ok = sorted((r for r in res if "time_us" in r), key=lambda r: r["time_us"])
+                sweeps["prefill-bf16-4x2048"] = res
+                if ok:
+                    row["best_sweep"] = ok[0]
+                    print(f"  best prefill: {ok[0]}", flush=True)
+        else:
+            print(f"prefill {kv}: {t * 1e6:.0f} us ({row['TFLOPs']:.0f} TFLOP/s)", flush=True)
+        rows.append(row)
+        del q, kc, vc, ks, vs, bt, sl, qp
+        torch.cuda.empty_cache()
+    return rows, sweeps
+
+
+def run_cache_write(copy_bw):
+    import torch
+    from kernels.cache_write import write_kv_cache
+    from kvcache import quant
+
+    rows = []
+    for T in (64, 8192):
+        for kv in (None, "fp8", "int8"):
+            Hkv, D, bs = 8, 128, 16
+            nb = T // bs + 64
+            st = quant.storage_dtype(kv) if kv else torch.bfloat16
+            kc = torch.zeros((nb, Hkv, bs, D), device="cuda", dtype=st)
+            vc = torch.zeros_like(kc)
+            ks = torch.zeros((nb, Hkv, bs), device="cuda") if kv else None
+            vs = torch.zeros_like(ks) if kv else None
+            k = torch.randn((T, Hkv, D), device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            slots = torch.randperm(nb * bs, device="cuda")[:T].to(torch.int32)
+            t = bench(lambda: write_kv_cache(k, v, kc, vc, slots, ks, vs, kv))
+            elem = 1 if kv else 2
+            nbytes = 2 * T * Hkv * D * 2 + 2 * T * Hkv * D * elem + (2 * T * Hkv * 4 if kv else 0) + T * 4
+            rows.append({"kernel": "write_kv_cache", "shape": {"T": T, "Hkv": Hkv, "D": D, "bs": bs,
+                         "kv": kv or "bf16"}, "time_us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9,
+                         "frac_copy_bw": nbytes / t / copy_bw})
+            print(f"cache write T={T} {kv or 'bf16'}: {t * 1e6:.1f} us {nbytes / t / 1e9:.0f} GB/s", flush=True)
+    return rows
+
+
+def run_fused(copy_bw):
+    import torch
+    from kernels import fused, reference as ref
+
+    rows = []
+    for T in (64, 8192):
+        H, I, Hq, Hkv, D = 4096, 14336, 32, 8, 128
+        x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.rand(H, device="cuda", dtype=torch.bfloat16) + 0.5
+        q = torch.randn((T, Hq, D), device="cuda", dtype=torch.bfloat16)
+        k = torch.randn((T, Hkv, D), device="cuda", dtype=torch.bfloat16)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+        ang = torch.arange(8192, device="cuda").float()[:, None] * inv[None]
+        emb = torch.cat([ang, ang], -1)
+        cs = torch.stack([emb.cos(), emb.sin()], 1).contiguous()
+        pos = torch.randint(0, 8192, (T,), device="cuda")
+        gu = torch.randn((T, 2 * I), device="cuda", dtype=torch.bfloat16)
+        ops = {
+            "rms_norm+residual": (lambda: fused.rms_norm(x, w, 1e-5, r), lambda: ref.rms_norm(x, w, 1e-5, r),
+                                  4 * T * H * 2 + H * 2, {"T": T, "hidden": H}),
+            "rms_norm": (lambda: fused.rms_norm(x, w, 1e-5), lambda: ref.rms_norm(x, w, 1e-5),
+                         2 * T * H * 2 + H * 2, {"T": T, "hidden": H}),
+            "apply_rotary": (lambda: fused.apply_rotary(q, k, pos, cs), lambda: ref.apply_rotary(q, k, pos, cs),
+                             2 * T * (Hq + Hkv) * D * 2 + T * 2 * D * 4, {"T": T, "Hq": Hq, "Hkv": Hkv, "D": D}),
+            "silu_and_mul": (lambda: fused.silu_and_mul(gu), lambda: ref.silu_and_mul(gu),
+                             T * 3 * I * 2, {"T": T, "intermediate": I}),
+        }
+        for name, (f_tr, f_torch, nbytes, shape) in ops.items():
+            t_tr, t_torch = bench(f_tr), bench(f_torch)
+            rows.append({"kernel": name, "shape": shape, "time_us": t_tr * 1e6, "torch_us": t_torch * 1e6,
+                         "speedup_vs_torch": t_torch / t_tr, "bytes": nbytes, "GBps": nbytes / t_tr / 1e9,
+                         "frac_copy_bw": nbytes / t_tr / copy_bw})
+            print(f"{name} T={T}: triton {t_tr * 1e6:.1f} us, torch {t_torch * 1e6:.1f} us "
+                  f"({t_torch / t_tr:.2f}x)", flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for kernels-<gpu>.json")
+    ap.add_argument("--workers", type=int, default=12, help="processes compiling sweep configurations")
+    args = ap.parse_args(argv)
+
+    import torch
+    import triton
+    if not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name()
+    t0 = time.time()
+    if args.sweep:
+        jobs = [("decode", kv, c) for kv in (None, "fp8", "int8") for c in decode_sweep_configs()]
+        jobs += [("prefill", None, c) for c in prefill_sweep_configs()]
+        warm_cache(jobs, args.workers)
+    copy_bw = copy_bandwidth()
+    print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+    t = DECODE_TARGET
+    cases = [dict(t, kv=kv, sweep=True) for kv in (None, "fp8", "int8")]
+    cases += [dict(t, bs=bs, kv=kv) for bs in (32, 64) for kv in (None, "fp8")]
+    cases += [dict(t, B=B, ctx=ctx, kv=kv) for B, ctx in ((1, 32768), (8, 4096), (256, 1024)) for kv in (None, "int8")]
+    cases += [dict(B=64, ctx=4096, Hq=14, Hkv=2, D=64, bs=16, kv=kv) for kv in (None, "fp8")]  # Qwen2.5-0.5B
+    decode_rows, sweeps = run_decode(copy_bw, cases, args.sweep)
+    prefill_rows, psweeps = run_prefill(copy_bw, args.sweep)
+    sweeps.update(psweeps)
+    write_rows = run_cache_write(copy_bw)
+    fused_rows = run_fused(copy_bw)
+
+    tgt = {r["shape"]["kv"]: r for r in decode_rows[:3]}
+    bf16_t = tgt["bf16"]["time_us"]
+    targets = {
+        "decode_bf16_frac_copy_bw": {"value": tgt["bf16"]["frac_copy_bw"], "target": 0.8},
+        "decode_fp8_speedup_vs_bf16": {"value": bf16_t / tgt["fp8"]["time_us"], "target": 1.7},
+        "decode_int8_speedup_vs_bf16": {"value": bf16_t / tgt["int8"]["time_us"], "target": 1.7},
+        "prefill_speed_vs_sdpa": {"value": prefill_rows[0]["speed_vs_sdpa"], "target": 0.8},
+    }
+    for v in targets.values():
+        v["met"] = v["value"] >= v["target"]
+    if args.sweep:  # the same targets with the fastest swept configuration of each case
+        best = {k: r.get("best_sweep", {}).get("time_us") for k, r in tgt.items()}
+        if all(best.values()):
+            targets["decode_bf16_frac_copy_bw"]["best_config_value"] = tgt["bf16"]["best_sweep"]["frac_copy_bw"]
+            targets["decode_fp8_speedup_vs_bf16"]["best_config_value"] = best["bf16"] / best["fp8"]
+            targets["decode_int8_speedup_vs_bf16"]["best_config_value"] = best["bf16"] / best["int8"]
+        if prefill_rows[0].get("best_sweep"):
+            targets["prefill_speed_vs_sdpa"]["best_config_value"] = (
+                prefill_rows[0]["speed_vs_sdpa"] * prefill_rows[0]["time_us"] / prefill_rows[0]["best_sweep"]["time_us"])
+    result = {
+        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "timing": "triton.testing.do_bench median, L2 flushed before each run",
+        "targets": targets,
+        "cases": decode_rows + prefill_rows + write_rows,
+        "fused_vs_torch": fused_rows,
+        "sweeps": sweeps,
+        "wall_s": time.time() - t0,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernels-{slug(name)}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+    print(f"{'case':58s} {'time us':>9s} {'GB/s':>7s} {'of copy':>7s}")
+    for r in decode_rows + prefill_rows + write_rows:
+        s = r["shape"]
+        label = r["kernel"].replace("paged_", "").replace("_attention", "") + " " + \
+            ",".join(f"{k}={v}" for k, v in s.items() if k != "sweep")
+        print(f"{label[:58]:58s} {r['time_us']:9.1f} {r['GBps']:7.0f} {r['frac_copy_bw']:7.2f}")
+    for k, v in targets.items():
+        extra = f"; with the best swept configs {v['best_config_value']:.2f}" if "best_config_value" in v else ""
+        print(f"target {k}: {v['value']:.2f} (>= {v['target']}) {'MET' if v['met'] else 'MISSED'}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Fused elementwise ops: RMSNorm (+ residual add), neox rotary embedding, SiLU-and-multiply.
+
+Each kernel reproduces the rounding of the torch reference (kernels/reference.py): intermediate
+results that torch rounds to the model dtype are rounded here too, so outputs match to within
+the last bit of the dtype. bench/kernels.py records whether each fusion beats torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
+                     stride_x, stride_r, stride_o, stride_ro, N,
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as Hugging Face's Llama computes it; with residual returns (normed, x + residual)."""
+    N = x.shape[-1]
+    assert weight.shape == (N,) and weight.is_contiguous(), "weight must be [hidden] and contiguous"
+    assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES
+    x2 = x.reshape(-1, N)
+    assert x2.stride(-1) == 1, "x's last dim must be contiguous"
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out2 = out.view(-1, N)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        r2 = residual.reshape(-1, N)
+        assert r2.stride(-1) == 1, "residual's last dim must be contiguous"
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        ro2 = res_out.view(-1, N)
+    else:
+        r2 = ro2 = x2  # unused
+        res_out = None
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out2, ro2, eps, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
+            BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
+        )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c1, s1, c2, s2,
+                  BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Rotate n_heads heads of token t in place (neox: halves [x1, x2] -> [x1 c - x2 s, x2 c + x1 s])."""
+    hh = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    hmask = hh[:, None] < n_heads
+    p1 = ptr + t * stride_t + hh[:, None] * stride_h + j[None, :]
+    x1 = tl.load(p1, mask=hmask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=hmask, other=0.0)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    # torch computes q * cos + rotate_half(q) * sin in q's dtype: round each product and the sum
+    o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
+    o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+    tl.store(p1, o1.to(dt), mask=hmask)
+    tl.store(p1 + HALF, o2.to(dt), mask=hmask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF)
+    cs = cs_ptr + pos * stride_cs
+    dt = q_ptr.dtype.element_ty
+    # cos then sin, each duplicated over both halves; torch casts them to q's dtype first
+    c1 = tl.load(cs + j).to(dt).to(tl.float32)
+    c2 = tl.load(cs + HALF + j).to(dt).to(tl.float32)
+    s1 = tl.load(cs + 2 * HALF + j).to(dt).to(tl.float32)
+    s2 = tl.load(cs + 3 * HALF + j).to(dt).to(tl.float32)
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, HQ, c1, s1, c2, s2, BLOCK_HQ, HALF)
+    _rotate_heads(k_ptr, t, stride_kt, stride_kh, HK, c1, s1, c2, s2, BLOCK_HK, HALF)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding, IN PLACE on q [T, Hq, D] and k [T, Hkv, D]; returns (q, k).
+    cos_sin [max_pos, 2, D] float32 (cos then sin, each duplicated over both halves)."""
+    T, Hq, D = q.shape
+    assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D and k.dtype == q.dtype
+    assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, "head_dim must be a power of two"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q/k last dim must be contiguous"
+    assert q.dtype in _FLOAT_DTYPES
+    assert positions.shape == (T,) and not positions.dtype.is_floating_point
+    assert cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, D) and cos_sin.dtype == torch.float32
+    assert cos_sin.stride(2) == 1 and cos_sin.stride(1) == D
+    if T:
+        Hk = k.shape[1]
+        _rotary_kernel[(T,)](
+            q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+            Hq, Hk, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk), HALF=D // 2,
+            num_warps=4,
+        )
+    return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # torch rounds silu's result
+    tl.store(out_ptr + row * stride_o + cols, (s * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * I] holding gate then up -> silu(gate) * up [..., I]."""
+    N2 = x.shape[-1]
+    assert N2 % 2 == 0 and x.dtype in _FLOAT_DTYPES
+    N = N2 // 2
+    x2 = x.reshape(-1, N2)
+    assert x2.stride(-1) == 1, "x's last dim must be contiguous"
+    out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, N)
+    if x2.shape[0] and N:
+        block = min(1024, triton.next_power_of_2(N))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(N, block))](
+            x2, o2, x2.stride(0), o2.stride(0), N, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,230 @@
+"""Decode paged attention: one query token per sequence over its block table (split-K).
+
+Grid (batch, kv head, split). A program takes the GROUP query heads that share one KV head
+(padded to BLOCK_G >= 16 rows so the products run on the tensor cores) and one partition of the
+sequence, walks it in tiles of TILE_N tokens gathered through the block table, and keeps an
+online softmax in float32: each KV page is read once for the whole group. Quantized pages
+(fp8 e4m3 / int8) are converted to float16 in registers (kv_to_dot); the per-token K scale
+multiplies the scores and the per-token V scale the probabilities, so dequantizing costs one
+multiply per token, not per element. A bf16 query is divided by its row max before it is cast
+to float16 (no overflow) and the max goes back into the scores. With more than one split, a
+second kernel merges the partial results by their log-sum-exp.
+
+CUDA-graph safety: the grid, the number of splits and the partition length depend only on
+shapes (batch, heads, head_dim, block_tables.shape[1], block_size); seq_lens is read on the
+device only (splits past a sequence's end do no work and the merge skips them).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr,
+    out_ptr, po_ptr, plse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_ch, stride_ct,
+    stride_sb, stride_sh, stride_btb,
+    stride_pb, stride_ph,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(sl_ptr + b)
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None], other=0.0)
+    if QUANT and q.dtype == tl.bfloat16:
+        # float16 products: scale each row into [-1, 1] first, put the max back into the scores
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.abs(qf), axis=1)
+        qmax = tl.where(qmax > 0, qmax, 1.0)
+        q = (qf / qmax[:, None]).to(tl.float16)
+        row_scale = qmax * qk_scale
+    else:
+        row_scale = tl.full([BLOCK_G], 1.0, tl.float32) * qk_scale
+    dot_ty: tl.constexpr = q.dtype
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = kvh.to(tl.int64) * stride_ch
+    # PREFETCH: the block-table entries of the next tile are loaded one iteration ahead
+    # (loop-carried), so the K/V loads depend on no load of their own iteration and Triton's
+    # pipeliner keeps num_stages - 1 tiles of them in flight; with the lookup inline it waits for
+    # each tile before computing on it. That matters where few programs share an SM (quantized
+    # pages: ~255 registers); with bf16 pages many programs per SM hide the latency instead, and
+    # the inline lookup measured faster at small batches (bench/KERNELS.md).
+    pos0 = start + tl.arange(0, TILE_N)
+    blk_next = tl.load(bt_row + pos0 // BLOCK_SIZE, mask=pos0 < end, other=0)  # unused unless PREFETCH
+    for tok0 in range(start, end, TILE_N):
+        pos = tok0 + tl.arange(0, TILE_N)
+        valid = pos < end
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            npos = pos + TILE_N
+            blk_next = tl.load(bt_row + npos // BLOCK_SIZE, mask=npos < end, other=0)
+        else:
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        row = blk * stride_cb + head_off + off * stride_ct
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = mma(q, tl.trans(kv_to_dot(k, dot_ty, QUANT)), NATIVE) * row_scale[:, None]
+        if QUANT:
+            srow = blk * stride_sb + kvh * stride_sh + off
+            k_sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)
+            v_sc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
+            s = s * k_sc[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            # per-token V scales, normalized by the tile's largest so float16 keeps precision
+            v_max = tl.max(v_sc, axis=0)
+            p = p * (v_sc / v_max)[None, :]
+            pv = mma(p.to(dot_ty), kv_to_dot(v, dot_ty, QUANT), NATIVE) * v_max
+        else:
+            pv = mma(p.to(dot_ty), v.to(dot_ty), NATIVE)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        base = b.to(tl.int64) * stride_pb + heads * stride_ph + split
+        tl.store(po_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(plse_ptr + base, m_i + tl.log2(l_safe), mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, po_ptr, plse_ptr, sl_ptr,
+    stride_ob, stride_oh, stride_pb, stride_ph,
+    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(sl_ptr + b)
+    n_used = (seq_len + PARTITION - 1) // PARTITION
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    smask = (s < n_used) & (s < NUM_SPLITS)
+    base = b.to(tl.int64) * stride_pb + h * stride_ph + s
+    lse = tl.load(plse_ptr + base, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = tl.where(smask, w, 0.0)
+    po = tl.load(po_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int, fp32: bool,
+                  quant: bool = False) -> dict:
+    """Launch parameters from shapes alone (never from seq_lens). Tuned on an H100 for Llama-3-8B
+    heads (bench/KERNELS.md): bf16 pages 64-token tiles, inline block-table lookup; fp8/int8 pages
+    128-token tiles with the lookup prefetched (fewer, fatter programs: the conversion to fp16
+    needs registers)."""
+    if fp32:  # float32 products run on the FMA units: 16-token tiles keep them out of local memory
+        tile_n, prefetch = 16, quant
+    elif quant:
+        tile_n, prefetch = (128 if head_dim <= 128 else 32), True
+    else:
+        tile_n, prefetch = min(64, 8192 // head_dim), False
+    tile_n = max(16, min(tile_n, triton.next_power_of_2(max_context)))
+    # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split.
+    want = max(1, math.ceil(1024 / (batch * num_kv_heads)))
+    splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
+    return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": 2 if fp32 else 3,
+            "prefetch": prefetch}
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Decode: one query token per sequence, q [B, num_heads, head_dim] -> [B, num_heads, head_dim].
+
+    `config` overrides keys of decode_config()'s choice (benchmarks and tests only).
+    """
+    B, Hq, D = q.shape
+    nb, Hkv, bs, Dc = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
+    assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
+    assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
+    assert bs & (bs - 1) == 0, "block_size must be a power of two"
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert seq_lens.shape == (B,) and seq_lens.dtype == torch.int32
+    quant = QUANT_CODE.get(k_cache.dtype, 0)
+    if quant:
+        assert k_scale is not None and v_scale is not None, "fp8/int8 caches need k_scale and v_scale"
+        assert k_scale.shape == (nb, Hkv, bs) and v_scale.shape == k_scale.shape
+        assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and v_scale.is_contiguous()
+        ks, vs = k_scale, v_scale
+    else:
+        assert k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        ks = vs = k_cache  # unused
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if B == 0:
+        return out
+    group = Hq // Hkv
+    fp32 = q.dtype == torch.float32
+    max_context = block_tables.shape[1] * bs
+    cfg = decode_config(B, Hkv, max_context, D, fp32, quant > 0)
+    cfg.update(config or {})
+    tile_n = cfg["tile_n"]
+    partition = math.ceil(math.ceil(max_context / cfg["num_splits"]) / tile_n) * tile_n
+    splits = math.ceil(max_context / partition)
+    if splits > 1:
+        po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+        plse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    _decode_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, po, plse,
+        softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0), ks.stride(1), block_tables.stride(0),
+        Hq * splits, splits,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
+        BLOCK_SIZE=bs, TILE_N=tile_n, PARTITION=partition, NUM_SPLITS=splits,
+        QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_kernel[(B, Hq)](
+            out, po, plse, seq_lens,
+            out.stride(0), out.stride(1), Hq * splits, splits,
+            HEAD_DIM=D, PARTITION=partition, NUM_SPLITS=splits,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )
+    return out
