@@ -39,6 +39,7 @@ class SamplingFields(RequestModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
     skip_special_tokens: bool = Field(True, description="extension")
+    return_token_ids: bool = Field(False, description="extension: each choice and chunk carries its token ids")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="not supported; leave empty")
@@ -109,6 +110,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -144,6 +146,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -170,6 +173,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,0 +1,418 @@
+"""AsyncEngine: drives a synchronous EngineCore from asyncio.
+
+One background task runs the step loop; each EngineCore.step() runs on a single worker thread, so
+the event loop keeps serving HTTP while the model computes. Every other EngineCore call (add,
+abort, a test's inspection) is submitted to that same one-thread executor, which runs jobs in
+order: they land between steps and the core is never touched by two threads at once.
+
+Admission: a request is refused with QueueFull when the sequences waiting for the engine (queued in
+the core, being added, or held by the optional asyncio-throttle rate limiter) would exceed
+max_waiting_requests. A request's outputs reach its RequestStream, an async iterator; a consumer
+that falls behind gets the outputs of several steps merged into one.
+
+Torch-free, like the rest of scheduler/.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from asyncio_throttle import Throttler
+
+from scheduler.core import EngineCore
+from scheduler.request import SamplingParams, StepOutput, next_seq_id
+
+log = logging.getLogger("pagedserve")
+T = TypeVar("T")
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting; retry after retry_after_s seconds."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(Exception):
+    """The engine is not running (not started yet, shutting down, or stopped)."""
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    max_waiting_requests: int = 1024
+    max_request_rate: float | None = None  # sequences admitted per second; None = no rate limit
+    max_retry_after_s: int = 60
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1; got {self.max_waiting_requests}")
+        if self.max_request_rate is not None and not self.max_request_rate > 0:
+            raise ValueError(f"max_request_rate must be > 0; got {self.max_request_rate}")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The core's gauges and counters, read on the worker thread after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 1
+    num_free_blocks: int = 1
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_step_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    has_unfinished: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @classmethod
+    def of(cls, core: EngineCore) -> "EngineSnapshot":
+        stats, sched, bm = core.stats, core.scheduler, core.block_manager
+
+        def counter(name: str) -> int | None:  # the prefix cache's counters, wherever they live
+            for owner in (stats, sched, bm):
+                value = getattr(owner, name, None)
+                if isinstance(value, int):
+                    return value
+            return None
+
+        return cls(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
+                   stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
+                   stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
+                   core.has_unfinished())
+
+
+@dataclass
+class RequestRecord:
+    """One sequence's life, for metrics. Times are time.monotonic() seconds."""
+
+    seq_id: int
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    finish: float | None = None
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class LoopObserver(Protocol):
+    def request_finished(self, record: RequestRecord) -> None: ...
+    def request_rejected(self, reason: str) -> None: ...
+
+
+class _NullObserver:
+    def request_finished(self, record: RequestRecord) -> None:
+        pass
+
+    def request_rejected(self, reason: str) -> None:
+        pass
+
+
+def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
+    """b's step after a's, as one output."""
+    return StepOutput(a.seq_id, a.new_token_ids + b.new_token_ids, b.finished, b.finish_reason,
+                      a.new_text + b.new_text, a.logprobs + b.logprobs, b.error or a.error,
+                      b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens or a.num_output_tokens,
+                      b.num_cached_tokens or a.num_cached_tokens)
+
+
+class RequestStream:
+    """The outputs of one HTTP request's sequences (n choices, several prompts).
+
+    `async for batch in stream` yields, per iteration, a non-empty list of (index, StepOutput):
+    everything that arrived since the last iteration, merged per sequence. Iteration ends once
+    every sequence has finished. abort() stops the unfinished ones (idempotent).
+    """
+
+    def __init__(self, engine: "AsyncEngine", seq_ids: list[int]) -> None:
+        self._engine = engine
+        self.seq_ids = seq_ids
+        self._index = {sid: i for i, sid in enumerate(seq_ids)}
+        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._unfinished = set(seq_ids)
+        self._live = set(seq_ids)  # not yet finished as far as the engine side knows
+
+    def _push(self, out: StepOutput) -> None:
+        if out.finished:
+            self._live.discard(out.seq_id)
+        self._queue.put_nowait(out)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> list[tuple[int, StepOutput]]:
+        if not self._unfinished and self._queue.empty():
+            raise StopAsyncIteration
+        got = [await self._queue.get()]
+        while not self._queue.empty():
+            got.append(self._queue.get_nowait())
+        merged: dict[int, StepOutput] = {}
+        for out in got:
+            prev = merged.get(out.seq_id)
+            merged[out.seq_id] = out if prev is None else merge_outputs(prev, out)
+            if out.finished:
+                self._unfinished.discard(out.seq_id)
+        return [(self._index[sid], out) for sid, out in merged.items()]
+
+    def abort(self) -> None:
+        if self._live:
+            self._engine.abort(list(self._live))
+            self._live.clear()
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, config: LoopConfig | None = None,
+                 observer: LoopObserver | None = None) -> None:
+        self.core = core
+        self.config = config or LoopConfig()
+        self.observer = observer or _NullObserver()
+        self.snapshot = EngineSnapshot()
+        self.num_loop_faults = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._accepting = False
+        self._streams: dict[int, RequestStream] = {}
+        self._records: dict[int, RequestRecord] = {}
+        self._num_adding = 0  # sequences between admission and the core
+        self._finish_times: deque[float] = deque(maxlen=512)
+        rate = self.config.max_request_rate
+        self._throttler = None if rate is None else Throttler(rate_limit=max(1, math.ceil(rate)),
+                                                             period=max(1, math.ceil(rate)) / rate)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.running
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences admitted but not yet running: in the core's queue or on their way to it."""
+        return self.snapshot.num_waiting + self._num_adding
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self.snapshot = await self._on_worker(EngineSnapshot.of, self.core)
+        self._accepting = True
+        self._task = asyncio.create_task(self._run(), name="engine-step-loop")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admission; let in-flight requests finish for up to timeout_s seconds, then abort
+        the rest (their streams end with finish_reason "abort")."""
+        self._accepting = False
+        if self._streams:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        if self._streams:
+            log.warning("shutdown: aborting %d unfinished requests", len(self._streams))
+            await self._abort_now(list(self._streams))
+
+    async def stop(self) -> None:
+        self._accepting = False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for sid in list(self._streams):
+            self._finish_stream(StepOutput(sid, [], True, "abort"))
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        return await self.add_requests([(prompt_token_ids, params)])
+
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> RequestStream:
+        """Admit sequences together (all or none). Raises QueueFull, EngineUnavailable, or the
+        core's RequestRejected (a ValueError) when a sequence can never be served."""
+        n = len(requests)
+        if n == 0:
+            raise ValueError("no sequences to add")
+        self._check_accepting()
+        if self.num_waiting + n > self.config.max_waiting_requests:
+            self.observer.request_rejected("queue_full")
+            raise QueueFull(f"the server is at capacity ({self.num_waiting} requests waiting); retry later",
+                            self.retry_after_s())
+        self._num_adding += n
+        try:
+            if self._throttler is not None:
+                for _ in range(n):
+                    await self._throttler.acquire()
+                self._check_accepting()
+            seq_ids = [next_seq_id() for _ in range(n)]
+            stream = RequestStream(self, seq_ids)
+            now = time.monotonic()
+            for sid, (ids, _) in zip(seq_ids, requests):
+                self._streams[sid] = stream
+                self._records[sid] = RequestRecord(sid, now, len(ids))
+            self._idle.clear()
+            self._wake.set()  # the step the loop submits next queues behind this add
+            try:
+                self.snapshot = await self._on_worker(self._add_all, seq_ids, requests)
+            except asyncio.CancelledError:
+                self.abort(seq_ids)  # runs after the add on the worker: nothing is left behind
+                raise
+            except BaseException:
+                for sid in seq_ids:
+                    self._forget(sid)
+                raise
+            return stream
+        finally:
+            self._num_adding -= n
+
+    def abort(self, seq_ids: Seq[int]) -> None:
+        """Stop these sequences (fire and forget). Their streams end with finish_reason "abort";
+        their KV blocks are free once the current step ends."""
+        live = [sid for sid in seq_ids if sid in self._streams]
+        if live and self._pool is not None:
+            asyncio.ensure_future(self._abort_now(live))
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run fn(core) on the worker thread between steps (inspection, tests, fault injection)."""
+        if self._pool is None:
+            raise EngineUnavailable("the engine is not running")
+        return await self._on_worker(fn, self.core)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the waiting queue has likely drained, from the recent finish rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finish_times if now - t < 10.0]
+        if len(recent) < 2:
+            return 1
+        rate = len(recent) / max(now - recent[0], 1e-3)
+        return max(1, min(self.config.max_retry_after_s, math.ceil(self.num_waiting / rate)))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise EngineUnavailable("the server is shutting down" if self.running else "the engine is not running")
+
+    def _on_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._pool is None:
+            raise EngineUnavailable("the engine is not running")
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _add_all(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> EngineSnapshot:
+        added = []
+        try:
+            for sid, (ids, params) in zip(seq_ids, requests):
+                self.core.add_request(ids, params, seq_id=sid)
+                added.append(sid)
+        except BaseException:
+            for sid in added:
+                self.core.abort(sid)
+            raise
+        return EngineSnapshot.of(self.core)
+
+    def _abort_on_worker(self, seq_ids: list[int]) -> EngineSnapshot:
+        for sid in seq_ids:
+            self.core.abort(sid)
+        return EngineSnapshot.of(self.core)
+
+    async def _abort_now(self, seq_ids: list[int]) -> None:
+        try:
+            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
+        except Exception:
+            log.exception("aborting requests failed")
+        for sid in seq_ids:
+            if sid in self._streams:
+                self._finish_stream(StepOutput(sid, [], True, "abort"))
+
+    def _step_on_worker(self) -> tuple[list[StepOutput], EngineSnapshot]:
+        outputs = self.core.step() if self.core.has_unfinished() else []
+        return outputs, EngineSnapshot.of(self.core)
+
+    async def _run(self) -> None:
+        while True:
+            if not self.snapshot.has_unfinished:
+                await self._wake.wait()
+            self._wake.clear()
+            try:
+                outputs, self.snapshot = await self._on_worker(self._step_on_worker)
+                self._dispatch(outputs)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._recover()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.seq_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            rec = self._records[out.seq_id]
+            if out.new_token_ids and rec.first_token is None:
+                rec.first_token = now
+            rec.num_output_tokens = out.num_output_tokens or rec.num_output_tokens + len(out.new_token_ids)
+            if out.finished:
+                self._finish_stream(out, now)
+            else:
+                stream._push(out)
+
+    def _finish_stream(self, out: StepOutput, now: float | None = None) -> None:
+        stream = self._streams.get(out.seq_id)
+        rec = self._forget(out.seq_id)
+        if rec is not None:
+            rec.finish = now or time.monotonic()
+            rec.finish_reason = out.finish_reason
+            self._finish_times.append(rec.finish)
+            self.observer.request_finished(rec)
+        if stream is not None:
+            stream._push(out)
+
+    def _forget(self, sid: int) -> RequestRecord | None:
+        self._streams.pop(sid, None)
+        if not self._streams:
+            self._idle.set()
+        return self._records.pop(sid, None)
+
+    async def _recover(self) -> None:
+        """A step raised outside the model (the core fails a model fault's requests itself): the
+        state of the sequences in flight is unknown, so fail them all and keep serving."""
+        log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+        self.num_loop_faults += 1
+        seq_ids = list(self._streams)
+        try:
+            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
+        except Exception:
+            log.exception("cleaning up after the failed step failed too")
+            self.snapshot = EngineSnapshot()
+        for sid in seq_ids:
+            if sid in self._streams:
+                self._finish_stream(StepOutput(sid, [], True, "error",
+                                               error="internal error in the engine; the request was not completed"))

@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
+from scheduler.policy import RequestRejected
+from serve.errors import APIError, install_error_handlers
+from serve.guards import ApiKeyGuard, BodyLimit
+from serve.metrics import HttpMetricsMiddleware, Metrics
+from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
+from serve.prompts import Plan, RequestPlanner
+from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                            ErrorResponse, ModelCard, ModelList)
+from serve.server_config import ServerConfig
+from serve.streaming import ClientGone, EngineStreamingResponse, collect_while_connected, sse_events
+
+if TYPE_CHECKING:
+    from serve.build import Engine
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in ((400, "bad request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                       (413, "body too large"), (429, "queue full; see Retry-After"), (500, "generation failed"),
+                       (503, "shutting down"))}
+
+
+@dataclass
+class ServerState:
+    engine: "Engine"
+    loop: AsyncEngine
+    metrics: Metrics
+    config: ServerConfig
+    planner: RequestPlanner
+    strings: TokenStrings
+    model_name: str
+    started: float
+
+
+def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    loop = AsyncEngine(engine.core, LoopConfig(config.max_waiting_requests, config.max_request_rate))
+    name = config.served_model_name or engine.model_name
+    state = ServerState(engine, loop, Metrics(name, loop), config,
+                        RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config),
+                        TokenStrings(engine.tokenizer), name, time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await loop.start()
+        try:
+            yield
+        finally:
+            await loop.drain(config.shutdown_timeout_s)
+            await loop.stop()
+
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    _add_routes(app, state)
+    # The last added runs first: count every response, then check the key, then the body size.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=config.api_key)
+    app.add_middleware(HttpMetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, st: ServerState) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(st, body.model)
+        plan = st.planner.completion(body)
+        return await _serve(st, request, plan, CompletionFormat(plan, st.model_name, st.strings, st.engine.tokenizer))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(st, body.model)
+        plan = st.planner.chat(body)
+        return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if st.loop.accepting:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "shutting down" if st.loop.running else "stopped"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format) -> Any:
+    try:
+        stream = await st.loop.add_requests(plan.sequences())
+    except QueueFull as e:
+        raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
+    except EngineUnavailable as e:
+        raise APIError(503, str(e), code="unavailable", headers={"Retry-After": "5"}) from None
+    except RequestRejected as e:
+        raise APIError(400, str(e)) from None
+    if plan.stream:
+        return EngineStreamingResponse(sse_events(plan, stream, fmt), on_close=stream.abort)
+    try:
+        choices = await collect_while_connected(request, plan, stream)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the status only shows in logs
+    finally:
+        stream.abort()
+    return fmt.response(choices, usage(plan, choices))

@@ -1,0 +1,211 @@
+"""Engine outputs -> OpenAI responses and stream chunks, for /v1/completions and /v1/chat/completions.
+
+A ChoiceState accumulates one choice's outputs; a format turns them into the endpoint's response
+and chunk models. Both formats share the driver in serve/streaming.py.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from scheduler.request import StepOutput, TokenLogprob
+from scheduler.token_bytes import token_bytes_table
+from serve.prompts import Plan
+from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                            ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
+                            Delta, PromptTokensDetails, TopLogprob, Usage)
+
+
+class TokenStrings:
+    """The text and exact bytes of single tokens, for logprobs; each id is worked out once.
+
+    A token that holds part of a multi-byte character has no text of its own: its bytes come from
+    the tokenizer's byte-level vocabulary, and its text is written "bytes:\\xNN..." as OpenAI does.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._bytes = token_bytes_table(tokenizer, skip_special_tokens=False)  # None: not byte-level
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._work_out(token_id)
+        return hit
+
+    def _work_out(self, token_id: int) -> tuple[str, bytes]:
+        if self._bytes is None or not 0 <= token_id < len(self._bytes):
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            return text, text.encode("utf-8")
+        raw = self._bytes[token_id]
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    num_prompt_tokens: int
+    text: str = ""
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def update(self, out: StepOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens + len(out.new_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+
+def new_choices(plan: Plan) -> list[ChoiceState]:
+    return [ChoiceState(i * plan.n + j, len(p.token_ids)) for i, p in enumerate(plan.prompts) for j in range(plan.n)]
+
+
+def usage(plan: Plan, choices: list[ChoiceState]) -> Usage:
+    """Prompt tokens count once per prompt, however many choices it has."""
+    prompt = sum(len(p.token_ids) for p in plan.prompts)
+    completion = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.num_cached_tokens for c in choices[::plan.n])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class _TokenIds:
+    plan: Plan
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self.plan.return_token_ids else None
+
+
+class Format(Protocol):
+    def start_chunks(self) -> list[BaseModel]: ...
+    def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None: ...
+    def usage_chunk(self, u: Usage) -> BaseModel: ...
+    def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel: ...
+
+
+class CompletionFormat(_TokenIds):
+    def __init__(self, plan: Plan, model: str, strings: TokenStrings, tokenizer: Any) -> None:
+        self.plan = plan
+        self.model = model
+        self.strings = strings
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.echo_texts = [self._echo_text(p.text, p.token_ids, tokenizer) for p in plan.prompts] if plan.echo else None
+
+    @staticmethod
+    def _echo_text(text: str | None, ids: list[int], tokenizer: Any) -> str:
+        return text if text is not None else tokenizer.decode(ids)
+
+    def _prefix(self, index: int) -> str:
+        return self.echo_texts[index // self.plan.n] if self.echo_texts else ""
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in lps:
+            token = self.strings(lp.token_id)
+            top = {self.strings(t): v for t, v in lp.top}
+            top.setdefault(token, lp.logprob)  # the sampled token is always listed, as OpenAI does
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _response(self, choices: list[CompletionChoice], u: Usage | None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+    def start_chunks(self) -> list[BaseModel]:
+        if not self.echo_texts:
+            return []
+        return [self._response([CompletionChoice(index=i, text=self._prefix(i))], None)
+                for i in range(len(self.plan.prompts) * self.plan.n)]
+
+    def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
+        if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
+            return None  # text held back (a partial character, a possible stop string): nothing to say yet
+        lps = None
+        if self.plan.logprobs is not None:
+            offset = len(self._prefix(choice.index)) + len(choice.text) - len(out.new_text)
+            lps = self._logprobs(out.logprobs, offset)
+        return self._response([CompletionChoice(index=choice.index, text=out.new_text, logprobs=lps,
+                                                finish_reason=out.finish_reason if out.finished else None,
+                                                token_ids=self._ids(out.new_token_ids))], None)
+
+    def usage_chunk(self, u: Usage) -> BaseModel:
+        return self._response([], u)
+
+    def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel:
+        out = []
+        for c in choices:
+            prefix = self._prefix(c.index)
+            lps = self._logprobs(c.logprobs, len(prefix)) if self.plan.logprobs is not None else None
+            out.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lps, finish_reason=c.finish_reason,
+                                        token_ids=self._ids(c.token_ids)))
+        return self._response(out, u)
+
+
+class ChatFormat(_TokenIds):
+    def __init__(self, plan: Plan, model: str, strings: TokenStrings) -> None:
+        self.plan = plan
+        self.model = model
+        self.strings = strings
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token, raw = self.strings.get(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
+        if self.plan.logprobs is None:
+            return None
+        content = []
+        for lp in lps:
+            t = self._top(lp.token_id, lp.logprob)
+            content.append(ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes,
+                                            top_logprobs=[self._top(i, v) for i, v in lp.top]))
+        return ChatLogprobs(content=content)
+
+    def _chunk(self, choices: list[ChatChunkChoice], u: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+    def start_chunks(self) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                for i in range(self.plan.n)]
+
+    def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
+        if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
+            return None
+        return self._chunk([ChatChunkChoice(index=choice.index, delta=Delta(content=out.new_text or None),
+                                            logprobs=self._logprobs(out.logprobs),
+                                            finish_reason=out.finish_reason if out.finished else None,
+                                            token_ids=self._ids(out.new_token_ids))])
+
+    def usage_chunk(self, u: Usage) -> BaseModel:
+        return self._chunk([], u)
+
+    def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=u,
+            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
+                                finish_reason=c.finish_reason, token_ids=self._ids(c.token_ids)) for c in choices])

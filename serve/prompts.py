@@ -1,0 +1,230 @@
+"""Turn a validated API request into engine work: token ids per prompt and SamplingParams per choice.
+
+Everything a client can get wrong that pydantic cannot see (unsupported options, lengths against
+the context, token ids against the vocabulary, invalid Unicode, the server's limits) is checked
+here and raised as APIError(400) with a message that says what to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from scheduler.request import SamplingParams
+from serve.errors import APIError
+from serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.server_config import ServerConfig
+
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None  # the prompt as sent, when it was text
+
+
+@dataclass
+class Plan:
+    """The engine sequences of one request: every prompt times n choices, prompt-major."""
+
+    prompts: list[PromptInput]
+    params: list[SamplingParams]  # one per choice index within a prompt
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    return_token_ids: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+    def sequences(self) -> list[tuple[list[int], SamplingParams]]:
+        return [(p.token_ids, sp) for p in self.prompts for sp in self.params]
+
+
+def check_text(value: str, name: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{name} contains invalid Unicode (a lone surrogate such as \\ud800); send valid UTF-8 text",
+                       param=name) from None
+    return value
+
+
+class RequestPlanner:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: ServerConfig) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.config = config
+        self.max_tokens_limit = min(config.max_tokens_limit or max_model_len, max_model_len)
+
+    # -- the two endpoints ---------------------------------------------------------------------
+
+    def completion(self, req: CompletionRequest) -> Plan:
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (or be left out): picking the best of several samples is not supported",
+                           param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo together with logprobs needs prompt logprobs, which this server does not compute; "
+                                "drop one of them", param="echo")
+        texts = self._prompt_list(req.prompt)
+        self._check_count(len(texts), req.n)  # before tokenizing what may be a huge list
+        prompts = [self._encode_prompt(p) for p in texts]
+        return self._plan(req, prompts, req.max_tokens, req.logprobs, echo=req.echo)
+
+    def chat(self, req: ChatCompletionRequest) -> Plan:
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._plan(req, [self._chat_prompt(req)], max_tokens, logprobs)
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _prompt_list(prompt: Any) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty: send a non-empty string or list of token ids", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def _encode_prompt(self, prompt: str | list[int]) -> PromptInput:
+        if isinstance(prompt, str):
+            return PromptInput(self._encode(check_text(prompt, "prompt"), add_special_tokens=True), prompt)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in the prompt is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="prompt")
+        return PromptInput(list(prompt))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Tokenizing runs on the event loop: refuse text that could not fit anyway before spending
+        # time on it. No real tokenizer averages anywhere near this many characters per token.
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise APIError(400, f"the prompt has {len(text)} characters, far more than the model's context length of "
+                                f"{self.max_model_len} tokens can hold; shorten it", param="prompt",
+                           code="context_length_exceeded")
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except ValueError as e:  # e.g. a model folder without a tokenizer
+            raise APIError(400, str(e), param="prompt") from None
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            messages.append({"role": m.role, "content": check_text(m.text(), f"messages[{i}].content"),
+                             **({"name": check_text(m.name, f"messages[{i}].name")} if m.name else {})})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template's own raise_exception(), or a template error
+            reason = str(e).splitlines()[0][:200] if str(e) else "it raised an error"
+            raise APIError(400, f"the chat template cannot render these messages: {reason}", param="messages") from None
+        return PromptInput(self._encode(text, add_special_tokens=False))
+
+    # -- shared checks -------------------------------------------------------------------------
+
+    def _plan(self, req: SamplingFields, prompts: list[PromptInput], max_tokens: int | None,
+              logprobs: int | None, echo: bool = False) -> Plan:
+        self._check_unsupported(req)
+        self._check_count(len(prompts), req.n)
+        if max_tokens is not None and max_tokens > self.max_tokens_limit:
+            raise APIError(400, f"max_tokens is {max_tokens} but this server allows at most {self.max_tokens_limit}",
+                           param="max_tokens")
+        for p in prompts:
+            self._check_length(len(p.token_ids), max_tokens)
+        if max_tokens is None and self.max_tokens_limit < self.max_model_len:
+            max_tokens = self.max_tokens_limit
+        try:
+            base = self._sampling_params(req, max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        # n samples of one prompt must differ: choice i draws from seed + i.
+        params = [base if req.seed is None or i == 0 else replace(base, seed=req.seed + i) for i in range(req.n)]
+        opts = req.stream_options
+        return Plan(prompts, params, logprobs=logprobs, echo=echo, stream=req.stream,
+                    include_usage=bool(req.stream and opts and opts.include_usage),
+                    continuous_usage=bool(req.stream and opts and opts.continuous_usage_stats),
+                    return_token_ids=req.return_token_ids)
+
+    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k if req.top_k and req.top_k < self.vocab_size else -1,  # >= vocab: no filter
+            seed=req.seed,
+            stop=self._stop_list(req.stop),
+            stop_token_ids=self._stop_token_ids(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    def _check_count(self, num_prompts: int, n: int) -> None:
+        cfg = self.config
+        if n > cfg.max_n:
+            raise APIError(400, f"n is {n} but this server allows at most {cfg.max_n} choices", param="n")
+        if num_prompts * n > cfg.max_sequences_per_request:
+            raise APIError(400, f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; this server "
+                                f"allows at most {cfg.max_sequences_per_request} per request", param="prompt")
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+        ctx = self.max_model_len
+        if num_prompt == 0:
+            raise APIError(400, "the prompt is empty (0 tokens); send at least one token", param="prompt")
+        if num_prompt >= ctx:
+            raise APIError(400, f"the prompt has {num_prompt} tokens but the model's context length is {ctx} tokens "
+                                f"(prompt plus completion); shorten the prompt to at most {ctx - 1} tokens",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > ctx:
+            raise APIError(400, f"the model's context length is {ctx} tokens, but {num_prompt + max_tokens} were "
+                                f"requested ({num_prompt} in the prompt, {max_tokens} for the completion); lower "
+                                f"max_tokens to at most {ctx - num_prompt} or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+
+    @staticmethod
+    def _check_unsupported(req: SamplingFields) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported; leave it out or send 0", param=name)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported; leave it out", param="logit_bias")
+
+    def _stop_list(self, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        cfg = self.config
+        if len(stops) > cfg.max_stop_strings:
+            raise APIError(400, f"{len(stops)} stop strings given; at most {cfg.max_stop_strings} are allowed", param="stop")
+        for s in stops:
+            if not s:
+                raise APIError(400, "stop strings must not be empty", param="stop")
+            if len(s) > cfg.max_stop_string_chars:
+                raise APIError(400, f"a stop string has {len(s)} characters; at most {cfg.max_stop_string_chars} are allowed",
+                               param="stop")
+            check_text(s, "stop")
+        return stops
+
+    def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
+        ids = list(ids or [])
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="stop_token_ids")
+        return ids

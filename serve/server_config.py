@@ -1,0 +1,35 @@
+"""ServerConfig: the HTTP server's settings and its limits on what one request may ask for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <key>"
+    max_waiting_requests: int = 1024  # sequences waiting for the engine before new ones get 429
+    max_request_rate: float | None = None  # sequences admitted per second; None = unlimited
+    shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long, then are aborted
+    max_body_bytes: int = 8 * 2**20
+    max_n: int = 16  # choices per prompt
+    max_sequences_per_request: int = 64  # prompts x n
+    max_tokens_limit: int | None = None  # cap on max_tokens; None: the context length
+    # Stop strings are matched on every generated token: bound the work one request can ask for.
+    max_stop_strings: int = 8
+    max_stop_string_chars: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_sequences_per_request",
+                     "max_stop_strings", "max_stop_string_chars"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1; got {self.max_tokens_limit}")
+        if self.max_request_rate is not None and not self.max_request_rate > 0:
+            raise ValueError(f"max_request_rate must be > 0; got {self.max_request_rate}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")

@@ -1,0 +1,25 @@
+import pytest
+
+from tests.serve.helpers import ServerThread, build
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama with a trained BPE tokenizer and a chat template (built once)."""
+    from tests.models import build_model
+
+    return build_model("llama", tmp_path_factory.mktemp("serve-model") / "llama")
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    """A shared server with default limits. Tests that change its state use their own."""
+    with ServerThread(build(model_dir)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)

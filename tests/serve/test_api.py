@@ -1,0 +1,194 @@
+"""The OpenAI API against a real uvicorn server, through the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from scheduler.request import SamplingParams
+from serve.llm import LLM
+from tests.serve.helpers import engine_config
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "1 2 3 4 5", "Hello, world! How are"]
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM.from_config(engine_config(model_dir))
+
+
+def greedy(offline, prompts, max_tokens=12, **kw):
+    return [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                     ignore_eos=True, **kw))]
+
+
+def test_completion_greedy_equals_offline(client, server, offline):
+    expected = greedy(offline, PROMPTS)
+    for prompt, want in zip(PROMPTS, expected):
+        r = client.completions.create(model=server.state.model_name, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        assert r.choices[0].finish_reason == "length"
+        n_prompt = len(offline.tokenizer.encode(prompt))
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+    server.wait_idle()
+
+
+def test_streamed_chunks_concatenate_to_the_whole(client, server):
+    for prompt in PROMPTS:
+        kw = dict(model=server.state.model_name, prompt=prompt, max_tokens=20, temperature=0,
+                  extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_streaming_and_not(client, server, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a capital."}]
+    expected = greedy(offline, [offline.chat_prompt(messages)], max_tokens=15)[0]
+    kw = dict(model=server.state.model_name, messages=messages, max_tokens=15, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(offline.chat_prompt(messages)) and r.usage.completion_tokens == 15
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_prompt_forms_and_n(client, server, offline):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    expected = greedy(offline, PROMPTS[:2], max_tokens=8)
+    name = server.state.model_name
+    kw = dict(model=name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == expected[0]
+    r = client.completions.create(prompt=PROMPTS[:2], n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [expected[0]] * 2 + [expected[1]] * 2
+    prompt_tokens = sum(len(offline.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 32
+    r = client.completions.create(prompt=[ids, offline.tokenizer.encode(PROMPTS[1])], **kw)
+    assert [c.text for c in r.choices] == expected
+    # streaming with n: every choice index ends once
+    chunks = list(client.completions.create(prompt=PROMPTS[0], n=3, stream=True, **kw))
+    ends = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert ends == [0, 1, 2]
+    for i in range(3):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == expected[0]
+
+
+def test_sampling_seeded_is_reproducible_and_n_differs(client, server):
+    kw = dict(model=server.state.model_name, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+
+
+def test_echo_and_stop(client, server, offline):
+    name = server.state.model_name
+    r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == PROMPTS[0] + greedy(offline, [PROMPTS[0]], max_tokens=6)[0]
+    full = greedy(offline, [PROMPTS[2]], max_tokens=20)[0]
+    stop = full[5:8]
+    assert stop.strip(), full
+    r = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.index(stop)]
+    chunks = list(client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_logprobs_shapes(client, server):
+    name = server.state.model_name
+    r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and 3 <= len(top) <= 4 and top[tok] == val
+        assert val == max(top.values())  # greedy picks the most likely token
+    assert lp.text_offset == sorted(lp.text_offset)
+    c = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob for t in content)
+    assert all(t.bytes == list(t.token.encode()) for t in content if not t.token.startswith("bytes:"))
+    chunks = list(client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # (the second request reuses the first's prompt KV from the prefix cache: equal up to rounding)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+
+
+def test_16_concurrent_clients(server, offline):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
+    expected = greedy(offline, prompts, max_tokens=24)
+    name = server.state.model_name
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        if i % 2:
+            r = await c.completions.create(model=name, prompt=prompts[i], max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True})
+            return r.choices[0].text
+        parts = []
+        async for ch in await c.completions.create(model=name, prompt=prompts[i], max_tokens=24, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+            parts.append(ch.choices[0].text)
+        return "".join(parts)
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+
+    assert asyncio.run(main()) == expected
+    server.wait_idle()
+
+
+def test_models_health_metrics(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.state.model_name]
+    assert server.http.get("/health").json() == {"status": "ok"}
+    client.completions.create(model=server.state.model_name, prompt="Hello", max_tokens=3)
+    m = server.metrics()
+    for name in ("pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
+                 "pagedserve:num_preemptions_total", "pagedserve:prompt_tokens_total",
+                 "pagedserve:generation_tokens_total", "pagedserve:time_to_first_token_seconds_count",
+                 "pagedserve:time_per_output_token_seconds_count", "pagedserve:e2e_request_latency_seconds_count",
+                 "pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total"):
+        assert name in m, name
+    assert m["pagedserve:generation_tokens_total"] >= 3
+    assert m["pagedserve:e2e_request_latency_seconds_count"] >= 1
+    server.wait_idle()
+    m = server.metrics()
+    assert m["pagedserve:num_requests_running"] == 0 and m["pagedserve:kv_cache_usage_perc"] == 0
+
+
+def test_return_token_ids_extension(server, offline):
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = server.http.post("/v1/completions", json=body).json()
+    want = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert whole["choices"][0]["token_ids"] == want
+    ids = []
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+    assert ids == want
+    plain = server.http.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert plain["choices"][0]["token_ids"] is None

@@ -1,0 +1,124 @@
+"""`serve run` as a real subprocess: what it prints, where it binds, and SIGTERM.
+
+SIGTERM stops admission at once, lets in-flight requests run for --shutdown-timeout seconds,
+aborts the rest with a finish reason their clients see, and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve.cli import build_parser
+from tests.serve.helpers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+           "--num-kv-blocks", "64", "--port", str(port), "--log-level", "warning", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("server did not become healthy")
+
+
+def read_stream(port: int, body: dict, out: list, started: threading.Event) -> None:
+    """Collect the finish reasons of one streamed completion; out gets ("ok", reasons) or ("error", text)."""
+    reasons, done = [], False
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                started.set()
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+        out.append(("ok" if done else "cut", reasons))
+    except httpx.HTTPError as e:
+        out.append(("error", repr(e)))
+
+
+def test_default_host_is_loopback():
+    args = build_parser().parse_args(["run"])
+    assert args.host == "127.0.0.1" and args.api_key is None
+
+
+def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir):
+    proc, port = start_server(model_dir, "--shutdown-timeout", "0.2")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+        results: list = []
+        events = [threading.Event() for _ in range(3)]
+        threads = [threading.Thread(target=read_stream, args=(port, body, results, e)) for e in events]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in events)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.HTTPError):  # admission has stopped: the listening socket is closed
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5)
+        code = proc.wait(timeout=20)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=10)
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, output
+    assert elapsed < 10, elapsed
+    # every client saw its stream end properly, with finish_reason "abort", then [DONE]
+    assert results == [("ok", ["abort"])] * 3, results
+    assert f"http://127.0.0.1:{port}/v1" in output
+    assert f"model {model_dir.name}" in output and "KV cache 1024 tokens" in output and "context 512 tokens" in output
+    assert "Traceback" not in output, output
+
+
+def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(model_dir):
+    """The drain behind SIGTERM, in process: with time to spare, in-flight requests finish normally
+    while new ones get 503, and /health says the server is going away."""
+    import asyncio
+
+    from tests.serve.helpers import ServerThread, build
+
+    with ServerThread(build(model_dir)) as srv:
+        body = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        results: list = []
+        events = [threading.Event() for _ in range(3)]
+        threads = [threading.Thread(target=read_stream, args=(srv.port, body, results, e)) for e in events]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in events)
+        drained = asyncio.run_coroutine_threadsafe(srv.state.loop.drain(60), srv.server._loop)
+        r = srv.http.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert srv.http.get("/health").status_code == 503
+        drained.result(timeout=30)
+        for t in threads:
+            t.join(timeout=10)
+        assert results == [("ok", ["length"])] * 3, results
