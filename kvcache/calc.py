@@ -370,7 +370,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
-                        help="measure each KV dtype's accuracy against the bf16 cache (runs the model)")
+                        help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
+                        "--model: a folder with weights, default SmolLM2-135M-Instruct)")
+    parser.add_argument("--text", metavar="FILE", default=None,
+                        help="with --accuracy: the UTF-8 text to run (default: the shipped public-domain text)")
     parser.add_argument("--measure", action="store_true",
                         help="load the model on the local GPU and print the engine's measured sizing next to this one")
 
@@ -521,7 +524,18 @@ def format_json(req: CalcRequest, base: KVPlan) -> str:
 
 
 def _run_accuracy(args: argparse.Namespace) -> int:
-    raise NotImplementedError("serve kv-calc --accuracy: placeholder, to be implemented with the engine")
+    """Run the model over a text with each KV dtype and print the accuracy table (kvcache/accuracy.py)."""
+    from engine.default_model import DefaultModelError
+    from engine.loader import WeightLoadError
+    from kvcache.accuracy import AccuracyInputError, format_json, format_table, run_accuracy
+
+    try:
+        report = run_accuracy(args.model or None, getattr(args, "text", None), show_progress=sys.stderr.isatty())
+    except (AccuracyInputError, ModelConfigError, WeightLoadError, DefaultModelError) as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
+    print(format_json(report) if args.json else format_table(report))
+    return 0
 
 
 def _run_measure(args: argparse.Namespace) -> int:
