@@ -71,6 +71,9 @@ class CompletionTarget:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            # extension (pagedserve, vLLM): each chunk lists its token ids, so merged chunks count right;
+            # servers that don't know the field ignore it
+            "return_token_ids": True,
         }
         if self.ignore_eos:
             body["ignore_eos"] = True

@@ -75,6 +75,7 @@ class DecodeGraphs:
                 self.logits[bs] = self._forward(bs)
             self.graphs[bs] = g
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the eager warm-ups' memory, cached by the allocator, goes back
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info("captured %d decode graphs (batch 1..%d) in %.1f MiB", len(self.graphs), self.max_bs,
                  self.pool_bytes / 2**20)

@@ -19,7 +19,7 @@ from engine.sampler import SamplingBatch, sample
 from kvcache.calc import estimate_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
-from scheduler.request import Batch, SampleOutput
+from scheduler.request import Batch, SampleOutput, SamplingParams
 from serve.config import EngineConfig
 
 log = logging.getLogger("pagedserve")
@@ -115,7 +115,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One forward over max_num_batched_tokens tokens, writing nowhere, to measure activation peak."""
+        """One forward over max_num_batched_tokens tokens, writing nowhere, then the sampler at its
+        most expensive (top-k, top-p, logprobs on max_num_seqs rows), to measure the activation peak."""
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         spec = self.kv_spec
         pool = KVPool(spec, 1, self.device)
@@ -127,9 +128,12 @@ class ModelRunner:
             num_decode=0, max_query_len=n)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(min(n, self.cfg.max_num_seqs), device=self.device))
-        torch.cuda.synchronize(self.device)
+        rows = min(n, self.cfg.max_num_seqs)
+        logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device))
         del pool
+        worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
+        sample(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator)
+        torch.cuda.synchronize(self.device)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch]:
         """Host-side inputs of one step, built with numpy and sent to the device in two copies:

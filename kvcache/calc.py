@@ -34,6 +34,9 @@ DEFAULT_MAX_NUM_SEQS = 256
 # on an H100 80GB HBM3 with torch 2.11 + CUDA 13; rounded up.
 RUNTIME_OVERHEAD_BYTES = 768 * MiB
 ROPE_TABLE_BYTES_PER_POSITION_DIM = 2 * 4  # the runner's cos and sin table, float32
+# The sampler's peak per logit with top-k/top-p and logprobs (the engine profiles it so): the sort's
+# float32 values and int64 indices, masks, softmax, cumsum, scatter and the noise, float32 each.
+SAMPLER_BYTES_PER_LOGIT = 36
 
 
 class KVCalcError(ValueError):
@@ -108,7 +111,7 @@ class ActivationEstimate:
     outside torch's allocator. An estimate, not a measurement."""
     profile_tokens: int  # min(max_num_batched_tokens, max_model_len), as the engine profiles
     layer_bytes: int  # the largest layer's live tensors
-    logits_bytes: int  # final hidden states and the logits of the sampled rows
+    logits_bytes: int  # final hidden states, the logits of the sampled rows and the sampler's work
     buffer_bytes: int  # the rope cos/sin table
     runtime_bytes: int
 
@@ -137,7 +140,7 @@ def estimate_activation_bytes(model: ModelConfig, dtype: str, tensor_parallel_si
     mlp = 3 * h + 4 * inter
     layer = tokens * max(attention, mlp) * e
     # the lm_head's output in the model dtype and its float32 copy, over the full vocabulary
-    logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4)
+    logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4 + SAMPLER_BYTES_PER_LOGIT)
     rope = max_len * model.head_dim * ROPE_TABLE_BYTES_PER_POSITION_DIM
     return ActivationEstimate(tokens, layer, logits, rope, RUNTIME_OVERHEAD_BYTES)
 

@@ -52,6 +52,7 @@ class ModelPreset:
         """A fresh Hugging Face style config.json dict."""
         return {
             "architectures": [self.architecture],
+            "model_type": self.architecture.removesuffix("ForCausalLM").lower(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

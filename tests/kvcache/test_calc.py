@@ -192,7 +192,9 @@ def test_activation_estimate():
     # the MLP dominates: 8192 tokens x (3 x 4096 + 4 x 14336) x 2 bytes
     assert est.layer_bytes == 8192 * (3 * 4096 + 4 * 14336) * 2
     assert est.buffer_bytes == 8192 * 128 * 2 * 4  # the rope table: positions x head_dim x (cos, sin) x float32
-    assert est.total_bytes == est.layer_bytes + est.buffer_bytes + calc.RUNTIME_OVERHEAD_BYTES
+    # the sampler at max_num_seqs rows (top-k, top-p, logprobs) outweighs the largest layer here
+    assert est.logits_bytes == 2 * 8192 * 4096 * 2 + 256 * 128256 * (2 + 4 + calc.SAMPLER_BYTES_PER_LOGIT)
+    assert est.total_bytes == max(est.layer_bytes, est.logits_bytes) + est.buffer_bytes + calc.RUNTIME_OVERHEAD_BYTES
     # like the engine's profile, no more tokens than max_model_len
     assert estimate_activation_bytes(m, "bfloat16", max_model_len=1024).profile_tokens == 1024
     assert estimate_activation_bytes(m, "bfloat16", max_num_batched_tokens=2048).layer_bytes == est.layer_bytes // 4
