@@ -103,5 +103,7 @@ class LLM:
                     r.finish_reason = out.finish_reason
                     pending.discard(out.seq_id)
                     if out.error:
+                        for sid in pending:  # don't leave this call's other requests in the engine
+                            core.abort(sid)
                         raise RuntimeError(out.error)
         return [results[sid] for sid in order]

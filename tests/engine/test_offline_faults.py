@@ -1,0 +1,26 @@
+"""A failing model step surfaces as one clear error from LLM.generate and leaves nothing behind."""
+import pytest
+
+from serve import LLM, SamplingParams
+
+
+def test_step_failure_raises_and_frees_everything(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", num_kv_blocks=32, max_num_seqs=1)
+    runner = llm.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real(batch)
+
+    runner.execute = flaky
+    with pytest.raises(RuntimeError, match="internal error"):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
+    core = llm.engine.core
+    assert not core.has_unfinished() and core.block_manager.num_free_blocks == 32
+    runner.execute = real
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
