@@ -12,7 +12,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch>=2.6"
   else
     # The CPU wheel: far smaller than the default CUDA build, which a machine without a GPU can't use.
-    "${pip[@]}" --retries 1 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    # Only torch itself comes from PyTorch's CPU index; its dependencies from the usual index.
+    "${pip[@]}" --retries 1 --no-deps "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    "${pip[@]}" "torch==2.13.0"
   fi
 fi
 if [ "${1:-}" = "--test" ]; then
