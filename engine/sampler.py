@@ -21,7 +21,7 @@ class SamplingBatch:
 
     @property
     def all_greedy(self) -> bool:
-        return all(p.temperature == 0.0 for p in self.params)
+        return all(p.greedy for p in self.params)
 
     @property
     def max_logprobs(self) -> int | None:
@@ -66,11 +66,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for i, p in enumerate(batch.params):
-            if p.seed is not None and p.temperature > 0:
+            if p.seed is not None and not p.greedy:
                 g = torch.Generator(device=device).manual_seed(_seed_for(p.seed, batch.output_positions[i]))
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.temperature == 0.0 for p in batch.params], device=device)
+        is_greedy = torch.tensor([p.greedy for p in batch.params], device=device)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     k = batch.max_logprobs
     if k is None:
