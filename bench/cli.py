@@ -28,7 +28,7 @@ from bench.presets import resolve_model
 from bench.report import Roofline, RunInfo, format_report, result_dict
 from bench.roofline import ModelCost, estimate
 from bench.server import ManagedServer, ServerError, resolve_command
-from bench.workload import WorkloadSpec, arrival_offsets, make_requests
+from bench.workload import WorkloadSpec, arrival_offsets, make_requests, warmup_requests
 from engine.config import ModelConfig, ModelConfigError
 
 PROG = "serve bench"
@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (extension field)")
     load.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
                       help="every prompt starts with the same N random tokens (part of --input-len)")
+    load.add_argument("--num-warmups", type=int, default=0, metavar="N",
+                      help="first send N unmeasured requests of the same shape (other tokens, another shared "
+                           "prefix), at the same concurrency: compiles and warms the server (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (default: %(default)s)")
 
     out = parser.add_argument_group("results")
@@ -112,6 +115,8 @@ def _validate(args: argparse.Namespace) -> _Setup:
         raise ValueError(f"--request-rate must be > 0, got {rate}")
     if rate is not None and math.isinf(rate):
         rate = None
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.server_timeout <= 0:
         raise ValueError("--server-timeout must be > 0")
     for flag, value in (("--copy-bandwidth", args.copy_bandwidth), ("--matmul-tflops", args.matmul_tflops)):
@@ -199,10 +204,21 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
     target = CompletionTarget(url=base_url + args.endpoint, model=name, ignore_eos=args.ignore_eos,
                               api_key=args.api_key)
     requests = make_requests(setup.workload)
-    first = asyncio.run(probe(target, requests[0]))
+    warmups = warmup_requests(setup.workload, max(1, args.num_warmups))
+    # The probe and the warm-ups use other tokens than the measured prompts: with prefix caching
+    # they would otherwise hand the measured requests a cached prefix.
+    first = asyncio.run(probe(target, warmups[0]))
     if not first.success:
         _error(f"the test request to {target.url} failed: {first.error}")
         return 1
+    if args.num_warmups > 0:
+        print(f"{PROG}: {args.num_warmups} warm-up requests", file=sys.stderr)
+        warm = asyncio.run(run_load(target, warmups, LoadPlan(arrivals=[0.0] * len(warmups),
+                                                              concurrency=args.concurrency, progress=False)))
+        failed = [r for r in warm.results if not r.success]
+        if failed:
+            _error(f"{len(failed)} of {len(warmups)} warm-up requests failed: {failed[0].error}")
+            return 1
     arrivals = arrival_offsets(len(requests), setup.request_rate, setup.workload.seed)
     load = asyncio.run(run_load(target, requests, LoadPlan(arrivals=arrivals, concurrency=args.concurrency)))
     metrics = compute_metrics(load.results, load.duration_s, setup.slo)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|serve|kv   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|prefix|kvdecode|kvmeasure   (several stages may be given)
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
 set -uo pipefail
@@ -32,6 +32,33 @@ for stage in "$@"; do
       log "offline llama3-8b eager"
       python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 512 --output-len 128 \
         --enforce-eager --result-json "$OUT/offline-llama3-8b-eager.json" 2>&1 | tail -1
+      ;;
+    prefix)
+      # issue 8: 64 concurrent requests, a shared 1024-token prefix + 128 unique tokens each
+      for pc in on off; do
+        args=""; [ $pc = off ] && args="--no-prefix-caching"
+        log "serve bench, shared prefix, prefix caching $pc"
+        python3 -m serve.cli bench --model llama3-8b --load-format dummy --server-command "python3 -m serve.cli run" \
+          --server-args="$args" --concurrency 64 --num-prompts 64 --input-len 1152 --shared-prefix-len 1024 \
+          --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/prefix-$pc.json" 2>&1 | grep -E "TTFT|throughput|error" | head -8
+      done
+      python3 -m bench.compare --key median_ttft_ms --lower-is-better --baseline "$OUT/prefix-off.json" \
+        --out "$OUT/prefix-caching-ttft.json" "$OUT/prefix-on.json"
+      ;;
+    kvdecode)
+      # issue 6: decode throughput at batch 64 and 4096-token context, per KV dtype
+      for kv in auto fp8 int8; do
+        log "decode-only llama3-8b kv $kv"
+        python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 4096 --output-len 128 \
+          --max-model-len 8192 --kv-cache-dtype $kv --decode-only --result-json "$OUT/kvdecode-$kv.json" 2>&1 | tail -1
+      done
+      python3 -m bench.compare --key output_throughput --baseline "$OUT/kvdecode-auto.json" \
+        --out "$OUT/kv-decode-long-context.json" "$OUT/kvdecode-fp8.json" "$OUT/kvdecode-int8.json"
+      ;;
+    kvmeasure)
+      log "kv-calc --measure llama3-8b"
+      python3 -m serve.cli kv-calc --model llama3-8b --measure --json > "$OUT/kvcalc-measure.json" 2>"$OUT/kvcalc-measure.err"
+      tail -c 600 "$OUT/kvcalc-measure.json"; tail -3 "$OUT/kvcalc-measure.err"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

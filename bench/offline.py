@@ -17,6 +17,29 @@ from bench.hardware import measure
 from bench.roofline import ModelCost, estimate
 
 
+def time_decode(llm, prompts: list[list[int]], params) -> tuple[int, float, int]:
+    """Steps the engine until every sequence has its first token (all prefills done), then times
+    the steps to the end: (decoded tokens, seconds, steps) of pure decode at full batch."""
+    import torch
+
+    core = llm.engine.core
+    for ids in prompts:
+        core.add_request(ids, params)
+    started: set[int] = set()
+    while len(started) < len(prompts):
+        for out in core.step():
+            if out.new_token_ids:
+                started.add(out.seq_id)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    n, steps, t0 = 0, 0, time.perf_counter()
+    while core.has_unfinished():
+        n += sum(len(out.new_token_ids) for out in core.step())
+        steps += 1
+    sync()
+    return n, time.perf_counter() - t0, steps
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -31,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--decode-only", action="store_true",
+                   help="time only the steps in which every sequence decodes (all prefills done): "
+                        "the decode throughput at batch --num-prompts and context --input-len")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of a run to this file")
     p.add_argument("--result-json", default=None)
     args = p.parse_args(argv)
@@ -52,24 +78,35 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     import torch
 
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
-    n_out = sum(len(o.token_ids) for o in outs)
-    result = dict(model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
+    if args.decode_only:
+        n_out, elapsed, steps = time_decode(llm, prompts, params)
+    else:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        n_out = sum(len(o.token_ids) for o in outs)
+        steps = llm.engine.core.stats.num_steps
+    result = dict(decode_only=args.decode_only, model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
                   input_len=args.input_len, output_len=args.output_len, enforce_eager=args.enforce_eager,
                   kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
-                  output_throughput=n_out / elapsed, steps=llm.engine.core.stats.num_steps,
+                  output_throughput=n_out / elapsed, steps=steps,
                   date=time.strftime("%Y-%m-%d"))
     rates = hw.rates()
     if rates is not None:
         cost = ModelCost.of(llm.engine.model_config, args.kv_cache_dtype)
         est = estimate(cost, [(args.input_len, args.output_len)] * args.num_prompts, rates, concurrency=args.max_num_seqs)
-        result.update(roofline_output_throughput=est.output_throughput,
-                      roofline_fraction=(n_out / elapsed) / est.output_throughput,
-                      roofline_decode_step_ms=est.decode_step_s * 1e3, roofline_prefill_s=est.prefill_s,
-                      copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
+        if args.decode_only:  # the bound of the timed steps alone: decode steps at the bound
+            result.update(roofline_output_throughput=args.num_prompts / est.decode_step_s,
+                          roofline_fraction=(n_out / elapsed) * est.decode_step_s / args.num_prompts,
+                          decode_step_ms=elapsed / max(steps, 1) * 1e3,
+                          roofline_decode_step_ms=est.decode_step_s * 1e3,
+                          copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
+        else:
+            result.update(roofline_output_throughput=est.output_throughput,
+                          roofline_fraction=(n_out / elapsed) / est.output_throughput,
+                          roofline_decode_step_ms=est.decode_step_s * 1e3, roofline_prefill_s=est.prefill_s,
+                          copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -70,6 +70,16 @@ def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
         suffix = tok_rng.integers(0, spec.vocab_size, size=int(input_lens[i]) - spec.shared_prefix_len)
         requests.append(BenchRequest(index=i, prompt=prefix + suffix.tolist(), output_len=int(output_lens[i])))
     return requests
+
+
+def warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
+    """n requests shaped like spec's (same lengths, a shared prefix of the same length) but with
+    other tokens: they compile and warm the server without putting the measured prompts, or
+    their shared prefix, into its prefix cache."""
+    if n <= 0:
+        return []
+    other = replace(spec, num_prompts=n, seed=spec.seed + 1_000_003)
+    return make_requests(other)
 
 
 def arrival_offsets(num_requests: int, request_rate: float | None, seed: int) -> list[float]:

@@ -122,14 +122,17 @@ class BlockManager:
         table.extend(self.allocate(max(0, new)) or [])
         return table
 
-    def cache_blocks(self, block_table: Seq[int], token_ids: Seq[int], hashes: list[int], num_computed: int) -> None:
-        """Register the sequence's full, computed blocks in the prefix cache."""
+    def cache_blocks(self, block_table: Seq[int], token_ids: Seq[int], hashes: list[int], start: int, end: int) -> None:
+        """Register the blocks that become full while tokens [start, end) are computed. The
+        scheduler calls this when it schedules them, so a sequence admitted later in the same
+        step can share them: every layer writes the step's K/V into the pages before any attention
+        reads them. If the step fails, uncache() must take them back."""
         if not self.enable_caching:
             return
         bs = self.block_size
-        full = min(num_computed // bs, len(block_table))
-        self.prefix_hashes(token_ids[:full * bs], hashes)
-        for i in range(full):
+        last = min(end // bs, len(block_table))
+        self.prefix_hashes(token_ids[:last * bs], hashes)
+        for i in range(start // bs, last):
             b, h = block_table[i], hashes[i]
             if self.block_hashes[b] is not None:
                 continue
@@ -138,6 +141,13 @@ class BlockManager:
             self.cached[h] = b
             self.block_hashes[b] = h
             self.block_tokens[b] = tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def uncache(self, block_table: Seq[int], start: int, end: int) -> None:
+        """Forget the blocks cache_blocks(block_table, ..., start, end) registered: their K/V
+        were never written (the step failed)."""
+        bs = self.block_size
+        for i in range(start // bs, min(end // bs, len(block_table))):
+            self._uncache(block_table[i])
 
     def _uncache(self, b: int) -> None:
         h = self.block_hashes[b]

@@ -77,6 +77,7 @@ class EngineCore:
         except Exception as e:  # a fault in the model step fails this step's requests, not the engine
             log.exception("model step failed; failing %d requests", len(batch.items))
             self.stats.num_step_failures += 1
+            self.scheduler.discard(batch)
             return self._fail(batch, f"internal error during generation ({type(e).__name__})")
         outputs = self.scheduler.update(batch, samples)
         now = time.monotonic()

@@ -79,6 +79,8 @@ class Scheduler:
                     break
             else:
                 items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed_tokens,
+                                     seq.num_computed_tokens + n)
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash: wait for room.
@@ -103,6 +105,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            # Registered now, so the next waiting sequence with the same prefix shares these
+            # blocks within this very step instead of computing the prefix again.
+            self.bm.cache_blocks(table, seq.token_ids, seq.block_hashes, num_cached, num_cached + n)
             budget -= n
         if not items:
             return None
@@ -127,7 +132,6 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = it.end
-            self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.end)
             if not it.samples or sample is None:
                 continue
             seq.token_ids.append(sample.token_id)
@@ -140,6 +144,12 @@ class Scheduler:
                                       num_output_tokens=seq.num_output_tokens,
                                       num_cached_tokens=seq.num_cached_tokens))
         return outputs
+
+    def discard(self, batch: Batch) -> None:
+        """The batch was never computed: take back the prefix-cache entries its scheduling made."""
+        for it in batch.items:
+            if it.seq.block_table:
+                self.bm.uncache(it.seq.block_table, it.start, it.end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

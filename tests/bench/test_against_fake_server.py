@@ -111,3 +111,17 @@ def test_wrong_model_name_fails_fast(fake_server, bench, capsys):
     code, res = bench("--url", srv.base_url, "--served-model-name", "nope", "--num-prompts", "2")
     assert code == 1 and res is None
     assert "test request" in capsys.readouterr().err
+
+
+def test_warmups_and_probe_share_no_tokens_with_the_measured_prompts(fake_server, bench):
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005)
+    code, res = bench("--url", srv.base_url, "--num-prompts", "4", "--input-len", "16", "--output-len", "3",
+                      "--shared-prefix-len", "8", "--num-warmups", "3", "--concurrency", "2")
+    assert code == 0 and res["completed"] == 4
+    seen = [b["prompt"] for b in srv.behaviour.seen]
+    assert len(seen) == 1 + 3 + 4  # probe, warm-ups, measured
+    unmeasured, measured = seen[:4], seen[4:]
+    prefix = measured[0][:8]
+    assert all(p[:8] == prefix for p in measured)
+    assert all(len(p) == 16 and p[:8] != prefix for p in unmeasured)
+    assert all(p[:8] == unmeasured[0][:8] for p in unmeasured)  # their own shared prefix

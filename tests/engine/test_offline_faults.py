@@ -24,3 +24,25 @@ def test_step_failure_raises_and_frees_everything(tiny_models):
     runner.execute = real
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_failed_prefill_caches_no_prefix(tiny_models):
+    """The scheduler registers a prefill's blocks in the prefix cache when it schedules them; a
+    step that fails must take them back, or the next request with that prompt would read garbage."""
+    prompt = list(range(5, 5 + 40))  # 2 full blocks of 16 and a partial one
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", num_kv_blocks=32,
+               enable_prefix_caching=False).generate([prompt], greedy)[0].token_ids
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", num_kv_blocks=32)
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def fail(batch):
+        raise RuntimeError("injected")
+
+    runner.execute = fail
+    with pytest.raises(RuntimeError, match="internal error"):
+        llm.generate([prompt], greedy)
+    assert not llm.engine.core.block_manager.cached
+    runner.execute = real
+    assert llm.generate([prompt], greedy)[0].token_ids == want

@@ -25,7 +25,7 @@ def test_prefix_hit_confirms_tokens_and_lru_eviction():
     toks = [1, 2, 3, 4, 5]
     hashes: list[int] = []
     table = bm.admit([], 5)
-    bm.cache_blocks(table, toks, hashes, 5)
+    bm.cache_blocks(table, toks, hashes, 0, 5)
     assert len(bm.cached) == 2  # two full blocks; the partial third is never cached
     bm.free(table)
     assert bm.match_prefix([1, 2, 3, 4, 9], []) == table[:2]
@@ -38,6 +38,20 @@ def test_prefix_hit_confirms_tokens_and_lru_eviction():
     assert bm.match_prefix([7, 7], []) == []
     bm.block_hashes[table[0]] = saved
     del bm.cached[h]
+    bm.check_integrity([])
+
+
+def test_uncache_takes_back_what_a_failed_step_registered():
+    bm = BlockManager(8, 2, enable_caching=True)
+    toks = [1, 2, 3, 4, 5, 6, 7]
+    hashes: list[int] = []
+    table = bm.admit([], 7)
+    bm.cache_blocks(table, toks, hashes, 0, 4)  # an earlier, successful step
+    bm.cache_blocks(table, toks, hashes, 4, 7)  # this step: block 2 becomes full
+    assert len(bm.cached) == 3
+    bm.uncache(table, 4, 7)
+    assert len(bm.cached) == 2 and bm.match_prefix(toks, []) == table[:2]
+    bm.free(table)
     # Allocation evicts least recently freed first: the third (uncached) block, then the prefix tail.
     got = bm.allocate(3)
     assert got is not None
@@ -71,8 +85,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def compute_and_grow(self, data):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         s = self.seqs[sid]
+        self.bm.cache_blocks(s["table"], s["toks"], s["hashes"], s["computed"], len(s["toks"]))
         s["computed"] = len(s["toks"])
-        self.bm.cache_blocks(s["table"], s["toks"], s["hashes"], s["computed"])
         s["toks"].append(data.draw(st.integers(0, 3)))
         if self.bm.append(s["table"], len(s["toks"])) is None:
             # out of blocks: preempt this sequence (free everything; it would recompute later)

@@ -131,3 +131,30 @@ def test_prefix_cache_counts_cached_tokens_as_computed():
     batch = s.schedule()
     assert [(it.start, it.num_new_tokens) for it in batch.items] == [(8, 4)]
     assert s.prefix_cache_hits == 12 + 8
+
+
+def test_requests_admitted_in_one_step_share_a_prefix_computed_in_that_step():
+    s = make(caching=True, budget=64)
+    a = seq(0, 14, max_tokens=2)
+    b = Sequence(1, a.prompt_token_ids[:12] + [7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), max_model_len=256)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    # a computes its 14 tokens; b shares a's first 3 blocks, written by the same step's layers
+    # before any attention reads them, and computes only its own 3 tokens.
+    assert [(it.seq.seq_id, it.start, it.num_new_tokens) for it in batch.items] == [(0, 0, 14), (1, 12, 3)]
+    assert b.block_table[:3] == a.block_table[:3] and b.num_cached_tokens == 12
+    s.update(batch, fake_execute(batch))
+    s.check_integrity()
+
+
+def test_a_failed_step_leaves_nothing_cached_it_did_not_compute():
+    s = make(caching=True, budget=64)
+    a = seq(0, 14, max_tokens=2)
+    s.add(a)
+    batch = s.schedule()
+    assert len(s.bm.cached) == 3
+    s.discard(batch)
+    assert len(s.bm.cached) == 0
+    s.abort(0)
+    s.check_integrity()
