@@ -88,10 +88,12 @@ class BlockManager:
 
     # -- prefix caching ------------------------------------------------------------------------
 
-    def prefix_hashes(self, token_ids: Seq[int], hashes: list[int]) -> list[int]:
-        """Extend `hashes` (a sequence's memo) to cover every full block of token_ids; return it."""
+    def prefix_hashes(self, token_ids: Seq[int], hashes: list[int], num_blocks: int | None = None) -> list[int]:
+        """Extend `hashes` (a sequence's memo) to cover every full block of token_ids, or its
+        first num_blocks blocks; return it."""
         bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
+        full = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
+        for i in range(len(hashes), full):
             hashes.append(block_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
@@ -131,7 +133,9 @@ class BlockManager:
             return
         bs = self.block_size
         last = min(end // bs, len(block_table))
-        self.prefix_hashes(token_ids[:last * bs], hashes)
+        if start // bs >= last:
+            return  # no block becomes full in this range (most decode steps)
+        self.prefix_hashes(token_ids, hashes, last)
         for i in range(start // bs, last):
             b, h = block_table[i], hashes[i]
             if self.block_hashes[b] is not None:
