@@ -50,7 +50,8 @@ for stage in "$@"; do
       for kv in auto fp8 int8; do
         log "decode-only llama3-8b kv $kv"
         python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 4096 --output-len 128 \
-          --max-model-len 8192 --kv-cache-dtype $kv --decode-only --result-json "$OUT/kvdecode-$kv.json" 2>&1 | tail -1
+          --max-model-len 8192 --kv-cache-dtype $kv --decode-only --repeat 3 --profile "$OUT/profile-decode-$kv.txt" \
+          --result-json "$OUT/kvdecode-$kv.json" 2>&1 | tail -1
       done
       python3 -m bench.compare --key output_throughput --baseline "$OUT/kvdecode-auto.json" \
         --out "$OUT/kv-decode-long-context.json" "$OUT/kvdecode-fp8.json" "$OUT/kvdecode-int8.json"

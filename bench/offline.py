@@ -17,9 +17,10 @@ from bench.hardware import measure
 from bench.roofline import ModelCost, estimate
 
 
-def time_decode(llm, prompts: list[list[int]], params) -> tuple[int, float, int]:
+def time_decode(llm, prompts: list[list[int]], params, profile_path: str | None = None) -> tuple[int, float, int]:
     """Steps the engine until every sequence has its first token (all prefills done), then times
-    the steps to the end: (decoded tokens, seconds, steps) of pure decode at full batch."""
+    the steps to the end: (decoded tokens, seconds, steps) of pure decode at full batch. With
+    profile_path, torch.profiler records the first 10 of those steps instead (then untimed)."""
     import torch
 
     core = llm.engine.core
@@ -32,12 +33,29 @@ def time_decode(llm, prompts: list[list[int]], params) -> tuple[int, float, int]
                 started.add(out.seq_id)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    if profile_path:
+        write_profile(profile_path, lambda: [core.step() for _ in range(10)])
     n, steps, t0 = 0, 0, time.perf_counter()
     while core.has_unfinished():
         n += sum(len(out.new_token_ids) for out in core.step())
         steps += 1
     sync()
     return n, time.perf_counter() - t0, steps
+
+
+def write_profile(path: str, fn) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40))
+        f.write("\n\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-only", action="store_true",
                    help="time only the steps in which every sequence decodes (all prefills done): "
                         "the decode throughput at batch --num-prompts and context --input-len")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs (new prompts each); the median is reported")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of a run to this file")
     p.add_argument("--result-json", default=None)
     args = p.parse_args(argv)
@@ -79,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.decode_only:
-        n_out, elapsed, steps = time_decode(llm, prompts, params)
+        runs = []
+        for r in range(args.repeat):
+            ps = prompts if r == 0 else [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in prompts]
+            runs.append(time_decode(llm, ps, params))
+        n_out, elapsed, steps = sorted(runs, key=lambda x: x[0] / x[1])[len(runs) // 2]
+        repeats = [x[0] / x[1] for x in runs]
     else:
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         t0 = time.perf_counter()
@@ -87,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t0
         n_out = sum(len(o.token_ids) for o in outs)
         steps = llm.engine.core.stats.num_steps
-    result = dict(decode_only=args.decode_only, model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
+    result = dict(decode_only=args.decode_only, repeat_throughputs=repeats if args.decode_only else None, model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
                   input_len=args.input_len, output_len=args.output_len, enforce_eager=args.enforce_eager,
                   kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
                   output_throughput=n_out / elapsed, steps=steps,
@@ -107,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                           roofline_fraction=(n_out / elapsed) / est.output_throughput,
                           roofline_decode_step_ms=est.decode_step_s * 1e3, roofline_prefill_s=est.prefill_s,
                           copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
-    if args.profile:
+    if args.profile and args.decode_only:
+        time_decode(llm, [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in prompts],
+                    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), args.profile)
+    elif args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
