@@ -13,14 +13,26 @@ import sys
 from pathlib import Path
 
 
+# kept from every result, however large the rest of it
+SUMMARY_KEYS = ("model", "kv_cache_dtype", "server_args", "num_prompts", "concurrency", "input_len", "output_len",
+                "completed", "failed", "output_throughput", "roofline_output_throughput", "roofline_fraction",
+                "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "decode_step_ms",
+                "roofline_decode_step_ms", "repeat_throughputs")
+
+
+def summary(res: dict) -> dict:
+    return {k: res[k] for k in SUMMARY_KEYS if k in res}
+
+
 def compare(key: str, baseline: dict, runs: dict[str, dict], lower_is_better: bool) -> dict:
     base = baseline[key]
     rows = []
     for name, res in runs.items():
         value = res[key]
         speedup = base / value if lower_is_better else value / base
-        rows.append({"file": name, "value": value, "speedup": speedup})
-    return {"key": key, "lower_is_better": lower_is_better, "baseline_value": base, "runs": rows,
+        rows.append({"file": name, "value": value, "speedup": speedup, "summary": summary(res)})
+    return {"key": key, "lower_is_better": lower_is_better, "baseline_value": base,
+            "baseline_summary": summary(baseline), "runs": rows,
             "gpu": baseline.get("gpu"), "date": baseline.get("date")}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|prefix|kvdecode|kvmeasure   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|serve|prefix|kvdecode|kvmeasure   (several stages may be given)
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
 set -uo pipefail
@@ -32,6 +32,20 @@ for stage in "$@"; do
       log "offline llama3-8b eager"
       python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 512 --output-len 128 \
         --enforce-eager --result-json "$OUT/offline-llama3-8b-eager.json" 2>&1 | tail -1
+      ;;
+    serve)
+      # issues 4 and 5: 64 streaming clients against serve run, engine loop in a thread vs a process
+      for m in llama3-8b qwen2.5-0.5b; do
+        for loop in thread process; do
+          log "serve bench $m, engine loop $loop"
+          python3 -m serve.cli bench --model $m --load-format dummy --server-command "python3 -m serve.cli run" \
+            --server-args="--engine-loop $loop" --concurrency 64 --num-prompts 192 --input-len 512 --output-len 128 \
+            --ignore-eos --num-warmups 64 --result-json "$OUT/serve-$m-$loop.json" 2>&1 \
+            | grep -E "Output token|Median TPOT|Median TTFT|Roofline|error" | head -6
+        done
+        python3 -m bench.compare --key output_throughput --baseline "$OUT/serve-$m-thread.json" \
+          --out "$OUT/engine-loop-$m.json" "$OUT/serve-$m-process.json"
+      done
       ;;
     prefix)
       # issue 8: 64 concurrent requests, a shared 1024-token prefix + 128 unique tokens each

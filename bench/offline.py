@@ -19,28 +19,36 @@ from bench.roofline import ModelCost, estimate
 
 def time_decode(llm, prompts: list[list[int]], params, profile_path: str | None = None) -> tuple[int, float, int]:
     """Steps the engine until every sequence has its first token (all prefills done), then times
-    the steps to the end: (decoded tokens, seconds, steps) of pure decode at full batch. With
-    profile_path, torch.profiler records the first 10 of those steps instead (then untimed)."""
+    the steps in which all of them decode, up to the first that finishes: (decoded tokens,
+    seconds, steps) of pure decode at the full batch. With profile_path, torch.profiler records
+    the first 10 of those steps instead (then untimed). Aborts what is left at the end."""
     import torch
 
     core = llm.engine.core
-    for ids in prompts:
-        core.add_request(ids, params)
+    seqs = [core.add_request(ids, params) for ids in prompts]
     started: set[int] = set()
     while len(started) < len(prompts):
         for out in core.step():
             if out.new_token_ids:
                 started.add(out.seq_id)
+            if out.finished:
+                raise ValueError("a sequence finished during the prefills: raise --output-len")
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     if profile_path:
         write_profile(profile_path, lambda: [core.step() for _ in range(10)])
     n, steps, t0 = 0, 0, time.perf_counter()
-    while core.has_unfinished():
-        n += sum(len(out.new_token_ids) for out in core.step())
+    done = False
+    while not done and core.has_unfinished():
+        outs = core.step()
+        n += sum(len(out.new_token_ids) for out in outs)
         steps += 1
+        done = any(out.finished for out in outs)
     sync()
-    return n, time.perf_counter() - t0, steps
+    elapsed = time.perf_counter() - t0
+    for seq in seqs:
+        core.abort(seq.seq_id)
+    return n, elapsed, steps
 
 
 def write_profile(path: str, fn) -> None:
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                           copy_bandwidth=rates.copy_bandwidth, matmul_flops=rates.matmul_flops)
     if args.profile and args.decode_only:
         time_decode(llm, [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in prompts],
-                    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), args.profile)
+                    SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True), args.profile)
     elif args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -1,9 +1,10 @@
 """AsyncEngine: drives a synchronous EngineCore from asyncio.
 
-One background task runs the step loop; each EngineCore.step() runs on a single worker thread, so
-the event loop keeps serving HTTP while the model computes. Every other EngineCore call (add,
-abort, a test's inspection) is submitted to that same one-thread executor, which runs jobs in
-order: they land between steps and the core is never touched by two threads at once.
+The AsyncEngine owns the requests (admission, streams, records); a CoreClient owns the core. Two
+clients: ThreadCore (here) runs each EngineCore call on one worker thread of this process, and a
+background task runs the step loop; ProcessCore (scheduler/engine_proc.py) runs the core in a
+child process with its own step loop. Either way core calls (add, abort, a test's inspection)
+run in order, between steps, and the core is never touched by two threads at once.
 
 Admission: a request is refused with QueueFull when the sequences waiting for the engine (queued in
 the core, being added, or held by the optional asyncio-throttle rate limiter) would exceed
@@ -60,7 +61,7 @@ class LoopConfig:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """The core's gauges and counters, read on the worker thread after each step."""
+    """The core's gauges and counters, read where the core runs, after each step."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -174,17 +175,146 @@ class RequestStream:
             self._live.clear()
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore, config: LoopConfig | None = None,
-                 observer: LoopObserver | None = None) -> None:
+def add_all(core: EngineCore, seq_ids: Seq[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None:
+    """Add the sequences to the core, all or none (raises the core's RequestRejected)."""
+    added = []
+    try:
+        for sid, (ids, params) in zip(seq_ids, requests):
+            core.add_request(ids, params, seq_id=sid)
+            added.append(sid)
+    except BaseException:
+        for sid in added:
+            core.abort(sid)
+        raise
+
+
+class EngineEvents(Protocol):
+    """What a CoreClient reports to its AsyncEngine, on the event loop."""
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None: ...
+    def on_fault(self, seq_ids: list[int]) -> None: ...  # a step raised outside the model; these were aborted
+    def on_dead(self, message: str) -> None: ...  # the core is gone for good
+    def in_flight(self) -> list[int]: ...
+
+
+class CoreClient(Protocol):
+    """The AsyncEngine's handle on an EngineCore. `snapshot` is the core's latest state."""
+
+    snapshot: EngineSnapshot
+
+    @property
+    def alive(self) -> bool: ...  # started, not closed, not dead
+    async def start(self, events: EngineEvents) -> None: ...
+    def notify(self) -> None: ...  # work was added: step until the core has nothing unfinished
+    async def add(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None: ...
+    async def abort(self, seq_ids: list[int]) -> None: ...
+    async def call(self, fn: Callable[[EngineCore], T]) -> T: ...
+    async def close(self) -> None: ...
+
+
+class ThreadCore:
+    """The core on one worker thread of this process; an asyncio task drives the steps."""
+
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self.config = config or LoopConfig()
-        self.observer = observer or _NullObserver()
         self.snapshot = EngineSnapshot()
-        self.num_loop_faults = 0
+        self._events: EngineEvents | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self, events: EngineEvents) -> None:
+        self._events = events
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self.snapshot = await self._on_worker(EngineSnapshot.of, self.core)
+        self._task = asyncio.create_task(self._run(), name="engine-step-loop")
+
+    def notify(self) -> None:
+        self._wake.set()  # the step the loop submits next queues behind the add submitted now
+
+    async def add(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None:
+        self.snapshot = await self._on_worker(self._add_on_worker, seq_ids, requests)
+
+    async def abort(self, seq_ids: list[int]) -> None:
+        self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        return await self._on_worker(fn, self.core)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _on_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._pool is None:
+            raise EngineUnavailable("the engine is not running")
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _add_on_worker(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> EngineSnapshot:
+        add_all(self.core, seq_ids, requests)
+        return EngineSnapshot.of(self.core)
+
+    def _abort_on_worker(self, seq_ids: list[int]) -> EngineSnapshot:
+        for sid in seq_ids:
+            self.core.abort(sid)
+        return EngineSnapshot.of(self.core)
+
+    def _step_on_worker(self) -> tuple[list[StepOutput], EngineSnapshot]:
+        outputs = self.core.step() if self.core.has_unfinished() else []
+        return outputs, EngineSnapshot.of(self.core)
+
+    async def _run(self) -> None:
+        assert self._events is not None
+        while True:
+            if not self.snapshot.has_unfinished:
+                await self._wake.wait()
+            self._wake.clear()
+            try:
+                outputs, self.snapshot = await self._on_worker(self._step_on_worker)
+                self._events.on_outputs(outputs)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._recover()
+
+    async def _recover(self) -> None:
+        """A step raised outside the model (the core fails a model fault's requests itself): the
+        state of the sequences in flight is unknown, so fail them all and keep serving."""
+        assert self._events is not None
+        seq_ids = self._events.in_flight()
+        log.exception("engine step failed; failing %d in-flight requests", len(seq_ids))
+        try:
+            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
+        except Exception:
+            log.exception("cleaning up after the failed step failed too")
+            self.snapshot = EngineSnapshot()
+        self._events.on_fault(seq_ids)
+
+
+class AsyncEngine:
+    """Requests in, streams out, over a CoreClient: an EngineCore given directly runs on a
+    ThreadCore; pass a ProcessCore (scheduler/engine_proc.py) to run it in a child process."""
+
+    def __init__(self, core: EngineCore | CoreClient, config: LoopConfig | None = None,
+                 observer: LoopObserver | None = None) -> None:
+        self.client: CoreClient = ThreadCore(core) if isinstance(core, EngineCore) else core
+        self.core = core if isinstance(core, EngineCore) else None  # thread mode only (tests patch it)
+        self.config = config or LoopConfig()
+        self.observer = observer or _NullObserver()
+        self.num_loop_faults = 0
+        self.failure: str | None = None  # why the engine died, once it has
         self._idle = asyncio.Event()
         self._accepting = False
         self._streams: dict[int, RequestStream] = {}
@@ -198,8 +328,12 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     @property
+    def snapshot(self) -> EngineSnapshot:
+        return self.client.snapshot
+
+    @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self.client.alive
 
     @property
     def accepting(self) -> bool:
@@ -217,10 +351,8 @@ class AsyncEngine:
     async def start(self) -> None:
         if self.running:
             return
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self.snapshot = await self._on_worker(EngineSnapshot.of, self.core)
+        await self.client.start(self)
         self._accepting = True
-        self._task = asyncio.create_task(self._run(), name="engine-step-loop")
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admission; let in-flight requests finish for up to timeout_s seconds, then abort
@@ -237,18 +369,9 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         self._accepting = False
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await self.client.close()
         for sid in list(self._streams):
             self._finish_stream(StepOutput(sid, [], True, "abort"))
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -279,11 +402,11 @@ class AsyncEngine:
                 self._streams[sid] = stream
                 self._records[sid] = RequestRecord(sid, now, len(ids))
             self._idle.clear()
-            self._wake.set()  # the step the loop submits next queues behind this add
+            self.client.notify()
             try:
-                self.snapshot = await self._on_worker(self._add_all, seq_ids, requests)
+                await self.client.add(seq_ids, requests)
             except asyncio.CancelledError:
-                self.abort(seq_ids)  # runs after the add on the worker: nothing is left behind
+                self.abort(seq_ids)  # runs after the add in the core: nothing is left behind
                 raise
             except BaseException:
                 for sid in seq_ids:
@@ -297,14 +420,15 @@ class AsyncEngine:
         """Stop these sequences (fire and forget). Their streams end with finish_reason "abort";
         their KV blocks are free once the current step ends."""
         live = [sid for sid in seq_ids if sid in self._streams]
-        if live and self._pool is not None:
+        if live and self.running:
             asyncio.ensure_future(self._abort_now(live))
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run fn(core) on the worker thread between steps (inspection, tests, fault injection)."""
-        if self._pool is None:
-            raise EngineUnavailable("the engine is not running")
-        return await self._on_worker(fn, self.core)
+        """Run fn(core) between steps (inspection, tests, fault injection). In process mode fn runs
+        in the engine process: it must be picklable (a module-level function) and so must its result."""
+        if not self.running:
+            raise EngineUnavailable(self.failure or "the engine is not running")
+        return await self.client.call(fn)
 
     def retry_after_s(self) -> int:
         """Seconds until the waiting queue has likely drained, from the recent finish rate."""
@@ -315,61 +439,9 @@ class AsyncEngine:
         rate = len(recent) / max(now - recent[0], 1e-3)
         return max(1, min(self.config.max_retry_after_s, math.ceil(self.num_waiting / rate)))
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- EngineEvents: the client's reports ---------------------------------------------------
 
-    def _check_accepting(self) -> None:
-        if not self.accepting:
-            raise EngineUnavailable("the server is shutting down" if self.running else "the engine is not running")
-
-    def _on_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        if self._pool is None:
-            raise EngineUnavailable("the engine is not running")
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def _add_all(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> EngineSnapshot:
-        added = []
-        try:
-            for sid, (ids, params) in zip(seq_ids, requests):
-                self.core.add_request(ids, params, seq_id=sid)
-                added.append(sid)
-        except BaseException:
-            for sid in added:
-                self.core.abort(sid)
-            raise
-        return EngineSnapshot.of(self.core)
-
-    def _abort_on_worker(self, seq_ids: list[int]) -> EngineSnapshot:
-        for sid in seq_ids:
-            self.core.abort(sid)
-        return EngineSnapshot.of(self.core)
-
-    async def _abort_now(self, seq_ids: list[int]) -> None:
-        try:
-            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
-        except Exception:
-            log.exception("aborting requests failed")
-        for sid in seq_ids:
-            if sid in self._streams:
-                self._finish_stream(StepOutput(sid, [], True, "abort"))
-
-    def _step_on_worker(self) -> tuple[list[StepOutput], EngineSnapshot]:
-        outputs = self.core.step() if self.core.has_unfinished() else []
-        return outputs, EngineSnapshot.of(self.core)
-
-    async def _run(self) -> None:
-        while True:
-            if not self.snapshot.has_unfinished:
-                await self._wake.wait()
-            self._wake.clear()
-            try:
-                outputs, self.snapshot = await self._on_worker(self._step_on_worker)
-                self._dispatch(outputs)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                await self._recover()
-
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.seq_id)
@@ -383,6 +455,41 @@ class AsyncEngine:
                 self._finish_stream(out, now)
             else:
                 stream._push(out)
+
+    def on_fault(self, seq_ids: list[int]) -> None:
+        self.num_loop_faults += 1
+        self._fail(seq_ids, "internal error in the engine; the request was not completed")
+
+    def on_dead(self, message: str) -> None:
+        self.failure = message
+        self._accepting = False
+        self._fail(list(self._streams), message)
+
+    def in_flight(self) -> list[int]:
+        return list(self._streams)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise EngineUnavailable(self.failure or ("the server is shutting down" if self.running
+                                                     else "the engine is not running"))
+
+    async def _abort_now(self, seq_ids: list[int]) -> None:
+        try:
+            await self.client.abort(seq_ids)
+        except EngineUnavailable:
+            pass  # the core is gone, and the sequences with it
+        except Exception:
+            log.exception("aborting requests failed")
+        for sid in seq_ids:
+            if sid in self._streams:
+                self._finish_stream(StepOutput(sid, [], True, "abort"))
+
+    def _fail(self, seq_ids: list[int], message: str) -> None:
+        for sid in seq_ids:
+            if sid in self._streams:
+                self._finish_stream(StepOutput(sid, [], True, "error", error=message))
 
     def _finish_stream(self, out: StepOutput, now: float | None = None) -> None:
         stream = self._streams.get(out.seq_id)
@@ -400,19 +507,3 @@ class AsyncEngine:
         if not self._streams:
             self._idle.set()
         return self._records.pop(sid, None)
-
-    async def _recover(self) -> None:
-        """A step raised outside the model (the core fails a model fault's requests itself): the
-        state of the sequences in flight is unknown, so fail them all and keep serving."""
-        log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-        self.num_loop_faults += 1
-        seq_ids = list(self._streams)
-        try:
-            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
-        except Exception:
-            log.exception("cleaning up after the failed step failed too")
-            self.snapshot = EngineSnapshot()
-        for sid in seq_ids:
-            if sid in self._streams:
-                self._finish_stream(StepOutput(sid, [], True, "error",
-                                               error="internal error in the engine; the request was not completed"))

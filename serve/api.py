@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
-The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan.
+The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
+engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
+process`, serve.engine_process.ProcessEngine (its core runs in a child process).
 """
 from __future__ import annotations
 
@@ -29,17 +31,18 @@ from serve.streaming import ClientGone, EngineStreamingResponse, collect_while_c
 
 if TYPE_CHECKING:
     from serve.build import Engine
+    from serve.engine_process import ProcessEngine
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in ((400, "bad request"), (401, "missing or wrong API key"), (404, "unknown model"),
                        (413, "body too large"), (429, "queue full; see Retry-After"), (500, "generation failed"),
-                       (503, "shutting down"))}
+                       (503, "shutting down, or the engine failed"))}
 
 
 @dataclass
 class ServerState:
-    engine: "Engine"
+    engine: "Engine | ProcessEngine"
     loop: AsyncEngine
     metrics: Metrics
     config: ServerConfig
@@ -49,7 +52,7 @@ class ServerState:
     started: float
 
 
-def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: "Engine | ProcessEngine", config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     loop = AsyncEngine(engine.core, LoopConfig(config.max_waiting_requests, config.max_request_rate))
     name = config.served_model_name or engine.model_name
@@ -99,6 +102,8 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     async def health() -> JSONResponse:
         if st.loop.accepting:
             return JSONResponse({"status": "ok"})
+        if st.loop.failure:
+            return JSONResponse({"status": "failed", "error": st.loop.failure}, status_code=503)
         return JSONResponse({"status": "shutting down" if st.loop.running else "stopped"}, status_code=503)
 
     @app.get("/metrics")

@@ -5,13 +5,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig, ModelConfigError
-from engine.runner import ModelRunner
 from scheduler.core import EngineCore
 from scheduler.policy import SchedulerConfig
 from serve.config import EngineConfig
+
+if TYPE_CHECKING:  # torch: imported by build_engine only, so that `--engine-loop process` keeps it out of the server
+    from engine.runner import ModelRunner
 
 log = logging.getLogger("pagedserve")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -92,6 +94,8 @@ def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozens
 
 
 def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
+    from engine.runner import ModelRunner
+
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
     max_len = model_cfg.max_context_len

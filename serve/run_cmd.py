@@ -11,8 +11,10 @@ import ipaddress
 import logging
 import os
 import sys
+from typing import Any
 
 from serve.cli_args import add_engine_arguments, engine_config_from_args
+from serve.config import EngineConfig
 from serve.server_config import ServerConfig
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -39,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16, help="most choices (n) per prompt")
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the context length)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--engine-loop", default="thread", choices=("thread", "process"),
+                   help="thread: the engine steps on a worker thread of the server process (HTTP and the engine "
+                        "share one GIL); process: the engine runs in a child process of its own, and the server "
+                        "process only does HTTP, tokenization and streaming")
     add_engine_arguments(p)
 
 
@@ -58,6 +64,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def build(engine_loop: str, cfg: EngineConfig) -> Any:
+    """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields)."""
+    if engine_loop == "process":
+        from serve.engine_process import start_engine_process
+        return start_engine_process(cfg)
+    from serve.build import build_engine
+    return build_engine(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     server_cfg = server_config_from_args(args)
     engine_cfg = engine_config_from_args(args)
@@ -67,26 +82,28 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn  # imported late, like torch: `serve --help` stays fast
 
     from serve.api import create_app
-    from serve.build import build_engine
     from serve.uvicorn_server import DrainingServer
 
-    engine = build_engine(engine_cfg)
-    app = create_app(engine, server_cfg)
-    name = server_cfg.served_model_name or engine.model_name
-    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
-    print(f"pagedserve: model {name} ({engine.model_config.architecture}, {engine.runner.device}, "
-          f"{engine.runner.dtype_name}); KV cache {engine.kv_capacity_tokens} tokens "
-          f"({engine.runner.num_blocks} blocks of {engine_cfg.block_size}, {engine_cfg.kv_cache_dtype}); "
-          f"context {engine.max_model_len} tokens", flush=True)
-    print(f"pagedserve: OpenAI API at {url}/v1{' (API key required)' if server_cfg.api_key else ''}", flush=True)
-    if not is_loopback(args.host) and not server_cfg.api_key:
-        print(f"pagedserve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr, flush=True)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
-    drain = app.state.server.loop.drain
-    server = DrainingServer(config, on_exit=lambda: drain(server_cfg.shutdown_timeout_s))
-    server.run()
+    engine = build(args.engine_loop, engine_cfg)
+    try:
+        app = create_app(engine, server_cfg)
+        name = server_cfg.served_model_name or engine.model_name
+        url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
+        print(f"pagedserve: model {name} ({engine.model_config.architecture}, {engine.runner.device}, "
+              f"{engine.runner.dtype_name}); KV cache {engine.kv_capacity_tokens} tokens "
+              f"({engine.runner.num_blocks} blocks of {engine_cfg.block_size}, {engine_cfg.kv_cache_dtype}); "
+              f"context {engine.max_model_len} tokens; engine loop: {args.engine_loop}", flush=True)
+        print(f"pagedserve: OpenAI API at {url}/v1{' (API key required)' if server_cfg.api_key else ''}", flush=True)
+        if not is_loopback(args.host) and not server_cfg.api_key:
+            print(f"pagedserve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+                  file=sys.stderr, flush=True)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
+        drain = app.state.server.loop.drain
+        server = DrainingServer(config, on_exit=lambda: drain(server_cfg.shutdown_timeout_s))
+        server.run()
+    finally:
+        if args.engine_loop == "process":
+            engine.shutdown()  # a no-op once the app's shutdown has stopped the engine process
     return 0
-

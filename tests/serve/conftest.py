@@ -23,3 +23,13 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def process_server(model_dir):
+    """A shared server whose engine runs in a child process (`--engine-loop process`); sized for
+    test_disconnect's 100 clients."""
+    from tests.serve.helpers import build_process
+
+    with ServerThread(build_process(model_dir, max_num_seqs=64, num_kv_blocks=256)) as srv:
+        yield srv

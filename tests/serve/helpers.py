@@ -1,4 +1,9 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, around an engine built from a folder."""
+"""A real uvicorn server on 127.0.0.1 in a background thread, around an engine built from a folder.
+
+build() gives an engine whose core steps on a thread of this process; build_process() one whose core
+runs in a child process (`--engine-loop process`). ServerThread.call(fn) runs fn(core) where the core
+is: in process mode fn must be a module-level function, hence the small functions below.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +21,7 @@ from scheduler.core import EngineCore
 from serve.api import ServerState, create_app
 from serve.build import Engine, build_engine
 from serve.config import EngineConfig
+from serve.engine_process import ProcessEngine, start_engine_process
 from serve.server_config import ServerConfig
 from serve.uvicorn_server import DrainingServer
 
@@ -38,7 +44,7 @@ def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
 class ServerThread:
     """`with ServerThread(engine, config) as srv:` serves on srv.base_url until the block ends."""
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: Engine | ProcessEngine, config: ServerConfig | None = None) -> None:
         self.engine = engine
         self.config = config or ServerConfig(shutdown_timeout_s=1.0)
         self.app = create_app(engine, self.config)
@@ -70,9 +76,11 @@ class ServerThread:
         self.http.close()
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        if isinstance(self.engine, ProcessEngine):
+            self.engine.shutdown()  # a no-op once the app's shutdown has stopped it
 
     def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run fn(core) on the engine's worker thread, between steps."""
+        """Run fn(core) between steps, on the engine's worker thread or in its process."""
         future = asyncio.run_coroutine_threadsafe(self.state.loop.call(fn), self.server._loop)
         return future.result(timeout=30)
 
@@ -80,16 +88,15 @@ class ServerThread:
         """Until nothing runs or waits and every KV block is free; then check the allocator."""
         deadline = time.monotonic() + timeout
         while True:
-            running, waiting, used = self.call(lambda c: (len(c.scheduler.running), len(c.scheduler.waiting),
-                                                          c.block_manager.num_used_blocks))
+            running, waiting, used = self.call(core_counts)
             if (running, waiting, used) == (0, 0, 0) and self.state.loop.num_in_flight == 0:
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(f"not idle after {timeout}s: {running} running, {waiting} waiting, "
                                      f"{used} blocks used, {self.state.loop.num_in_flight} streams")
             time.sleep(0.02)
-        self.call(lambda c: c.scheduler.check_integrity())
-        assert not self.call(lambda c: c.detok), "detokenizer state leaked"
+        self.call(check_integrity)
+        assert not self.call(num_detokenizers), "detokenizer state leaked"
 
     def metrics(self) -> dict[str, float]:
         """name{labels} -> value, parsed with prometheus_client's parser."""
@@ -106,3 +113,23 @@ class ServerThread:
 
 def build(model_dir: Path, **overrides: Any) -> Engine:
     return build_engine(engine_config(model_dir, **overrides), show_progress=False)
+
+
+def build_process(model_dir: Path, **overrides: Any) -> ProcessEngine:
+    return start_engine_process(engine_config(model_dir, **overrides), show_progress=False)
+
+
+def core_counts(core: EngineCore) -> tuple[int, int, int]:
+    return len(core.scheduler.running), len(core.scheduler.waiting), core.block_manager.num_used_blocks
+
+
+def used_blocks(core: EngineCore) -> int:
+    return core.block_manager.num_used_blocks
+
+
+def check_integrity(core: EngineCore) -> None:
+    core.scheduler.check_integrity()
+
+
+def num_detokenizers(core: EngineCore) -> int:
+    return len(core.detok)

@@ -14,6 +14,12 @@ from tests.serve.helpers import engine_config
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "1 2 3 4 5", "Hello, world! How are"]
 
 
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, server):
+    """Every test here runs against both engine loops: the shared thread server, then the process one."""
+    return server if request.param == "thread" else request.getfixturevalue("process_server")
+
+
 @pytest.fixture(scope="module")
 def offline(model_dir):
     return LLM.from_config(engine_config(model_dir))

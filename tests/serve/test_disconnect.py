@@ -8,13 +8,16 @@ import time
 import httpx
 import pytest
 
-from tests.serve.helpers import ServerThread, build
+from tests.serve.helpers import ServerThread, build, used_blocks
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def srv(model_dir):
+@pytest.fixture(scope="module", params=["thread", "process"])
+def srv(request, model_dir):
+    if request.param == "process":
+        yield request.getfixturevalue("process_server")  # the same engine settings
+        return
     with ServerThread(build(model_dir, max_num_seqs=64, num_kv_blocks=256)) as s:
         yield s
 
@@ -32,7 +35,7 @@ def test_client_dropping_mid_stream_frees_everything(srv):
             for _ in range(3):
                 while not next(lines).startswith("data:"):
                     pass
-            assert srv.call(lambda core: core.block_manager.num_used_blocks) > 0
+            assert srv.call(used_blocks) > 0
     t0 = time.monotonic()
     srv.wait_idle(timeout=5)
     assert time.monotonic() - t0 < 1.0  # a step is milliseconds; 400 tokens would take far longer

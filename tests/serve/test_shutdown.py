@@ -67,8 +67,33 @@ def test_default_host_is_loopback():
     assert args.host == "127.0.0.1" and args.api_key is None
 
 
-def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir):
-    proc, port = start_server(model_dir, "--shutdown-timeout", "0.2")
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is pid."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("engine_loop", ["thread", "process"])
+def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir, engine_loop):
+    proc, port = start_server(model_dir, "--shutdown-timeout", "0.2", "--engine-loop", engine_loop)
+    children = child_pids(proc.pid)
+    if engine_loop == "process":
+        assert children  # the engine process (and multiprocessing's resource tracker)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
         results: list = []
@@ -92,10 +117,15 @@ def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir):
             proc.kill()
     assert code == 0, output
     assert elapsed < 10, elapsed
+    deadline = time.monotonic() + 5
+    while any(is_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(is_running(pid) for pid in children), "orphaned child processes"
     # every client saw its stream end properly, with finish_reason "abort", then [DONE]
     assert results == [("ok", ["abort"])] * 3, results
     assert f"http://127.0.0.1:{port}/v1" in output
     assert f"model {model_dir.name}" in output and "KV cache 1024 tokens" in output and "context 512 tokens" in output
+    assert f"engine loop: {engine_loop}" in output
     assert "Traceback" not in output, output
 
 

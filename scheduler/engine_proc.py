@@ -1,0 +1,368 @@
+"""ProcessCore: the EngineCore in a child process of its own (`serve run --engine-loop process`).
+
+The child builds the engine itself (the parent never touches the device, and CUDA cannot be
+forked: the start method is spawn), then runs its own loop: take every pending command, apply them
+in order, step while anything is unfinished, and send each step's outputs as one message. The
+server process then spends its GIL on HTTP, tokenization and streaming only.
+
+The parent's event loop reads and writes both pipes through asyncio transports, so it never blocks
+on the child (a blocking write could also deadlock the two when both pipes are full). Frames are
+multiprocessing.connection's (a 4-byte big-endian length, then a pickle), so the child uses plain
+Connection objects.
+
+Parent -> child: ("add", id, (seq_ids, requests))  ("abort", id, seq_ids)  ("call", id, fn)  ("stop",)
+Child -> parent: ("ready", info, snapshot) or ("error", message) once, then
+    ("replies", [(id, ok, value or exception)], snapshot)  ("step", outputs, snapshot)
+    ("fault", aborted seq_ids, snapshot): a step raised outside the model
+
+Torch-free: the child builds the core with a `build` function it is given by reference.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import struct
+from collections.abc import Callable, Sequence as Seq
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+from scheduler.core import EngineCore
+from scheduler.loop import EngineEvents, EngineSnapshot, EngineUnavailable, add_all
+from scheduler.request import SamplingParams
+
+log = logging.getLogger("pagedserve")
+T = TypeVar("T")
+Build = Callable[..., tuple[EngineCore, Any]]  # (args) -> (core, what the parent should know)
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+STOP_TIMEOUT_S = 10.0  # a stopping child finishes its current step first
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build the engine; the message says why."""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+# -- the child ---------------------------------------------------------------------------------
+
+def child_main(commands: Connection, results: Connection, build: Build, args: tuple, log_level: int) -> None:
+    # The parent owns shutdown. Ctrl-C (and a service manager's SIGTERM) reach the whole process
+    # group, but the child must keep stepping while the parent drains; it exits on "stop", or when
+    # the parent's end of the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    try:
+        core, info = build(*args)
+    except Exception as e:
+        if not isinstance(e, ValueError):
+            log.exception("building the engine failed")
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        results.send(("error", message if isinstance(e, (ValueError, OSError, RuntimeError))
+                      else f"{type(e).__name__}: {message}"))
+        return
+    results.send(("ready", info, EngineSnapshot.of(core)))
+    try:
+        _serve(core, commands, results)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+
+
+def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
+    while True:
+        pending = [] if core.has_unfinished() else [commands.recv()]  # idle: block until there is work
+        while commands.poll():
+            pending.append(commands.recv())
+        replies = []
+        for msg in pending:
+            if msg[0] == "stop":
+                return
+            replies.append(_apply(core, *msg))
+        if replies:
+            results.send(("replies", replies, EngineSnapshot.of(core)))
+        if core.has_unfinished():
+            results.send(_step(core))
+
+
+def _apply(core: EngineCore, kind: str, req_id: int, payload: Any) -> tuple[int, bool, Any]:
+    try:
+        if kind == "add":
+            add_all(core, *payload)
+            value = None
+        elif kind == "abort":
+            for sid in payload:
+                core.abort(sid)
+            value = None
+        else:
+            value = payload(core)  # "call"
+        reply = (req_id, True, value)
+    except Exception as e:
+        reply = (req_id, False, e)
+    try:  # what cannot make the round trip (a call's odd result, an exception with odd args) becomes an error
+        pickle.loads(pickle.dumps(reply[2]))
+    except Exception as e:
+        what = "result" if reply[1] else f"error ({type(reply[2]).__name__}: {reply[2]})"
+        reply = (req_id, False, TypeError(f"the {what} of {kind} cannot be sent to the server process: {e}"))
+    return reply
+
+
+def _step(core: EngineCore) -> tuple:
+    try:
+        outputs = core.step()
+    except Exception:
+        # A step raised outside the model (the core fails a model fault's requests itself): the
+        # state of the sequences in flight is unknown, so fail them all and keep serving.
+        seq_ids = list(core.scheduler.seqs)
+        log.exception("engine step failed; failing %d in-flight requests", len(seq_ids))
+        try:
+            for sid in seq_ids:
+                core.abort(sid)
+            snapshot = EngineSnapshot.of(core)
+        except Exception:
+            log.exception("cleaning up after the failed step failed too")
+            snapshot = EngineSnapshot()
+        return ("fault", seq_ids, snapshot)
+    return ("step", outputs, EngineSnapshot.of(core))
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+class _FrameReader(asyncio.Protocol):
+    """Splits the child's byte stream into messages."""
+
+    def __init__(self, on_message: Callable[[tuple], None], on_lost: Callable[[], None]) -> None:
+        self._buf = bytearray()
+        self._on_message = on_message
+        self._on_lost = on_lost
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        messages, pos = [], 0
+        while len(buf) - pos >= 4:
+            (size,) = struct.unpack_from("!i", buf, pos)
+            head = 4
+            if size == -1:  # a message over 2 GiB
+                if len(buf) - pos < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buf, pos + 4)
+                head = 12
+            if len(buf) - pos < head + size:
+                break
+            try:
+                messages.append(pickle.loads(buf[pos + head:pos + head + size]))
+            except Exception:
+                log.exception("a message from the engine process could not be read")
+            pos += head + size
+        del buf[:pos]
+        for msg in messages:
+            try:
+                self._on_message(msg)
+            except Exception:
+                log.exception("handling a message from the engine process failed")
+
+    def eof_received(self) -> None:
+        self._on_lost()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost()
+
+
+class ProcessCore:
+    """The parent's handle on an EngineCore in a child process (a CoreClient for AsyncEngine).
+
+    spawn() starts the child and wait_ready() blocks until it has built the engine (or raises
+    EngineStartError), so a server can print what it serves before it listens; start() (which
+    does both if needed) then attaches the pipes to the running event loop. close() stops the
+    child; kill() is the synchronous last resort (also registered with atexit)."""
+
+    def __init__(self, build: Build, args: tuple = (), name: str = "pagedserve-engine") -> None:
+        self.snapshot = EngineSnapshot()
+        self.failure: str | None = None
+        self._build, self._args, self._name = build, args, name
+        self._state = "new"  # -> spawned -> ready -> running -> closing -> closed; or running -> dead
+        self._proc: BaseProcess | None = None
+        self._commands: Connection | None = None  # the parent's ends of the two pipes
+        self._results: Connection | None = None
+        self._writer: asyncio.WriteTransport | None = None
+        self._reader: asyncio.ReadTransport | None = None
+        self._events: EngineEvents | None = None
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._state == "running"
+
+    def spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        child_commands, self._commands = ctx.Pipe(duplex=False)
+        self._results, child_results = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=child_main, name=self._name, args=(
+            child_commands, child_results, self._build, self._args, logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        child_commands.close()  # the child has its own copies; ours would hide its death (no EOF)
+        child_results.close()
+        atexit.register(self.kill)
+        self._state = "spawned"
+
+    def wait_ready(self) -> Any:
+        """Block until the child has built the engine; returns what its build function reported."""
+        assert self._state == "spawned" and self._results is not None and self._proc is not None
+        try:
+            msg = self._results.recv()
+        except EOFError:
+            self._proc.join(5.0)
+            self.kill()
+            raise EngineStartError(f"the engine process exited during startup ({describe_exit(self._proc.exitcode)})") from None
+        except BaseException:
+            self.kill()
+            raise
+        if msg[0] == "error":
+            self.kill()
+            raise EngineStartError(msg[1])
+        _, info, self.snapshot = msg
+        self._state = "ready"
+        return info
+
+    async def start(self, events: EngineEvents) -> None:
+        loop = asyncio.get_running_loop()
+        if self._state == "new":
+            self.spawn()
+        if self._state == "spawned":
+            await loop.run_in_executor(None, self.wait_ready)
+        if self._state != "ready":
+            raise EngineUnavailable(self.failure or "the engine process is not running")
+        self._events = events
+        self._state = "running"  # before the reader exists: a child that died meanwhile is reported
+        self._reader, _ = await loop.connect_read_pipe(lambda: _FrameReader(self._on_message, self._on_lost),
+                                                       self._results)
+        self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, self._commands)
+
+    def notify(self) -> None:
+        pass  # the child steps on its own
+
+    async def add(self, seq_ids: list[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None:
+        await self._request("add", (seq_ids, list(requests)))
+
+    async def abort(self, seq_ids: list[int]) -> None:
+        await self._request("abort", seq_ids)
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        return await self._request("call", fn)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._state in ("new", "closed"):
+            return
+        if self._state in ("spawned", "ready"):
+            await loop.run_in_executor(None, self.kill)
+            return
+        if self._state == "running":
+            self._state = "closing"
+            self._send(("stop",))
+        await loop.run_in_executor(None, self._join_or_kill, STOP_TIMEOUT_S)
+        self._state = "closed"
+        self._close_pipes()
+        self._fail_replies("the engine has stopped")
+        atexit.unregister(self.kill)
+
+    def kill(self) -> None:
+        """Stop the child without an event loop: close the pipes (an idle child exits when it sees
+        that), then kill it if it is still there."""
+        atexit.unregister(self.kill)
+        self._state = "closed"
+        for conn in (self._commands, self._results):
+            if conn is not None and not conn.closed:
+                conn.close()
+        self._join_or_kill(2.0)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _join_or_kill(self, timeout_s: float) -> None:
+        if self._proc is None:
+            return
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+            self._proc.kill()
+            self._proc.join(5.0)
+
+    def _send(self, msg: tuple) -> None:
+        assert self._writer is not None
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        n = len(data)
+        self._writer.write((struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data)
+
+    async def _request(self, kind: str, payload: Any) -> Any:
+        if not self.alive:
+            raise EngineUnavailable(self.failure or "the engine process is not running")
+        req_id = next(self._ids)
+        self._send((kind, req_id, payload))  # raises for an unpicklable payload: nothing to undo
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[req_id] = reply
+        return await reply
+
+    def _on_message(self, msg: tuple) -> None:
+        assert self._events is not None
+        kind, self.snapshot = msg[0], msg[-1]
+        if kind == "step":
+            self._events.on_outputs(msg[1])
+        elif kind == "replies":
+            for req_id, ok, value in msg[1]:
+                reply = self._replies.pop(req_id, None)
+                if reply is None or reply.done():
+                    continue  # its caller was cancelled
+                if ok:
+                    reply.set_result(value)
+                else:
+                    reply.set_exception(value)
+        elif kind == "fault":
+            self._events.on_fault(msg[1])
+
+    def _on_lost(self) -> None:
+        if self._state == "running":  # otherwise we asked it to stop
+            self._state = "dead"
+            asyncio.ensure_future(self._report_death())
+
+    async def _report_death(self) -> None:
+        assert self._proc is not None and self._events is not None
+        await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
+        self.failure = (f"the engine process exited unexpectedly ({describe_exit(self._proc.exitcode)}); "
+                        "restart the server")
+        log.error("%s", self.failure)
+        self._close_pipes()
+        self._fail_replies(self.failure)
+        atexit.unregister(self.kill)
+        self._events.on_dead(self.failure)
+
+    def _fail_replies(self, message: str) -> None:
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            if not reply.done():
+                reply.set_exception(EngineUnavailable(message))
+
+    def _close_pipes(self) -> None:
+        for transport in (self._writer, self._reader):
+            if transport is not None:
+                transport.close()
+        self._writer = self._reader = None

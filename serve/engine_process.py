@@ -1,0 +1,88 @@
+"""The engine in a child process (`serve run --engine-loop process`): what the server process keeps.
+
+The server process reads config.json and loads the tokenizer (while the child builds the engine);
+the child builds everything else, is the only process that touches the device, and reports the
+figures the server prints and serves. See scheduler/engine_proc.py for the loop and the wire.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ModelConfig
+from scheduler.core import EngineCore
+from scheduler.engine_proc import ProcessCore
+from serve.build import load_tokenizer, resolve_model_path
+from serve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the child reports once the engine is built. The field names are ModelRunner's, so the
+    server's banner reads them the same way in both modes."""
+
+    model_name: str
+    max_model_len: int  # may be lower than asked for: the KV cache's capacity
+    num_blocks: int
+    device: str
+    dtype_name: str
+
+
+def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, EngineInfo]:
+    """Runs in the child."""
+    import torch
+
+    from serve.build import build_engine
+
+    engine = build_engine(cfg, show_progress)
+    if engine.runner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Leave the server process a core: OpenMP threads spin-wait for each other, and a step of
+        # small ops slows down many times over when one of them loses its core (measured: 10x).
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    return engine.core, EngineInfo(engine.model_name, engine.max_model_len, engine.runner.num_blocks,
+                                   str(engine.runner.device), engine.runner.dtype_name)
+
+
+@dataclass
+class ProcessEngine:
+    """Quacks like serve.build.Engine for serve/api.py and serve/run_cmd.py; `core` is the
+    ProcessCore that AsyncEngine drives instead of an EngineCore."""
+
+    core: ProcessCore
+    tokenizer: Any
+    model_config: ModelConfig
+    config: EngineConfig
+    runner: EngineInfo
+
+    @property
+    def model_name(self) -> str:
+        return self.runner.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.config.block_size
+
+    def shutdown(self) -> None:
+        """Stop the child if no AsyncEngine did (startup failed, or the server never ran)."""
+        self.core.kill()
+
+
+def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> ProcessEngine:
+    """Start the engine process and wait until it has built the engine. A bad model folder fails
+    here before any process starts; a failed build raises EngineStartError (a RuntimeError)."""
+    path = resolve_model_path(cfg, show_progress)
+    model_cfg = ModelConfig.from_path(path)
+    core = ProcessCore(build_core, (cfg, show_progress))
+    core.spawn()
+    try:
+        tokenizer = load_tokenizer(path)
+        info = core.wait_ready()
+    except BaseException:
+        core.kill()
+        raise
+    return ProcessEngine(core, tokenizer, model_cfg, cfg, info)

@@ -1,0 +1,152 @@
+"""`--engine-loop process`: what differs from the thread loop. Admission and abort across the pipe,
+faults inside the engine process, call() across the pipe, a failed build, and the engine process
+dying under a running server. (test_api and test_disconnect run against both loops.)"""
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from scheduler.engine_proc import EngineStartError
+from serve.server_config import ServerConfig
+from tests.serve.helpers import ServerThread, build_process
+from tests.serve.test_errors import TRACE_HINTS
+from tests.serve.test_faults import FaultyExecutor
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+# fn(core) for call(): they run in the engine process, so they are module-level (picklable)
+def install_faulty_executor(core) -> None:
+    core.executor = FaultyExecutor(core.executor)
+
+
+def fail_next_steps(n: int, core) -> None:
+    core.executor.fail_next = n
+
+
+def break_next_step(core) -> None:
+    """The next step raises outside the model (a scheduler bug), once."""
+    def broken():
+        del core.step
+        raise AssertionError("scheduler invariant broken")
+    core.step = broken
+
+
+def return_a_lock(core) -> threading.Lock:
+    return threading.Lock()
+
+
+def raise_value_error(core) -> None:
+    raise ValueError("asked to fail")
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir):
+    """One sequence runs at a time and two may wait; the KV cache holds 256 tokens."""
+    with ServerThread(build_process(model_dir, max_num_seqs=1, num_kv_blocks=16),
+                      ServerConfig(max_waiting_requests=2, shutdown_timeout_s=1.0)) as s:
+        s.call(install_faulty_executor)
+        yield s
+
+
+def metric(srv, name: str) -> float:
+    return srv.metrics().get(name, 0.0)
+
+
+def test_queue_full_rejections_and_aborts_across_the_pipe(srv):
+    aborted = metric(srv, "pagedserve:request_success_total{finished_reason=abort}")
+    r = srv.http.post("/v1/completions", json={**LONG, "prompt": [5] * 100})  # the core's RequestRejected
+    assert r.status_code == 400 and "the whole cache holds 16 blocks" in r.json()["error"]["message"]
+    with srv.http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as first:
+        lines = first.iter_lines()
+        while not next(lines).startswith("data:"):
+            pass  # running now; the next two wait
+        with srv.http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as second, \
+                srv.http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as third:
+            assert (second.status_code, third.status_code) == (200, 200)
+            assert srv.state.loop.num_waiting == 2
+            r = srv.http.post("/v1/completions", json=LONG)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+    srv.wait_idle(timeout=5)  # the three dropped clients were aborted and their blocks freed
+    assert metric(srv, "pagedserve:request_success_total{finished_reason=abort}") == aborted + 3
+    assert metric(srv, "pagedserve:requests_rejected_total{reason=queue_full}") == 1
+    m = srv.metrics()
+    assert m["pagedserve:kv_cache_used_blocks"] == 0 and m["pagedserve:num_requests_waiting"] == 0
+
+
+def test_model_fault_in_the_engine_process(srv):
+    before = metric(srv, "pagedserve:engine_step_failures_total")
+    srv.call(functools.partial(fail_next_steps, 1))
+    r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5})
+    assert r.status_code == 500
+    err = r.json()["error"]["message"]
+    assert "internal error during generation" in err and not TRACE_HINTS.search(err) and "injected" not in err
+    assert metric(srv, "pagedserve:engine_step_failures_total") == before + 1
+    r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    srv.wait_idle()
+
+
+def test_fault_outside_the_model_in_the_engine_process(srv):
+    srv.call(break_next_step)
+    r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "ignore_eos": True})
+    assert r.status_code == 500 and "internal error" in r.json()["error"]["message"]
+    assert "invariant" not in r.text
+    srv.wait_idle()
+    assert srv.state.loop.num_loop_faults == 1
+    r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def test_call_across_the_pipe(srv):
+    with pytest.raises(ValueError, match="asked to fail"):
+        srv.call(raise_value_error)
+    with pytest.raises(TypeError, match="cannot be sent to the server process"):
+        srv.call(return_a_lock)
+    with pytest.raises(Exception, match="pickle"):
+        srv.call(lambda core: 1)  # a lambda cannot travel to the engine process
+    assert srv.call(operator.attrgetter("max_model_len")) == srv.engine.max_model_len
+
+
+def test_a_failed_build_is_one_clear_line(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="not found"):  # checked here, before any process starts
+        build_process(tmp_path / "missing")
+    with pytest.raises(EngineStartError, match="exceeds the model's context length") as e:
+        build_process(model_dir, max_model_len=10**6)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_the_engine_process_dying_fails_requests_and_health(model_dir):
+    with ServerThread(build_process(model_dir)) as srv:
+        whole: list = []
+        waiter = threading.Thread(target=lambda: whole.append(srv.http.post("/v1/completions", json=LONG)))
+        waiter.start()
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+        stream = c.completions.create(model=srv.state.model_name, prompt="Hello", max_tokens=200, stream=True,
+                                      extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="engine process exited unexpectedly"):
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    while srv.state.loop.num_in_flight < 2:
+                        time.sleep(0.01)
+                    os.kill(srv.engine.core.pid, signal.SIGKILL)
+        waiter.join(timeout=30)
+        r = whole[0]
+        assert r.status_code == 500 and "killed by signal SIGKILL" in r.json()["error"]["message"]
+        assert not TRACE_HINTS.search(r.text)
+        health = srv.http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+        m = srv.metrics()
+        assert m["pagedserve:request_success_total{finished_reason=error}"] == 2
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 10  # the server stops without hanging on the dead engine
