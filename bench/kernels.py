@@ -100,16 +100,74 @@ def decode_sweep_configs():
     return cfgs
 
 
+PREFILL_TARGET = dict(nseq=4, L=2048, prefix=0, Hq=32, Hkv=8, D=128, bs=16)  # issue 3's prefill case
+PREFILL_PREFIX = dict(PREFILL_TARGET, prefix=2048)  # the same chunks after a 2048-token cached prefix
+
+
 def prefill_sweep_configs():
+    """(case, config) pairs: ~45 launch configurations, most for the target case (no prefix: only
+    the new-token part runs, from the contiguous k/v), a few block_n_prefix for the prefix case.
+    Keys beyond prefill_config's: "new_kv": False times the all-pages path (k/v not passed).
+    Shapes with their sm_90 register/shared-memory use (triton 3.6, head_dim 128, no spills):
+    128x32 4 warps 255 regs 80 KB (2 programs/SM), 128x64 8w ~200 regs 128 KB, 128x128 8w
+    2 stages ~250 regs 160 KB, 64x64 4w ~190 regs 112 KB, 256x32 8w ~250 regs 112 KB."""
     cfgs = []
-    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4, 5)):
-        cfgs.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages})
+    shape = lambda bm, bn, w, st: {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
+    # shapes, with the new_kv defaults (strided loads, pack_gqa, lazy_rescale)
+    for bm, bn, w, stages in ((128, 32, 4, (2, 3, 4)), (128, 64, 8, (2, 3)), (128, 128, 8, (2,)),
+                              (64, 64, 4, (2, 3)), (64, 32, 4, (3,)), (128, 32, 8, (3,)), (256, 32, 8, (2, 3))):
+        for st in stages:
+            cfgs.append(("target", {**shape(bm, bn, w, st), "tma": False, "pack_gqa": True, "lazy_rescale": True}))
+    # the switches on the main shapes: TMA loads, GQA packing, lazy rescale
+    for base in (shape(128, 32, 4, 3), shape(128, 64, 8, 3), shape(64, 64, 4, 3), shape(128, 128, 8, 2)):
+        for tma, pack, lazy in itertools.product((False, True), repeat=3):
+            if not tma and pack and lazy:
+                continue  # above
+            cfgs.append(("target", {**base, "tma": tma, "pack_gqa": pack, "lazy_rescale": lazy}))
+    # all keys from the pages (no k/v: quantized caches, callers without k/v); the first is the
+    # kernel as it was before the contiguous new keys
+    for pack, lazy in ((False, False), (True, True)):
+        cfgs.append(("target", {**shape(128, 32, 4, 3), "new_kv": False, "pack_gqa": pack, "lazy_rescale": lazy}))
+    # the cached prefix's tile (page gathers), other settings the defaults
+    for bnp, st in ((16, 3), (16, 4), (64, 3)):  # 64 spills at 128 rows x 4 warps (sm_90 compile)
+        cfgs.append(("prefix", {"block_n_prefix": bnp, "num_stages": st}))
     return cfgs
+
+
+def prefill_inputs(nseq, L, prefix, Hq, Hkv, D, bs, kv=None, seed=1):
+    """nseq chunks of L new tokens after `prefix` cached ones (random pages, fragmented block
+    tables); q, k, v are views of one fused qkv activation, as in the model, and k, v are written
+    into the pages the engine's way (quantized for fp8/int8)."""
+    import torch
+    from kernels.cache_write import write_kv_cache
+
+    _, kc, vc, ks, vs, bt, sl = decode_inputs(nseq, prefix + L, Hq, Hkv, D, bs, kv, seed=seed)
+    T = nseq * L
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    qkv = torch.randn((T, (Hq + 2 * Hkv) * D), device="cuda", generator=g, dtype=torch.bfloat16)
+    q = qkv[:, :Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    pos = torch.arange(prefix, prefix + L, device="cuda")
+    slots = (bt[:, pos // bs].long() * bs + pos % bs).reshape(-1)
+    write_kv_cache(k, v, kc, vc, slots, ks, vs, kv)
+    qsl = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+    return dict(q=q, k=k, v=v, kc=kc, vc=vc, ks=ks, vs=vs, bt=bt, sl=sl, qsl=qsl)
+
+
+def prefill_call(x, L, D, cfg=None):
+    """One paged_prefill_attention call on prefill_inputs(); cfg may hold "new_kv": False."""
+    from kernels.prefill_attention import paged_prefill_attention
+    cfg = dict(cfg or {})
+    kw = {"k": x["k"], "v": x["v"]} if cfg.pop("new_kv", True) else {}
+    return paged_prefill_attention(x["q"], x["kc"], x["vc"], x["bt"], x["sl"], x["qsl"], D**-0.5, x["ks"], x["vs"],
+                                   max_query_len=L, config=cfg or None, **kw)
 
 
 def _warm_one(job):
     """Worker process: compile one launch configuration into Triton's on-disk cache, launching it
-    on tiny inputs with the same compile-time constants as the real case."""
+    on inputs with the same compile-time constants and specializations as the real case (decode:
+    tiny inputs; prefill: the real ones). Jobs: ("decode", kv, cfg) or ("prefill", case, cfg)."""
     kind, kv, cfg = job
     import torch
     try:
@@ -123,13 +181,9 @@ def _warm_one(job):
             q = torch.randn((t["B"], t["Hq"], t["D"]), device="cuda", dtype=torch.bfloat16)
             paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, config=cfg)
         else:
-            from kernels.prefill_attention import paged_prefill_attention
-            q = torch.randn((2048, 32, 128), device="cuda", dtype=torch.bfloat16)
-            kc = torch.randn((129, 8, 16, 128), device="cuda", dtype=torch.bfloat16)
-            bt = torch.arange(1, 129, dtype=torch.int32, device="cuda").view(1, 128)
-            sl = torch.tensor([2048], dtype=torch.int32, device="cuda")
-            qsl = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
-            paged_prefill_attention(q, kc, kc, bt, sl, qsl, 0.1, max_query_len=2048, config=cfg)
+            c = PREFILL_TARGET if kv == "target" else PREFILL_PREFIX
+            x = prefill_inputs(c["nseq"], c["L"], c["prefix"], c["Hq"], c["Hkv"], c["D"], c["bs"])
+            prefill_call(x, c["L"], c["D"], cfg)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # out of shared memory and the like: recorded by the timing pass
@@ -187,42 +241,62 @@ def run_decode(copy_bw, cases, sweep):
     return rows, sweeps
 
 
+def _prefill_flops(c):
+    """Causal attention FLOPs of prefill_inputs(**c): each new token sees the prefix and itself."""
+    L, p = c["L"], c["prefix"]
+    return c["nseq"] * c["Hq"] * 4 * c["D"] * (L * p + L * (L + 1) / 2)
+
+
+def _sweep_prefill(fn, flops, cfgs):
+    res = []
+    for sc in cfgs:
+        try:
+            ts = bench(lambda: fn(sc), warmup=10, rep=60)
+            res.append({**sc, "time_us": ts * 1e6, "TFLOPs": flops / ts / 1e12})
+        except Exception as e:
+            res.append({**sc, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+    return res, sorted((r for r in res if "time_us" in r), key=lambda r: r["time_us"])
+
+
 def run_prefill(copy_bw, sweep):
+    """Issue 3's prefill case (4 x 2048 new tokens, no prefix) with this step's k/v passed as the
+    engine does, against SDPA; the same with all keys from the pages (k/v not passed); with fp8
+    pages; and the chunks after a 2048-token cached prefix."""
     import torch
     import torch.nn.functional as F
-    from kernels.prefill_attention import paged_prefill_attention, prefill_config
+    from kernels.prefill_attention import prefill_plan
 
     rows, sweeps = [], {}
-    for kv in (None, "fp8"):
-        nseq, L, Hq, Hkv, D, bs = 4, 2048, 32, 8, 128, 16
-        q, kc, vc, ks, vs, bt, sl = decode_inputs(nseq, L, Hq, Hkv, D, bs, kv, seed=1)
-        T = nseq * L
-        qp = torch.randn((T, Hq, D), device="cuda", dtype=torch.bfloat16)
-        qsl = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
-        flops = nseq * Hq * 4 * D * (L * (L + 1) / 2)
-        fn = lambda cfg=None: paged_prefill_attention(qp, kc, vc, bt, sl, qsl, D**-0.5, ks, vs,
-                                                      max_query_len=L, config=cfg)
+    cases = [("bf16", PREFILL_TARGET, None, True), ("bf16-pages-only", PREFILL_TARGET, None, False),
+             ("fp8", PREFILL_TARGET, "fp8", True), ("bf16-prefix", PREFILL_PREFIX, None, True)]
+    for name, c, kv, new_kv in cases:
+        nseq, L, Hq, Hkv, D, bs = c["nseq"], c["L"], c["Hq"], c["Hkv"], c["D"], c["bs"]
+        x = prefill_inputs(nseq, L, c["prefix"], Hq, Hkv, D, bs, kv)
+        flops = _prefill_flops(c)
+        fn = lambda cfg=None: prefill_call(x, L, D, {**(cfg or {}), "new_kv": new_kv})
         t = bench(fn)
-        shape = {"num_seqs": nseq, "new_tokens": L, "prefix": 0, "Hq": Hq, "Hkv": Hkv, "D": D, "bs": bs,
-                 "kv": kv or "bf16"}
-        row = {"kernel": "paged_prefill_attention", "shape": shape, "config": prefill_config(L, D, False, kv is not None),
+        plan = prefill_plan(x["q"], x["kc"], L, None, x["k"] if new_kv else None, x["v"] if new_kv else None)
+        shape = {"num_seqs": nseq, "new_tokens": L, "prefix": c["prefix"], "Hq": Hq, "Hkv": Hkv, "D": D, "bs": bs,
+                 "kv": kv or "bf16", "new_kv": new_kv}
+        T = nseq * L
+        row = {"kernel": "paged_prefill_attention", "case": name, "shape": shape, "config": plan,
                "time_us": t * 1e6, "TFLOPs": flops / t / 1e12,
-               "bytes": decode_bytes(nseq, L, Hq, Hkv, D, bs, kv) + 2 * T * Hq * D * 2}
+               "bytes": decode_bytes(nseq, c["prefix"] + L, Hq, Hkv, D, bs, kv) + 2 * T * Hq * D * 2}
         row["GBps"] = row["bytes"] / t / 1e9
         row["frac_copy_bw"] = row["bytes"] / t / copy_bw
-        if kv is None:
-            # SDPA on the same values, contiguous [B, H, L, D]
-            qs = qp.view(nseq, L, Hq, D).transpose(1, 2).contiguous()
+        if name == "bf16":
+            # SDPA on the same q, contiguous [B, H, L, D]
+            qs = x["q"].reshape(nseq, L, Hq, D).transpose(1, 2).contiguous()
             ks_ = torch.randn((nseq, Hkv, L, D), device="cuda", dtype=torch.bfloat16)
             vs_ = torch.randn((nseq, Hkv, L, D), device="cuda", dtype=torch.bfloat16)
             ke = ks_.repeat_interleave(Hq // Hkv, dim=1)
             ve = vs_.repeat_interleave(Hq // Hkv, dim=1)
             from torch.nn.attention import SDPBackend, sdpa_kernel
             sdpa = {}
-            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                             ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("default", None)):
+            for bname, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("default", None)):
                 for gqa in (False, True):
-                    key = f"{name}{'-gqa' if gqa else ''}"
+                    key = f"{bname}{'-gqa' if gqa else ''}"
                     def call(be=be, gqa=gqa):
                         a, b = (ks_, vs_) if gqa else (ke, ve)
                         if be is None:
@@ -243,23 +317,22 @@ def run_prefill(copy_bw, sweep):
             print(f"prefill: {t * 1e6:.0f} us ({row['TFLOPs']:.0f} TFLOP/s); SDPA {sdpa}; "
                   f"speed vs best SDPA ({best}) {row['speed_vs_sdpa']:.2f}", flush=True)
             del qs, ks_, vs_, ke, ve
-            if sweep:
-                res = []
-                for sc in prefill_sweep_configs():
-                    try:
-                        ts = bench(lambda: fn(sc), warmup=10, rep=60)
-                        res.append({**sc, "time_us": ts * 1e6, "TFLOPs": flops / ts / 1e12})
-                    except Exception as e:
-                        res.append({**sc, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                ok = sorted((r for r in res if "time_us" in r), key=lambda r: r["time_us"])
-                sweeps["prefill-bf16-4x2048"] = res
-                if ok:
-                    row["best_sweep"] = ok[0]
-                    print(f"  best prefill: {ok[0]}", flush=True)
         else:
-            print(f"prefill {kv}: {t * 1e6:.0f} us ({row['TFLOPs']:.0f} TFLOP/s)", flush=True)
+            print(f"prefill {name}: {t * 1e6:.0f} us ({row['TFLOPs']:.0f} TFLOP/s)", flush=True)
+        if sweep and name in ("bf16", "bf16-prefix"):
+            case = "target" if name == "bf16" else "prefix"
+            # the sweep configs set new_kv themselves (default True)
+            sfn = lambda cfg: prefill_call(x, L, D, cfg)
+            res, ok = _sweep_prefill(sfn, flops, [sc for cs, sc in prefill_sweep_configs() if cs == case])
+            sweeps[f"prefill-{name}-{nseq}x{L}" + (f"-prefix{c['prefix']}" if c["prefix"] else "")] = res
+            if ok:
+                row["best_sweep"] = ok[0]
+                print(f"  best prefill {name}: {ok[0]}", flush=True)
+                for r in ok[:8]:
+                    print(f"    {r['time_us']:7.1f} us {r['TFLOPs']:5.0f} TFLOP/s  "
+                          f"{ {k: v for k, v in r.items() if k not in ('time_us', 'TFLOPs')} }", flush=True)
         rows.append(row)
-        del q, kc, vc, ks, vs, bt, sl, qp
+        del x
         torch.cuda.empty_cache()
     return rows, sweeps
 
@@ -346,7 +419,7 @@ def main(argv=None):
     t0 = time.time()
     if args.sweep:
         jobs = [("decode", kv, c) for kv in (None, "fp8", "int8") for c in decode_sweep_configs()]
-        jobs += [("prefill", None, c) for c in prefill_sweep_configs()]
+        jobs += [("prefill", case, c) for case, c in prefill_sweep_configs()]
         warm_cache(jobs, args.workers)
     copy_bw = copy_bandwidth()
     print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -398,6 +471,7 @@ def main(argv=None):
     for r in decode_rows + prefill_rows + write_rows:
         s = r["shape"]
         label = r["kernel"].replace("paged_", "").replace("_attention", "") + " " + \
+            (r["case"] + f" ({r['TFLOPs']:.0f} TFLOP/s) " if "case" in r else "") + \
             ",".join(f"{k}={v}" for k, v in s.items() if k != "sweep")
         print(f"{label[:58]:58s} {r['time_us']:9.1f} {r['GBps']:7.0f} {r['frac_copy_bw']:7.2f}")
     for k, v in targets.items():

@@ -32,11 +32,15 @@ class Ops:
     silu_and_mul: Callable
     write_kv_cache: Callable
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-    prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len)
+    # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len,
+    #  k=, v=): k, v are this step's new keys/values (already in the pages), which the kernel may read
+    #  instead of the pages for the new-token part
+    prefill_attention: Callable
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                       k_scale=None, v_scale=None, max_query_len=None):
+                       k_scale=None, v_scale=None, max_query_len=None, k=None, v=None):
+    # k, v are the pages' own values for the new tokens: the reference reads everything from the pages
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, k_scale, v_scale)
 
@@ -48,7 +52,8 @@ def reference_ops() -> Ops:
 
 def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]."""
+    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]. Prefill also gets
+    k, v themselves: the same values as the pages now hold for the new tokens, contiguous."""
     c = layer_cache
     ops.write_kv_cache(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
     nd = meta.num_decode
@@ -57,11 +62,11 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return ops.decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, c.k_scale, c.v_scale)
     if nd == 0:
         return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len)
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v)
     out = torch.empty_like(q)
     out[:nd] = ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                     c.k_scale, c.v_scale)
     qsl = meta.query_start_loc[nd:] - nd
     out[nd:] = ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len)
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:])
     return out
