@@ -61,10 +61,10 @@ for stage in "$@"; do
       ;;
     kvdecode)
       # issue 6: decode throughput at batch 64 and 4096-token context, per KV dtype
-      for kv in auto fp8 int8; do
+      for kv in ${KV_DTYPES:-auto fp8 int8}; do
         log "decode-only llama3-8b kv $kv"
         python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 4096 --output-len 128 \
-          --max-model-len 8192 --kv-cache-dtype $kv --decode-only --repeat 3 --profile "$OUT/profile-decode-$kv.txt" \
+          --max-model-len 8192 --kv-cache-dtype $kv --decode-only --repeat 3 ${DECODE_PROFILE:+--profile "$OUT/profile-decode-$kv.txt"} \
           --result-json "$OUT/kvdecode-$kv.json" 2>&1 | tail -1
       done
       python3 -m bench.compare --key output_throughput --baseline "$OUT/kvdecode-auto.json" \
