@@ -53,8 +53,12 @@ def reference_ops() -> Ops:
 def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
     """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]. Prefill also gets
-    k, v themselves: the same values as the pages now hold for the new tokens, contiguous."""
+    k, v themselves: the same values as the pages now hold for the new tokens, contiguous.
+    An fp8/int8 cache holds K rotated: q and k are rotated first (kvcache/rotation.py), which
+    leaves every q.k, hence the output, unchanged."""
     c = layer_cache
+    if c.rotation is not None:
+        q, k = c.rotation.apply(q, k)
     ops.write_kv_cache(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
     nd = meta.num_decode
     num_seqs = meta.seq_lens.shape[0]

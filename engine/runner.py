@@ -81,7 +81,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                    cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
-        self.pool = KVPool(self.kv_spec, self.num_blocks, self.device)
+        self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
@@ -120,7 +120,7 @@ class ModelRunner:
         most expensive (top-k, top-p, logprobs on max_num_seqs rows), to measure the activation peak."""
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         spec = self.kv_spec
-        pool = KVPool(spec, 1, self.device)
+        pool = KVPool(spec, 1, self.device, self.dtype)
         meta = AttnMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),

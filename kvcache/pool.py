@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import quant
+from kvcache.rotation import QKRotation
 from kvcache.spec import KVCacheSpec
 
 
@@ -17,23 +18,30 @@ class LayerCache:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     kv_dtype: str | None  # "fp8" | "int8", or None for an unquantized cache
+    rotation: QKRotation | None = None  # fp8/int8: q and k are rotated before attention (kvcache/rotation.py)
 
 
 class KVPool:
     """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype, plus
-    float32 scales [layers, 2, num_blocks, kv_heads, block_size] for fp8/int8."""
+    float32 scales [layers, 2, num_blocks, kv_heads, block_size] for fp8/int8, and for those the
+    q/k rotation (kvcache/rotation.py) in act_dtype, the dtype of the model's q and k: built once
+    here, so decode CUDA graphs capture a static tensor."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str,
+                 act_dtype: torch.dtype = torch.float32) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=quant.storage_dtype(spec.dtype), device=device)
         self.scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device) if spec.quantized else None)
         kv_dtype = spec.dtype if spec.quantized else None
+        # head_dim not a power of two (no Hadamard matrix; the Triton kernels refuse it anyway): no rotation
+        pow2 = spec.head_dim & (spec.head_dim - 1) == 0
+        self.rotation = QKRotation.build(spec.head_dim, device, act_dtype) if spec.quantized and pow2 else None
         self.layers = [
             LayerCache(self.kv[i, 0], self.kv[i, 1],
                        None if self.scales is None else self.scales[i, 0],
-                       None if self.scales is None else self.scales[i, 1], kv_dtype)
+                       None if self.scales is None else self.scales[i, 1], kv_dtype, self.rotation)
             for i in range(spec.num_layers)
         ]
 
