@@ -33,10 +33,23 @@ for stage in "$@"; do
       python3 -m bench.offline --model llama3-8b --num-prompts 64 --input-len 512 --output-len 128 \
         --enforce-eager --result-json "$OUT/offline-llama3-8b-eager.json" 2>&1 | tail -1
       ;;
+    overlap)
+      # issue 5: offline, async scheduling (step N+1 scheduled while N runs) against waiting for each step
+      for m in ${MODELS:-llama3-8b qwen2.5-0.5b}; do
+        for mode in sync async; do
+          args=""; [ $mode = sync ] && args="--no-async-scheduling"
+          log "offline $m $mode"
+          python3 -m bench.offline --model $m --num-prompts 64 --input-len 512 --output-len 128 $args \
+            --result-json "$OUT/offline-$m-$mode.json" 2>&1 | tail -1 | cut -c1-400
+        done
+        python3 -m bench.compare --key output_throughput --baseline "$OUT/offline-$m-sync.json" \
+          --out "$OUT/overlap-$m.json" "$OUT/offline-$m-async.json" >/dev/null
+      done
+      ;;
     serve)
       # issues 4 and 5: 64 streaming clients against serve run, engine loop in a thread vs a process
-      for m in llama3-8b qwen2.5-0.5b; do
-        for loop in thread process; do
+      for m in ${MODELS:-llama3-8b qwen2.5-0.5b}; do
+        for loop in ${LOOPS:-thread process}; do
           log "serve bench $m, engine loop $loop"
           python3 -m serve.cli bench --model $m --load-format dummy --server-command "python3 -m serve.cli run" \
             --server-args="--engine-loop $loop" --concurrency 64 --num-prompts 192 --input-len 512 --output-len 128 \

@@ -5,6 +5,7 @@ Implements the scheduler's Executor protocol. Holds the model, the KV pool and t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import DeviceSamples, SamplingBatch, sample_on_device
 from kvcache.calc import estimate_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
@@ -50,6 +51,16 @@ def select_ops(device: torch.device, backend: str) -> Ops:
     return triton_ops()
 
 
+@dataclass
+class Launched:
+    """A step queued on the device: its samples (still on the device) and, per sampling
+    sequence, its row in them, where the next step's input ids are read from."""
+    samples: DeviceSamples | None
+    rows: dict[int, int]  # seq_id -> row of samples.tokens
+    sampled: list[int]  # indices of the batch items that sample
+    num_items: int
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
                  max_model_len: int, show_progress: bool = True) -> None:
@@ -63,6 +74,8 @@ class ModelRunner:
         self._rows: dict[int, list] = {}  # seq_id -> [block table list, its int32 row, entries filled]
         self.ops = select_ops(self.device, cfg.backend)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
+        self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
         with torch.device("meta"):
             model = LlamaForCausalLM(model_cfg)
@@ -133,12 +146,15 @@ class ModelRunner:
         logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device))
         del pool
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
-        sample(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator)
+        sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch]:
+    def prepare(self, batch: Batch, prev: Launched | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:
         """Host-side inputs of one step, built with numpy and sent to the device in two copies:
-        int64 [ids | positions | slots | logit indices] and int32 [seq_lens | query starts | tables]."""
+        int64 [ids | positions | slots | logit indices | pending] and int32 [seq_lens | query
+        starts | tables]. A decode whose input token is pending (sampled by `prev`, still on the
+        device) gets it there: pending = [step positions | rows of prev's samples]."""
         bs = self.kv_spec.block_size
         items = batch.items
         n_seqs, n_tok = len(items), batch.num_tokens
@@ -149,10 +165,20 @@ class ModelRunner:
         width = self.max_blocks_per_seq  # fixed: the decode kernel's split-K plan depends on it
         i32 = np.zeros(2 * n_seqs + 1 + n_seqs * width, dtype=np.int32)
         tables = i32[2 * n_seqs + 1:].reshape(n_seqs, width)
-        if batch.is_decode_only:
-            ids = np.fromiter((it.seq.token_ids[it.start] for it in items), dtype=np.int64, count=n_seqs)
-        else:
-            ids = np.fromiter((t for it in items for t in it.seq.token_ids[it.start:it.end]), dtype=np.int64, count=n_tok)
+        pend_at: list[int] = []
+        pend_rows: list[int] = []
+        ids_list: list[int] = []
+        for i, it in enumerate(items):
+            toks = it.seq.token_ids
+            if it.end <= len(toks):
+                ids_list += toks[it.start:it.end]
+                continue
+            assert prev is not None and it.end == len(toks) + 1, "a pending token without the step that samples it"
+            ids_list += toks[it.start:]
+            ids_list.append(0)
+            pend_at.append(int(qsl[i + 1]) - 1)
+            pend_rows.append(prev.rows[it.seq.seq_id])
+        ids = np.array(ids_list, dtype=np.int64)
         for i, it in enumerate(items):
             tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)
         seq_idx = np.repeat(np.arange(n_seqs), q_lens)
@@ -162,7 +188,7 @@ class ModelRunner:
         logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
         i32[:n_seqs] = starts + q_lens
         i32[n_seqs:2 * n_seqs + 1] = qsl
-        i64 = np.concatenate([ids, positions, slots, logit_idx])
+        i64 = np.concatenate([ids, positions, slots, logit_idx, np.array(pend_at + pend_rows, dtype=np.int64)])
         d64, d32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type == "cuda":
             d64 = d64.pin_memory().to(self.device, non_blocking=True)
@@ -175,8 +201,16 @@ class ModelRunner:
             num_decode=batch.num_decode,
             max_query_len=int(q_lens.max()),
         )
-        sbatch = SamplingBatch([items[i].seq.params for i in sampled], [items[i].seq.num_output_tokens for i in sampled])
-        return d64[:n_tok], d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:], sbatch
+        # output position of the token each row samples (counts pending tokens, unlike num_output_tokens)
+        sbatch = SamplingBatch([items[i].seq.params for i in sampled],
+                               [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
+        input_ids = d64[:n_tok]
+        n_logits = len(logit_idx)
+        if pend_at:
+            k, at = len(pend_at), 3 * n_tok + n_logits
+            assert prev is not None and prev.samples is not None
+            input_ids.index_copy_(0, d64[at:at + k], prev.samples.tokens.index_select(0, d64[at + k:at + 2 * k]))
+        return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
 
     def _table_row(self, seq_id: int, table: list[int]) -> np.ndarray:
         """seq's block table as a fixed-width int32 row, kept between steps and extended in place:
@@ -196,20 +230,31 @@ class ModelRunner:
         return row
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[SampleOutput | None]:
-        input_ids, positions, meta, logit_idx, sbatch = self.prepare(batch)
-        outputs: list[SampleOutput | None] = [None] * len(batch.items)
+    def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        """Queue one step on the device (inputs, forward, sampling, the copy of the token ids back)
+        without waiting for it. A pending input token is read from prev's samples on the device."""
+        input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
         n = len(batch.items)
         if self.graphs is not None and batch.is_decode_only and n <= self.graphs.max_bs:
             logits = self.graphs.replay(n, input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
         if not sbatch.params:
+            return Launched(None, {}, [], n)
+        samples = sample_on_device(logits, sbatch, self.generator)
+        samples.start_copy()
+        rows = {batch.items[i].seq.seq_id: j for j, i in enumerate(sampled)}
+        return Launched(samples, rows, sampled, n)
+
+    def collect(self, launched: Launched) -> list[SampleOutput | None]:
+        """Wait for a launched step's tokens: one SampleOutput per batch item that samples."""
+        outputs: list[SampleOutput | None] = [None] * launched.num_items
+        if launched.samples is None:
             return outputs
-        tokens, logprobs = sample(logits, sbatch, self.generator)
-        j = 0
-        for i, it in enumerate(batch.items):
-            if it.samples:
-                outputs[i] = SampleOutput(tokens[j], logprobs[j])
-                j += 1
+        tokens, logprobs = launched.samples.to_host()
+        for j, i in enumerate(launched.sampled):
+            outputs[i] = SampleOutput(tokens[j], logprobs[j])
         return outputs
+
+    def execute(self, batch: Batch) -> list[SampleOutput | None]:
+        return self.collect(self.launch(batch))

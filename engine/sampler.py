@@ -48,20 +48,66 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [N, V] float32 -> one token id per row (and logprobs for the rows that asked)."""
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the GPU (pinned, non-blocking copy):
+    a plain torch.tensor(..., device="cuda") would wait for the step in flight."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@dataclass
+class DeviceSamples:
+    """Sampled token ids [N] int64 on the device (the next step may read them there), plus what
+    logprobs need; to_host() waits for them."""
+    tokens: torch.Tensor
+    params: list[SamplingParams]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chosen [N], top values/ids [N, k]
+    _host: torch.Tensor | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Begin the device-to-host copy of the token ids behind the work already queued."""
+        if self.tokens.device.type != "cuda":
+            return
+        self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        self._host.copy_(self.tokens, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            token_list = self._host.tolist()
+        else:
+            token_list = self.tokens.tolist()
+        if self.logprobs is None:
+            return token_list, [None] * len(token_list)
+        chosen, top_vals, top_ids = self.logprobs
+        chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, p in enumerate(self.params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = list(zip(ids_l[i][:p.logprobs], vals_l[i][:p.logprobs]))
+            out.append(TokenLogprob(token_list[i], chosen_l[i], top))
+        return token_list, out
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> DeviceSamples:
+    """logits [N, V] float32 -> one token id per row (and logprobs for the rows that asked), on
+    the device, with no host synchronization."""
     n, vocab = logits.shape
     device = logits.device
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in batch.params],
-                             device=device, dtype=torch.float32)
+        temps = _to_device([p.temperature if p.temperature > 0 else 1.0 for p in batch.params], torch.float32, device)
         scaled = logits / temps.unsqueeze(1)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in batch.params], device=device)
-        top_p = torch.tensor([p.top_p for p in batch.params], device=device, dtype=torch.float32)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in batch.params):
+            top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in batch.params], torch.int64, device)
+            top_p = _to_device([p.top_p for p in batch.params], torch.float32, device)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -70,21 +116,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
                 g = torch.Generator(device=device).manual_seed(_seed_for(p.seed, batch.output_positions[i]))
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in batch.params], device=device)
+        is_greedy = _to_device([p.greedy for p in batch.params], torch.bool, device)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     k = batch.max_logprobs
     if k is None:
-        return tokens.tolist(), [None] * n
+        return DeviceSamples(tokens, batch.params)
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
-    token_list = tokens.tolist()
-    chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprob | None] = []
-    for i, p in enumerate(batch.params):
-        if p.logprobs is None:
-            out.append(None)
-            continue
-        top = list(zip(ids_l[i][:p.logprobs], vals_l[i][:p.logprobs]))
-        out.append(TokenLogprob(token_list[i], chosen_l[i], top))
-    return token_list, out
+    return DeviceSamples(tokens, batch.params, (chosen, top_vals, top_ids))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """sample_on_device, then wait for the result on the host."""
+    return sample_on_device(logits, batch, generator).to_host()

@@ -1,7 +1,10 @@
-"""EngineCore: one synchronous step of the whole engine, shared by the offline LLM and the
-asyncio server loop. schedule -> execute -> update -> detokenize -> outputs.
+"""EngineCore: one step of the whole engine, shared by the offline LLM and the asyncio server
+loop. schedule -> execute -> update -> detokenize -> outputs.
 
-Torch-free: it talks to an Executor (the model runner) and a tokenizer it is given.
+With an executor that can launch a step without waiting for it (a GPU runner), steps overlap:
+step() schedules and launches step N+1 first, then waits for step N's tokens and does N's host
+work (update, detokenize) while the GPU runs N+1. The outputs of a step come back from the next
+call of step(). Torch-free: it talks to an Executor (the model runner) and a tokenizer it is given.
 """
 from __future__ import annotations
 
@@ -21,6 +24,22 @@ log = logging.getLogger("pagedserve")
 
 class Executor(Protocol):
     def execute(self, batch: Batch) -> list[SampleOutput | None]: ...
+
+
+class OverlapExecutor(Executor, Protocol):
+    """An executor whose steps can be queued behind each other. launch() returns at once; a
+    sequence with a pending token takes it from `prev`, the launch of the step before (on the
+    device). collect() waits for a launched step's samples."""
+    overlap: bool  # False: the core runs launch + collect back to back
+
+    def launch(self, batch: Batch, prev: Any | None) -> Any: ...
+    def collect(self, handle: Any) -> list[SampleOutput | None]: ...
+
+
+@dataclass
+class _InFlight:
+    batch: Batch
+    handle: Any
 
 
 @dataclass
@@ -43,6 +62,7 @@ class EngineCore:
         self.detok: dict[int, IncrementalDetokenizer] = {}
         self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
         self.stats = EngineStats()
+        self._in_flight: _InFlight | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -63,22 +83,48 @@ class EngineCore:
         return self.scheduler.abort(seq_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+
+    @property
+    def overlaps(self) -> bool:
+        return bool(getattr(self.executor, "overlap", False))
 
     def step(self) -> list[StepOutput]:
         before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += self.scheduler.num_preemptions - before
-        if batch is None:
-            return []
-        self.stats.num_steps += 1
-        try:
-            samples = self.executor.execute(batch)
-        except Exception as e:  # a fault in the model step fails this step's requests, not the engine
-            log.exception("model step failed; failing %d requests", len(batch.items))
-            self.stats.num_step_failures += 1
-            self.scheduler.discard(batch)
-            return self._fail(batch, f"internal error during generation ({type(e).__name__})")
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[StepOutput] = []
+        if batch is not None:
+            self.stats.num_steps += 1
+            if self.overlaps:
+                try:
+                    self._in_flight = _InFlight(batch, self.executor.launch(batch, prev.handle if prev else None))
+                except Exception as e:
+                    outputs += self._step_failed(batch, e)
+            else:
+                assert prev is None
+                try:
+                    samples = self.executor.execute(batch)
+                except Exception as e:
+                    return self._step_failed(batch, e)
+                return self._process(batch, samples)
+        if prev is not None:
+            try:
+                samples = self.executor.collect(prev.handle)
+            except Exception as e:
+                return outputs + self._step_failed(prev.batch, e)
+            outputs += self._process(prev.batch, samples)
+        return outputs
+
+    def _step_failed(self, batch: Batch, e: Exception) -> list[StepOutput]:
+        """A fault in the model step fails this step's requests, not the engine."""
+        log.exception("model step failed; failing %d requests", len(batch.items), exc_info=e)
+        self.stats.num_step_failures += 1
+        self.scheduler.discard(batch)
+        return self._fail(batch, f"internal error during generation ({type(e).__name__})")
+
+    def _process(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
         outputs = self.scheduler.update(batch, samples)
         now = time.monotonic()
         seqs = {it.seq.seq_id: it.seq for it in batch.items}

@@ -4,7 +4,12 @@ Each step: running sequences first, oldest first (a decode takes one token, an u
 prefill the rest of its prompt up to the token budget); then waiting sequences in arrival order,
 as chunked prefills for whatever budget is left. When the cache runs out, the newest running
 sequence is preempted (its blocks freed, recomputed later) and re-queued at the front.
-Torch-free.
+
+Async scheduling: schedule() may run while the previous step is still on the GPU. A sequence
+then has a pending token (sampled by that step, its value not yet known here): its next decode
+reads the token on the device, its count is known, and a sequence whose pending token is its
+last by length is not scheduled again. schedule() commits the step at once (num_computed_tokens,
+num_pending); update() later appends the sampled tokens. Torch-free.
 """
 from __future__ import annotations
 
@@ -70,6 +75,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.last_by_length():
+                i += 1  # its token in flight is its last: update() finishes it
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while self.bm.append(seq.block_table, seq.num_computed_tokens + n) is None:
                 victim = self.running[-1]
@@ -79,13 +87,16 @@ class Scheduler:
                     break
             else:
                 items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                # a block completed by a pending token is registered in update(), once its id is known
                 self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed_tokens,
-                                     seq.num_computed_tokens + n)
+                                     min(seq.num_computed_tokens + n, len(seq.token_ids)))
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash: wait for room.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted while its last step was in flight: wait for that step's token
             hits = self.bm.match_prefix(seq.token_ids, seq.block_hashes)
             if len(hits) * self.bm.block_size >= seq.num_tokens:
                 hits.pop()  # compute at least the last block, so the step yields logits
@@ -111,6 +122,9 @@ class Scheduler:
             budget -= n
         if not items:
             return None
+        for it in items:  # the step is committed: the next schedule() continues after it
+            it.seq.num_computed_tokens = it.end
+            it.seq.num_pending += it.samples
         items.sort(key=lambda it: it.num_new_tokens != 1)  # stable: decodes first, in order
         return Batch(items, sum(1 for it in items if it.num_new_tokens == 1))
 
@@ -129,12 +143,12 @@ class Scheduler:
         outputs = []
         for it, sample in zip(batch.items, samples):
             seq = it.seq
-            if seq.is_finished:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens = it.end
-            if not it.samples or sample is None:
-                continue
+            seq.num_pending -= it.samples
+            if seq.is_finished or not it.samples or sample is None:
+                continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             seq.token_ids.append(sample.token_id)
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: register a block the token completed
+                self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.start, it.end)
             reason = self._finish_reason(seq, sample.token_id)
             if reason is not None:
                 self.finish(seq, reason)
@@ -146,10 +160,14 @@ class Scheduler:
         return outputs
 
     def discard(self, batch: Batch) -> None:
-        """The batch was never computed: take back the prefix-cache entries its scheduling made."""
+        """The batch was never computed: take back what its scheduling committed (the prefix-cache
+        entries, the computed and pending counts)."""
         for it in batch.items:
-            if it.seq.block_table:
-                self.bm.uncache(it.seq.block_table, it.start, it.end)
+            seq = it.seq
+            seq.num_pending -= it.samples
+            if seq.block_table and seq.status is SequenceStatus.RUNNING:
+                self.bm.uncache(seq.block_table, it.start, it.end)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, it.start)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -82,7 +82,8 @@ class Sequence:
     max_model_len: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache or being written by a scheduled step
+    num_pending: int = 0  # tokens sampled by steps in flight, not yet known here (async scheduling)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
@@ -112,8 +113,21 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those a step in flight is sampling: what the next step continues from."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_total_tokens - self.num_computed_tokens
+
+    def last_by_length(self) -> bool:
+        """True when the pending token ends the sequence by max_tokens or the context length, so
+        no further step needs to be scheduled for it."""
+        total = self.num_total_tokens
+        if self.params.max_tokens is not None and total - self.num_prompt_tokens >= self.params.max_tokens:
+            return True
+        return self.max_model_len is not None and total >= self.max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -129,20 +143,21 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: num_new_tokens tokens starting at position start."""
+    """One sequence's share of a step: num_new_tokens tokens starting at position start.
+    samples: the chunk reaches the sequence's last token (as of scheduling), so the step yields
+    a new token for it."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.seq.num_total_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so the step yields a new token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
+    async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
     seed: int = 0
 
     def __post_init__(self) -> None:
