@@ -59,6 +59,7 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     c = layer_cache
     if c.rotation is not None:
         q, k = c.rotation.apply(q, k)
+        scale = scale * c.rotation.score_scale
     ops.write_kv_cache(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
     nd = meta.num_decode
     num_seqs = meta.seq_lens.shape[0]
