@@ -100,6 +100,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
                                        self.max_blocks_per_seq, self.device)
             self.graphs.capture()
+        if self.device.type == "cuda":
+            self.warmup()
 
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
@@ -148,6 +150,33 @@ class ModelRunner:
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile, before the first request, the kernel variants that eager steps use: a mixed step
+        (decodes + one prefill chunk) per prefill tile height, writing nowhere. The decode variants
+        come with the graphs; with --enforce-eager, one step per power-of-two decode count here."""
+        decodes = [1]
+        if self.graphs is None:
+            decodes = [1 << i for i in range(self.cfg.max_num_seqs.bit_length()) if 1 << i <= self.cfg.max_num_seqs]
+        width = self.max_blocks_per_seq
+        for nd in decodes:
+            for chunk in (16, 32, 64):
+                if chunk >= self.max_model_len:
+                    continue
+                n = nd + chunk
+                seq_lens = [1] * nd + [chunk]
+                i32 = torch.tensor(seq_lens + list(range(nd + 1)) + [n], dtype=torch.int32, device=self.device)
+                meta = AttnMetadata(
+                    slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                    block_tables=torch.zeros((nd + 1, width), dtype=torch.int32, device=self.device),
+                    seq_lens=i32[:nd + 1], query_start_loc=i32[nd + 1:], num_decode=nd, max_query_len=chunk)
+                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+                pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
+                logits = self.model(self.ops, ids, pos, self.pool.layers, meta,
+                                    torch.arange(nd + 1, device=self.device) + torch.tensor([0] * nd + [chunk - 1], device=self.device))
+                sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * (nd + 1),
+                                                       [0] * (nd + 1)), self.generator).to_host()
 
     def prepare(self, batch: Batch, prev: Launched | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:

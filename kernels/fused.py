@@ -81,7 +81,7 @@ def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c1, s1, c2, s2,
     tl.store(p1 + HALF, o2.to(dt), mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # positions: a view at an offset of the step's inputs
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr):

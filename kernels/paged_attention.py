@@ -155,8 +155,10 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     else:
         tile_n, prefetch = min(64, 8192 // head_dim), False
     tile_n = max(16, min(tile_n, triton.next_power_of_2(max_context)))
-    # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split.
-    want = max(1, math.ceil(1024 / (batch * num_kv_heads)))
+    # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split. The batch
+    # is rounded up to a power of two: the split count is a compile-time constant, and eager mixed
+    # steps (any number of decodes) then reuse the variants compiled for the decode graphs.
+    want = max(1, math.ceil(1024 / (triton.next_power_of_2(batch) * num_kv_heads)))
     splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
     return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": 2 if fp32 else 3,
             "prefetch": prefetch}

@@ -132,7 +132,10 @@ def _attend(acc, l_i, m_i, q, row_scale, qk_scale, q_idx, k_src, v_src, ks_ptr, 
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step values are not specialized on (==1, divisible by 16, 16-byte aligned), so a step with an
+# unusual number of tiles or of decodes ahead of it (mixed batches pass seq_lens[num_decode:])
+# reuses a compiled kernel instead of stalling for a compile in the middle of serving.
+@triton.jit(do_not_specialize=["num_m_tiles"], do_not_specialize_on_alignment=["bt_ptr", "sl_ptr", "qsl_ptr"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_new, v_new, bt_ptr, sl_ptr, qsl_ptr, out_ptr,
     qk_scale, num_m_tiles,
