@@ -95,6 +95,9 @@ class ModelRunner:
                                    cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
+        # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
+        # depends on the width); each step uploads only the columns its sequences use.
+        self.block_tables = torch.zeros((cfg.max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
@@ -191,7 +194,7 @@ class ModelRunner:
         starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n_seqs)
         qsl = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        width = self.max_blocks_per_seq  # fixed: the decode kernel's split-K plan depends on it
+        width = max(len(it.seq.block_table) for it in items)  # the columns used; stale ones beyond are never read
         i32 = np.zeros(2 * n_seqs + 1 + n_seqs * width, dtype=np.int32)
         tables = i32[2 * n_seqs + 1:].reshape(n_seqs, width)
         pend_at: list[int] = []
@@ -209,7 +212,7 @@ class ModelRunner:
             pend_rows.append(prev.rows[it.seq.seq_id])
         ids = np.array(ids_list, dtype=np.int64)
         for i, it in enumerate(items):
-            tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)
+            tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)[:width]
         seq_idx = np.repeat(np.arange(n_seqs), q_lens)
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
         slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
@@ -222,9 +225,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             d64 = d64.pin_memory().to(self.device, non_blocking=True)
             d32 = d32.pin_memory().to(self.device, non_blocking=True)
+        full = self.block_tables[:n_seqs]
+        full[:, :width].copy_(d32[2 * n_seqs + 1:].view(n_seqs, width))
         meta = AttnMetadata(
             slot_mapping=d64[2 * n_tok:3 * n_tok],
-            block_tables=d32[2 * n_seqs + 1:].view(n_seqs, width),
+            block_tables=full,
             seq_lens=d32[:n_seqs],
             query_start_loc=d32[n_seqs:2 * n_seqs + 1],
             num_decode=batch.num_decode,

@@ -40,6 +40,10 @@ def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, Engi
         # Leave the server process a core: OpenMP threads spin-wait for each other, and a step of
         # small ops slows down many times over when one of them loses its core (measured: 10x).
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    elif engine.runner.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # A GPU step's host-side tensors are small: OpenMP threads would only spin (measured:
+        # 14.7 cores busy under serve bench), taking the cores of the server and tokenizer.
+        torch.set_num_threads(1)
     return engine.core, EngineInfo(engine.model_name, engine.max_model_len, engine.runner.num_blocks,
                                    str(engine.runner.device), engine.runner.dtype_name)
 
