@@ -63,9 +63,9 @@ class BlockManager:
     def append(self, block_table: list[int], num_tokens: int) -> list[int] | None:
         """Grow block_table in place so it covers num_tokens tokens. Returns the blocks added
         (possibly none), or None when there are not enough free blocks (the table is unchanged)."""
+        if num_tokens <= len(block_table) * self.block_size:
+            return []  # the common decode step: room in the last block
         need = self.blocks_needed(num_tokens) - len(block_table)
-        if need <= 0:
-            return []
         new = self.allocate(need)
         if new is not None:
             block_table.extend(new)

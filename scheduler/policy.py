@@ -70,6 +70,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         budget = self.config.max_num_batched_tokens
+        bs = self.bm.block_size
         items: list[ScheduledSeq] = []
         preempted = False
         i = 0
@@ -86,10 +87,11 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-                # a block completed by a pending token is registered in update(), once its id is known
-                self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed_tokens,
-                                     min(seq.num_computed_tokens + n, len(seq.token_ids)))
+                start = seq.num_computed_tokens
+                items.append(ScheduledSeq(seq, start, n))
+                end = min(start + n, len(seq.token_ids))  # a block completed by a pending token: see update()
+                if end // bs > start // bs:
+                    self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only thrash: wait for room.
@@ -141,13 +143,15 @@ class Scheduler:
     def update(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
         """Advance the sequences of an executed batch and append their new tokens."""
         outputs = []
+        bs = self.bm.block_size
         for it, sample in zip(batch.items, samples):
             seq = it.seq
             seq.num_pending -= it.samples
             if seq.is_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             seq.token_ids.append(sample.token_id)
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since: register a block the token completed
+            if it.end // bs > it.start // bs and seq.status is SequenceStatus.RUNNING:
+                # not preempted since: register a block the step completed (its last token was pending)
                 self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.start, it.end)
             reason = self._finish_reason(seq, sample.token_id)
             if reason is not None:
