@@ -56,6 +56,7 @@ for stage in "$@"; do
             --ignore-eos --num-warmups 64 --result-json "$OUT/serve-$m-$loop.json" 2>&1 \
             | grep -E "Output token|Median TPOT|Median TTFT|Roofline|error" | head -6
         done
+        [ -f "$OUT/serve-$m-thread.json" ] && [ -f "$OUT/serve-$m-process.json" ] || continue
         python3 -m bench.compare --key output_throughput --baseline "$OUT/serve-$m-thread.json" \
           --out "$OUT/engine-loop-$m.json" "$OUT/serve-$m-process.json"
       done

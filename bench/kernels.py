@@ -454,7 +454,7 @@ def main(argv=None):
             targets["prefill_speed_vs_sdpa"]["best_config_value"] = (
                 prefill_rows[0]["speed_vs_sdpa"] * prefill_rows[0]["time_us"] / prefill_rows[0]["best_sweep"]["time_us"])
     result = {
-        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
+        "gpu": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "timing": "triton.testing.do_bench median, L2 flushed before each run",
         "targets": targets,

@@ -201,6 +201,7 @@ class ModelRunner:
         pend_rows: list[int] = []
         ids_list: list[int] = []
         for i, it in enumerate(items):
+            tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)[:width]
             toks = it.seq.token_ids
             if it.end <= len(toks):
                 ids_list += toks[it.start:it.end]
@@ -211,8 +212,6 @@ class ModelRunner:
             pend_at.append(int(qsl[i + 1]) - 1)
             pend_rows.append(prev.rows[it.seq.seq_id])
         ids = np.array(ids_list, dtype=np.int64)
-        for i, it in enumerate(items):
-            tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)[:width]
         seq_idx = np.repeat(np.arange(n_seqs), q_lens)
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
         slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs

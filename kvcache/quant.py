@@ -5,7 +5,7 @@ is written ("dynamic" scales): scale = max(|x|) / QMAX over the head's head_dim 
 head is all zeros), stored value q = x / scale, rounded to the storage type; dequantize with
 x ~= q * scale. QMAX is 448 for fp8 e4m3 (its largest finite value) and 127 for int8 (symmetric:
 -128 is never produced). The Triton cache-write kernel implements exactly this; tests compare.
-What an fp8/int8 cache stores as K is the rotated key k @ R_k (kvcache/rotation.py), quantized so.
+What an fp8/int8 cache stores as K is the rotated key k @ R (kvcache/rotation.py), quantized so.
 """
 from __future__ import annotations
 

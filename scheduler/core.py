@@ -52,7 +52,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, executor: Executor, tokenizer: Any, scheduler_config: SchedulerConfig,
+    def __init__(self, executor: Executor | OverlapExecutor, tokenizer: Any, scheduler_config: SchedulerConfig,
                  num_blocks: int, block_size: int, eos_token_ids: frozenset[int]) -> None:
         self.executor = executor
         self.tokenizer = tokenizer

@@ -37,16 +37,13 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(new_ids)
-        if self.utf8 is not None and not self.stop:  # the common case: everything decoded is emitted
-            table = self.token_bytes
-            delta = self.utf8.decode(b"".join(table[i] if 0 <= i < len(table) else b"" for i in new_ids), final)
-            self.text += delta
-            self.emitted += len(delta)
-            return delta
         if self.utf8 is not None:
             table = self.token_bytes
-            data = b"".join(table[i] if 0 <= i < len(table) else b"" for i in new_ids)
-            self.text += self.utf8.decode(data, final)
+            decoded = self.utf8.decode(b"".join(table[i] if 0 <= i < len(table) else b"" for i in new_ids), final)
+            self.text += decoded
+            if not self.stop:  # the common case: nothing is held back, everything decoded is emitted
+                self.emitted += len(decoded)
+                return decoded
         else:
             self._decode_window(final)
         if self.stop:

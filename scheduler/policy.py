@@ -150,8 +150,9 @@ class Scheduler:
             if seq.is_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             seq.token_ids.append(sample.token_id)
-            if it.end // bs > it.start // bs and seq.status is SequenceStatus.RUNNING:
-                # not preempted since: register a block the step completed (its last token was pending)
+            if it.num_new_tokens == 1 and it.end // bs > it.start // bs and seq.status is SequenceStatus.RUNNING:
+                # a decode, not preempted since, completed a block: schedule() could not register it
+                # if its input token was pending then (prefill chunks never have one)
                 self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.start, it.end)
             reason = self._finish_reason(seq, sample.token_id)
             if reason is not None:
