@@ -23,6 +23,9 @@ class AttnMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     num_decode: int  # the first num_decode sequences have exactly one new token
     max_query_len: int
+    # query_start_loc[num_decode:] - num_decode: the prefill part's own starts (mixed steps; the
+    # runner uploads it with the rest, else each layer computes it)
+    prefill_query_start_loc: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -31,18 +34,18 @@ class Ops:
     apply_rotary: Callable
     silu_and_mul: Callable
     write_kv_cache: Callable
-    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=)
     # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len,
-    #  k=, v=): k, v are this step's new keys/values (already in the pages), which the kernel may read
-    #  instead of the pages for the new-token part
+    #  k=, v=, out=): k, v are this step's new keys/values (already in the pages), which the kernel may
+    #  read instead of the pages for the new-token part; out= a view to write the result into
     prefill_attention: Callable
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                       k_scale=None, v_scale=None, max_query_len=None, k=None, v=None):
+                       k_scale=None, v_scale=None, max_query_len=None, k=None, v=None, out=None):
     # k, v are the pages' own values for the new tokens: the reference reads everything from the pages
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     scale, k_scale, v_scale)
+                                     scale, k_scale, v_scale, out)
 
 
 def reference_ops() -> Ops:
@@ -68,10 +71,14 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd == 0:
         return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                      scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v)
+    # Mixed step: both kernels write their rows of one output (no copies). Eager steps run these
+    # lines once per layer, so every host microsecond here counts (bench/NOTES.md).
     out = torch.empty_like(q)
-    out[:nd] = ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                    c.k_scale, c.v_scale)
-    qsl = meta.query_start_loc[nd:] - nd
-    out[nd:] = ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:])
+    ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                         c.k_scale, c.v_scale, out=out[:nd])
+    qsl = meta.prefill_query_start_loc
+    if qsl is None:
+        qsl = meta.query_start_loc[nd:] - nd
+    ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
+                          scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:], out=out[nd:])
     return out

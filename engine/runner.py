@@ -185,8 +185,9 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:
         """Host-side inputs of one step, built with numpy and sent to the device in two copies:
         int64 [ids | positions | slots | logit indices | pending] and int32 [seq_lens | query
-        starts | tables]. A decode whose input token is pending (sampled by `prev`, still on the
-        device) gets it there: pending = [step positions | rows of prev's samples]."""
+        starts | a mixed step's prefill query starts | tables]. A decode whose input token is
+        pending (sampled by `prev`, still on the device) gets it there: pending = [step positions |
+        rows of prev's samples]."""
         bs = self.kv_spec.block_size
         items = batch.items
         n_seqs, n_tok = len(items), batch.num_tokens
@@ -195,8 +196,11 @@ class ModelRunner:
         qsl = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         width = max(len(it.seq.block_table) for it in items)  # the columns used; stale ones beyond are never read
-        i32 = np.zeros(2 * n_seqs + 1 + n_seqs * width, dtype=np.int32)
-        tables = i32[2 * n_seqs + 1:].reshape(n_seqs, width)
+        nd = batch.num_decode
+        n_pq = n_seqs - nd + 1 if 0 < nd < n_seqs else 0  # a mixed step's prefill query starts
+        head = 2 * n_seqs + 1 + n_pq
+        i32 = np.zeros(head + n_seqs * width, dtype=np.int32)
+        tables = i32[head:].reshape(n_seqs, width)
         pend_at: list[int] = []
         pend_rows: list[int] = []
         ids_list: list[int] = []
@@ -219,20 +223,23 @@ class ModelRunner:
         logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
         i32[:n_seqs] = starts + q_lens
         i32[n_seqs:2 * n_seqs + 1] = qsl
+        if n_pq:
+            i32[2 * n_seqs + 1:head] = qsl[nd:] - nd
         i64 = np.concatenate([ids, positions, slots, logit_idx, np.array(pend_at + pend_rows, dtype=np.int64)])
         d64, d32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type == "cuda":
             d64 = d64.pin_memory().to(self.device, non_blocking=True)
             d32 = d32.pin_memory().to(self.device, non_blocking=True)
         full = self.block_tables[:n_seqs]
-        full[:, :width].copy_(d32[2 * n_seqs + 1:].view(n_seqs, width))
+        full[:, :width].copy_(d32[head:].view(n_seqs, width))
         meta = AttnMetadata(
             slot_mapping=d64[2 * n_tok:3 * n_tok],
             block_tables=full,
             seq_lens=d32[:n_seqs],
             query_start_loc=d32[n_seqs:2 * n_seqs + 1],
-            num_decode=batch.num_decode,
+            num_decode=nd,
             max_query_len=int(q_lens.max()),
+            prefill_query_start_loc=d32[2 * n_seqs + 1:head] if n_pq else None,
         )
         # output position of the token each row samples (counts pending tokens, unlike num_output_tokens)
         sbatch = SamplingBatch([items[i].seq.params for i in sampled],

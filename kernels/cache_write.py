@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
+
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -141,7 +143,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     kc, vc = k_cache, v_cache
     if quant == 1:
         kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    _write_kv_kernel[(T, H)](
+    launch(_write_kv_kernel, (T, H),
         k, v, kc, vc, ks, vs, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv, launch, next_pow2
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -53,8 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_out = None
     rows = x2.shape[0]
     if rows:
-        block = triton.next_power_of_2(N)
-        _rms_norm_kernel[(rows,)](
+        block = next_pow2(N)
+        launch(_rms_norm_kernel, (rows,),
             x2, r2, weight, out2, ro2, eps, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
             BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
         )
@@ -113,9 +115,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     assert cos_sin.stride(2) == 1 and cos_sin.stride(1) == D
     if T:
         Hk = k.shape[1]
-        _rotary_kernel[(T,)](
+        launch(_rotary_kernel, (T,),
             q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-            Hq, Hk, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk), HALF=D // 2,
+            Hq, Hk, BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HALF=D // 2,
             num_warps=4,
         )
     return q, k
@@ -143,7 +145,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     o2 = out.view(-1, N)
     if x2.shape[0] and N:
-        block = min(1024, triton.next_power_of_2(N))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(N, block))](
+        block = min(1024, next_pow2(N))
+        launch(_silu_and_mul_kernel, (x2.shape[0], cdiv(N, block)),
             x2, o2, x2.stride(0), o2.stride(0), N, BLOCK=block, num_warps=4)
     return out

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
+from kernels.launch import cdiv, launch, next_pow2
 
 
 @triton.jit
@@ -154,11 +155,11 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
         tile_n, prefetch = (128 if head_dim <= 128 else 32), True
     else:
         tile_n, prefetch = min(64, 8192 // head_dim), False
-    tile_n = max(16, min(tile_n, triton.next_power_of_2(max_context)))
+    tile_n = max(16, min(tile_n, next_pow2(max_context)))
     # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split. The batch
     # is rounded up to a power of two: the split count is a compile-time constant, and eager mixed
     # steps (any number of decodes) then reuse the variants compiled for the decode graphs.
-    want = max(1, math.ceil(1024 / (triton.next_power_of_2(batch) * num_kv_heads)))
+    want = max(1, math.ceil(1024 / (next_pow2(batch) * num_kv_heads)))
     splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
     return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": 2 if fp32 else 3,
             "prefetch": prefetch}
@@ -210,23 +211,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused
-    _decode_kernel[(B, Hkv, splits)](
+    launch(_decode_kernel, (B, Hkv, splits),
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, po, plse,
         softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0), ks.stride(1), block_tables.stride(0),
         Hq * splits, splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
         BLOCK_SIZE=bs, TILE_N=tile_n, PARTITION=partition, NUM_SPLITS=splits,
         QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
-        _merge_kernel[(B, Hq)](
+        launch(_merge_kernel, (B, Hq),
             out, po, plse, seq_lens,
             out.stride(0), out.stride(1), Hq * splits, splits,
             HEAD_DIM=D, PARTITION=partition, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+            BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
     return out

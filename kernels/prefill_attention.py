@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
+from kernels.launch import cdiv, launch, next_pow2
 
 try:  # triton >= 3.4 (host-side TMA descriptors)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -255,10 +256,10 @@ def prefill_config(max_query_len: int, head_dim: int, fp32: bool, quant: bool = 
         # float32 products run on the FMA units; larger tiles spill registers (sm_90, head_dim 128)
         return {**base, "block_m": 16, "block_n": 16, "block_n_prefix": 16, "num_warps": 4, "num_stages": 2}
     if new_kv and head_dim <= 128:
-        block_m = min(64, max(16, triton.next_power_of_2(max_query_len)))
+        block_m = min(64, max(16, next_pow2(max_query_len)))
         return {**base, "block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 3, "tma": True}
     cap = 32 if quant and head_dim > 128 else 64 if quant or head_dim > 128 else 128
-    block_m = min(cap, max(16, triton.next_power_of_2(max_query_len)))
+    block_m = min(cap, max(16, next_pow2(max_query_len)))
     return {**base, "block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 3}
 
 
@@ -296,14 +297,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, max_query_len: int | None = None,
                             config: dict | None = None, k: torch.Tensor | None = None,
-                            v: torch.Tensor | None = None) -> torch.Tensor:
+                            v: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
 
     k, v [T, num_kv_heads, head_dim] (optional): this step's new keys/values, row for row with q,
     already written to the pages. With unquantized pages of k's dtype the new-token part of the key
     loop reads them instead of the pages (the same values); otherwise, or when None, everything
     comes from the pages. `config` overrides keys of prefill_config()'s choice (benchmarks and
-    tests only); requests that do not apply (tma, pack_gqa) are dropped.
+    tests only); requests that do not apply (tma, pack_gqa) are dropped. `out`: where to write the
+    result (a [T, num_heads, head_dim] view with contiguous rows), instead of a new tensor.
     """
     T, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
@@ -332,7 +334,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert k.shape == (T, Hkv, D) and v.shape == (T, Hkv, D), "k/v must be [T, num_kv_heads, head_dim]"
         assert k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
     assert softmax_scale > 0
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
     if T == 0 or B == 0 or max_query_len == 0:
@@ -348,11 +352,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         box = [plan["block_n"], D]
         k_arg = TensorDescriptor(k, [T, Hkv * D], [k.stride(0), 1], box)
         v_arg = TensorDescriptor(v, [T, Hkv * D], [v.stride(0), 1], box)
-    num_m_tiles = triton.cdiv(max_query_len, tok_m)
+    num_m_tiles = cdiv(max_query_len, tok_m)
     prog_heads = Hkv if pack else Hq
     sk = k.stride() if src != SRC_PAGES.value else (0, 0, 1)
     sv = v.stride() if src != SRC_PAGES.value else (0, 0, 1)
-    _prefill_kernel[(B * prog_heads, num_m_tiles)](
+    launch(_prefill_kernel, (B * prog_heads, num_m_tiles),
         q, k_cache, v_cache, ks, vs, k_arg, v_arg, block_tables, seq_lens, query_start_loc, out,
         softmax_scale * LOG2E, num_m_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

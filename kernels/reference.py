@@ -53,13 +53,13 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     softmax_scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
 
     Covers both prefill chunks (q_len > 1, attending to the cached prefix and to themselves) and
-    decode (q_len == 1). Accumulates in float32; the result has q's dtype.
+    decode (q_len == 1). Accumulates in float32; the result has q's dtype (written into `out` if given).
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     qsl = query_start_loc.tolist()
@@ -80,10 +80,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode: one query token per sequence, q [B, num_heads, head_dim]."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, softmax_scale, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, softmax_scale, k_scale, v_scale, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
