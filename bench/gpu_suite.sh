@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|serve|prefix|kvdecode|kvmeasure   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|kvdecode|kvmeasure   (several stages may be given)
+# Per-step host/device timing of eager steps: python3 -m bench.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
 set -uo pipefail
@@ -20,7 +21,7 @@ for stage in "$@"; do
   case $stage in
     tests)
       log "GPU tests"
-      PAGEDSERVE_GPU_REPORT=$OUT/gpu-equality.jsonl python3 -m pytest -m gpu -q -p no:cacheprovider \
+      PAGEDSERVE_CHECK_LAUNCH=1 PAGEDSERVE_GPU_REPORT=$OUT/gpu-equality.jsonl python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/engine/test_gpu.py tests/kernels 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
       ;;
     engine)
@@ -61,10 +62,22 @@ for stage in "$@"; do
           --out "$OUT/engine-loop-$m.json" "$OUT/serve-$m-process.json"
       done
       ;;
+    budget)
+      # issues 5 and 8: the serve bench at each step token budget (--max-num-batched-tokens)
+      for m in ${MODELS:-llama3-8b qwen2.5-0.5b}; do
+        for b in ${BUDGETS:-8192 2048}; do
+          log "serve bench $m, max-num-batched-tokens $b"
+          python3 -m serve.cli bench --model $m --load-format dummy --server-command "python3 -m serve.cli run" \
+            --server-args="--max-num-batched-tokens $b" --concurrency 64 --num-prompts 192 --input-len 512 \
+            --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/budget-$m-$b.json" 2>&1 \
+            | grep -E "Output token|Median TPOT|Median TTFT|Median ITL|Roofline|error" | head -8
+        done
+      done
+      ;;
     prefix)
       # issue 8: 64 concurrent requests, a shared 1024-token prefix + 128 unique tokens each
       for pc in on off; do
-        args=""; [ $pc = off ] && args="--no-prefix-caching"
+        args="${BUDGET:+--max-num-batched-tokens $BUDGET}"; [ $pc = off ] && args="$args --no-prefix-caching"
         log "serve bench, shared prefix, prefix caching $pc"
         python3 -m serve.cli bench --model llama3-8b --load-format dummy --server-command "python3 -m serve.cli run" \
           --server-args="$args" --concurrency 64 --num-prompts 64 --input-len 1152 --shared-prefix-len 1024 \
