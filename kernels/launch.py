@@ -1,18 +1,19 @@
 """Launching Triton kernels without JITFunction.run's per-call bookkeeping.
 
 `kernel[grid](...)` binds the arguments, specializes each of them, hashes a cache key, checks
-globals and builds launch metadata before it reaches the compiled kernel's launcher: ~50-80 us of
-Python per call on the H100 machine's host (bench/NOTES.md). A CUDA-graph decode step pays it once,
-at capture; an eager step (any step with a prefill chunk) pays it for every kernel of every
-layer, ~8 kernels x 32 layers, and measured 28-35 ms of host time per step, with the GPU idle.
+globals and builds launch metadata before it reaches the compiled kernel's launcher: tens of
+microseconds of Python per call. A CUDA-graph decode step pays it once, at capture; an eager step
+(any step with a prefill chunk) pays it for every kernel of every layer (~8 x 32 for Llama-3-8B).
+Eager steps measured 20-36 ms of host time on the H100 machine with the GPU waiting (bench/NOTES.md).
 
 `launch(fn, grid, *args, **kwargs)` keeps, per kernel, the compiled kernels that the normal path
 returned, under a key that is at least as fine as Triton's specialization (tensor dtype and 16-byte
 alignment, integer == 1 / divisible by 16 / 32-bit range, constexpr values, launch options), and
 calls the launcher directly when the key has been seen. A new key goes through `fn[grid]` (which
 compiles if needed). Under the interpreter, with launch hooks installed (profilers), or for
-arguments of a kind it does not know, every call takes the normal path. CHECK = True (the GPU
-tests) asks Triton for its kernel on every call and asserts it is the cached one.
+arguments of a kind it does not know, every call takes the normal path. CHECK = True
+(PAGEDSERVE_CHECK_LAUNCH=1, set by bench/gpu_suite.sh's tests) asks Triton for its kernel on
+every fast launch and asserts it is the cached one.
 """
 from __future__ import annotations
 
