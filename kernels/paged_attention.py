@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
-from kernels.launch import cdiv, launch, next_pow2
+from kernels.launch import launch, next_pow2
 
 
 @triton.jit
