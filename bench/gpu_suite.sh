@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|kvdecode|kvmeasure   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m bench.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -79,12 +79,25 @@ for stage in "$@"; do
       for pc in on off; do
         args="${BUDGET:+--max-num-batched-tokens $BUDGET}"; [ $pc = off ] && args="$args --no-prefix-caching"
         log "serve bench, shared prefix, prefix caching $pc"
-        python3 -m serve.cli bench --model llama3-8b --load-format dummy --server-command "python3 -m serve.cli run" \
+        ${TRACE:+env PAGEDSERVE_STEP_TRACE=$OUT/trace-prefix-$pc.jsonl} python3 -m serve.cli bench --model llama3-8b --load-format dummy --server-command "python3 -m serve.cli run" \
           --server-args="$args" --concurrency 64 --num-prompts 64 --input-len 1152 --shared-prefix-len 1024 \
           --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/prefix-$pc.json" 2>&1 | grep -E "TTFT|throughput|error" | head -8
       done
       python3 -m bench.compare --key median_ttft_ms --lower-is-better --baseline "$OUT/prefix-off.json" \
         --out "$OUT/prefix-caching-ttft.json" "$OUT/prefix-on.json"
+      ;;
+    trace)
+      # issue 5: the engine loop's per-step timeline under serve bench (scheduler/trace.py)
+      for m in ${MODELS:-qwen2.5-0.5b llama3-8b}; do
+        f=$m${TAG:+-$TAG}
+        log "serve bench $m with a step trace ${SERVER_ARGS:-}"
+        rm -f "$OUT/trace-$f.jsonl"
+        PAGEDSERVE_STEP_TRACE="$OUT/trace-$f.jsonl" python3 -m serve.cli bench --model $m --load-format dummy \
+          --server-command "python3 -m serve.cli run" --server-args="${SERVER_ARGS:-}" --concurrency 64 --num-prompts 192 \
+          --input-len 512 --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/trace-serve-$f.json" 2>&1 \
+          | grep -E "Output token|Median TPOT|Median TTFT|Roofline|error" | head -6
+        python3 -m bench.trace_summary "$OUT/trace-$f.jsonl" --json "$OUT/trace-summary-$f.json" > /dev/null
+      done
       ;;
     kvdecode)
       # issue 6: decode throughput at batch 64 and 4096-token context, per KV dtype

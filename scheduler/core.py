@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from kvcache.block_manager import BlockManager
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.token_bytes import token_bytes_table
+from scheduler.trace import StepTrace
 from scheduler.policy import Scheduler, SchedulerConfig
 from scheduler.request import Batch, SampleOutput, SamplingParams, Sequence, StepOutput, next_seq_id
 
@@ -63,6 +64,7 @@ class EngineCore:
         self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
         self.stats = EngineStats()
         self._in_flight: _InFlight | None = None
+        self.trace = StepTrace.from_env()
 
     @property
     def max_model_len(self) -> int:
@@ -90,8 +92,20 @@ class EngineCore:
         return bool(getattr(self.executor, "overlap", False))
 
     def step(self) -> list[StepOutput]:
+        if self.trace is None:
+            return self._step()
+        self.trace.begin()
+        try:
+            return self._step()
+        finally:
+            self.trace.end()
+
+    def _step(self) -> list[StepOutput]:
+        trace = self.trace
         before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
+        if trace is not None and batch is not None:
+            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items))
         self.stats.num_preemptions += self.scheduler.num_preemptions - before
         prev, self._in_flight = self._in_flight, None
         outputs: list[StepOutput] = []
@@ -102,6 +116,8 @@ class EngineCore:
                     self._in_flight = _InFlight(batch, self.executor.launch(batch, prev.handle if prev else None))
                 except Exception as e:
                     outputs += self._step_failed(batch, e)
+                if trace is not None:
+                    trace.mark("t_launch")
             else:
                 assert prev is None
                 try:
@@ -114,6 +130,8 @@ class EngineCore:
                 samples = self.executor.collect(prev.handle)
             except Exception as e:
                 return outputs + self._step_failed(prev.batch, e)
+            if trace is not None:
+                trace.mark("t_collect")
             outputs += self._process(prev.batch, samples)
         return outputs
 

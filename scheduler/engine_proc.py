@@ -91,12 +91,16 @@ def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
         replies = []
         for msg in pending:
             if msg[0] == "stop":
+                if core.trace is not None:
+                    core.trace.flush()
                 return
             replies.append(_apply(core, *msg))
         if replies:
             results.send(("replies", replies, EngineSnapshot.of(core)))
         if core.has_unfinished():
             results.send(_step(core))
+            if core.trace is not None:
+                core.trace.annotate_last("t_sent")
 
 
 def _apply(core: EngineCore, kind: str, req_id: int, payload: Any) -> tuple[int, bool, Any]:
