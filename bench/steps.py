@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--no-piecewise-graphs", action="store_true", help="launch steps with prefill tokens eagerly")
     p.add_argument("--out", default=None, help="write the per-step records and the summary here (JSON)")
     p.add_argument("--cprofile", default=None, help="write cProfile's top functions of the timed run here")
     p.add_argument("--sync", action="store_true",
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.request import SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, async_scheduling=False if args.no_async_scheduling else None)
+              max_model_len=args.max_model_len, async_scheduling=False if args.no_async_scheduling else None,
+              piecewise_graphs=not args.no_piecewise_graphs)
     runner = llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = [r for r in records if r["decodes"] == r["seqs"]]
     mixed = [r for r in records if r["decodes"] != r["seqs"]]
     result = {"model": llm.engine.model_name, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+              "piecewise_graphs": runner.piecewise is not None,
               "max_num_batched_tokens": args.max_num_batched_tokens, "async_scheduling": runner.overlap,
               "wall_s": wall, "triton_compiles_in_run": _count_cache(cache) - compiled_before,
               "decode_only": summary(decode), "with_prefill": summary(mixed), "records": records}

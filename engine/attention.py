@@ -53,27 +53,38 @@ def reference_ops() -> Ops:
                reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill)
 
 
-def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]. Prefill also gets
-    k, v themselves: the same values as the pages now hold for the new tokens, contiguous.
-    An fp8/int8 cache holds K rotated: q and k are rotated first (kvcache/rotation.py), which
-    leaves every q.k, hence the output, unchanged."""
+def store_kv(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: LayerCache,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write this step's k, v into the pages -> (q, k) as attention must see them. An fp8/int8
+    cache holds K rotated: q and k are rotated first (kvcache/rotation.py), which leaves every q.k,
+    hence the output, unchanged (attention scales by score_scale)."""
     c = layer_cache
     if c.rotation is not None:
         q, k = c.rotation.apply(q, k)
+    ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
+    return q, k
+
+
+def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: LayerCache,
+           meta: AttnMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the pages, which already hold this step's k, v: q [T, H, D] -> [T, H, D]
+    (into `out` when given). Prefill also gets k, v themselves: the same values as the pages now
+    hold for the new tokens, contiguous."""
+    c = layer_cache
+    if c.rotation is not None:
         scale = scale * c.rotation.score_scale
-    ops.write_kv_cache(k, v, c.k, c.v, meta.slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
     nd = meta.num_decode
     num_seqs = meta.seq_lens.shape[0]
     if nd == num_seqs:
-        return ops.decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, c.k_scale, c.v_scale)
+        return ops.decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, c.k_scale, c.v_scale,
+                                    out=out)
     if nd == 0:
         return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v)
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v, out=out)
     # Mixed step: both kernels write their rows of one output (no copies). Eager steps run these
     # lines once per layer, so every host microsecond here counts (bench/NOTES.md).
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                          c.k_scale, c.v_scale, out=out[:nd])
     qsl = meta.prefill_query_start_loc
@@ -82,3 +93,10 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
                           scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:], out=out[nd:])
     return out
+
+
+def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]."""
+    q, k = store_kv(ops, q, k, v, layer_cache, meta.slot_mapping)
+    return attend(ops, q, k, v, layer_cache, meta, scale)

@@ -14,10 +14,11 @@ import torch
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.piecewise import PiecewiseGraphs
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.sampler import DeviceSamples, SamplingBatch, sample_on_device
-from kvcache.calc import estimate_graph_bytes, kv_cache_bytes
+from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput, SamplingParams
@@ -99,10 +100,15 @@ class ModelRunner:
         # depends on the width); each step uploads only the columns its sequences use.
         self.block_tables = torch.zeros((cfg.max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
                                        self.max_blocks_per_seq, self.device)
             self.graphs.capture()
+            if cfg.piecewise_graphs:
+                self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
+                                                 self.device)
+                self.piecewise.capture()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -126,11 +132,14 @@ class ModelRunner:
         return blocks
 
     def graph_bytes_reserved(self) -> int:
-        """GPU memory set aside for the decode graphs captured after the pool is sized."""
+        """GPU memory set aside for the decode and piecewise graphs captured after the pool is sized."""
         if self.cfg.enforce_eager:
             return 0
-        return estimate_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_seqs, self.max_model_len,
-                                    self.cfg.block_size)
+        graphs = estimate_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_seqs, self.max_model_len,
+                                      self.cfg.block_size)
+        if self.cfg.piecewise_graphs:
+            graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_batched_tokens)
+        return graphs
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -277,6 +286,8 @@ class ModelRunner:
         n = len(batch.items)
         if self.graphs is not None and batch.is_decode_only and n <= self.graphs.max_bs:
             logits = self.graphs.replay(n, input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        elif self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
+            logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
         if not sbatch.params:

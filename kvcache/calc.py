@@ -160,6 +160,25 @@ def estimate_graph_bytes(model: ModelConfig, dtype: str, max_num_seqs: int, max_
     return max_num_seqs * (per_token + logits) + static + 64 * 2**20
 
 
+def estimate_piecewise_graph_bytes(model: ModelConfig, dtype: str, max_num_batched_tokens: int,
+                                   tensor_parallel_size: int = 1) -> int:
+    """GPU memory for the piecewise graphs of steps with prefill tokens (engine/piecewise.py),
+    captured after the KV pool like the decode graphs: their static buffers (ids, positions and
+    slots in int64; qkv, attention output, residual and final hidden state in the model dtype) and
+    their pool, one piece's temporaries at max_num_batched_tokens rows (o_proj output, two norms'
+    outputs and residuals, gate_up, silu(gate) * up, down projection, an fp8/int8 cache's rotated
+    q and k), plus a 64 MiB margin. A GPU test checks it covers what is really captured."""
+    tp = tensor_parallel_size
+    e = DTYPE_BYTES[dtype]
+    t = max_num_batched_tokens
+    h = model.hidden_size
+    q, kv = model.q_size // tp, max(1, model.num_kv_heads // tp) * model.head_dim
+    inter = -(-model.intermediate_size // tp)
+    static = t * (3 * 8 + (2 * q + 2 * kv + 2 * h) * e)
+    pool = t * (5 * h + 3 * inter + q + kv) * e
+    return static + pool + 64 * 2**20
+
+
 def kv_cache_bytes(total_gpu_bytes: int, memory_utilization: float, weight_bytes: int,
                    activation_bytes: int, graph_bytes: int = 0) -> int:
     """Bytes left for the KV cache on one GPU (0 when nothing is left). The engine and the
@@ -458,7 +477,8 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
 def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
     dtype = resolve_model_dtype(req.dtype, req.model)
     max_len = req.max_model_len or req.model.max_context_len
-    graphs = estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, req.block_size, req.tensor_parallel_size)
+    graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, req.block_size, req.tensor_parallel_size)
+              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size))
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 req.block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
@@ -495,7 +515,7 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         f" = {format_bytes(base.budget_bytes)}{tp}",
         _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
         _line("activations", format_bytes(base.activation_bytes), act),
-        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode graphs, reserved as the engine does"),
+        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode + piecewise graphs, reserved as the engine does"),
         _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
         _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
         _line("KV bytes per block", f"{base.bytes_per_block:,}",
@@ -574,6 +594,8 @@ def _run_measure(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=req.memory_utilization)
         runner = build_engine(cfg, show_progress=False).runner
     graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
+    if runner.piecewise is not None:
+        graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
     measured = plan_request(req, activation_bytes=runner.activation_bytes)
     result = {
         "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,

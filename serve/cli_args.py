@@ -28,6 +28,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-piecewise-graphs", dest="piecewise_graphs", action="store_false",
+                   help="launch steps with prefill tokens eagerly (default: CUDA graphs around attention)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                    help="wait for each step before scheduling the next (default: overlap them on a GPU)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
@@ -41,4 +43,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
-                        async_scheduling=args.async_scheduling, seed=args.seed)
+                        async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, seed=args.seed)

@@ -26,6 +26,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    piecewise_graphs: bool = True  # CUDA graphs around attention for steps with prefill tokens
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
     seed: int = 0

@@ -65,21 +65,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                cache: LayerCache, meta: AttnMetadata) -> torch.Tensor:
+    def project(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], rotary applied; views of one qkv tensor
+        (`out` [T, q + 2 kv] when given: the piecewise CUDA graphs' static buffer)."""
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if out is None:
+            qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        elif self.qkv_proj.bias is None:
+            qkv = torch.mm(x, self.qkv_proj.weight.t(), out=out)
+        else:
+            qkv = torch.addmm(self.qkv_proj.bias, x, self.qkv_proj.weight.t(), out=out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q_buf, k_buf = q, k
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
-        o = paged_attention(ops, q, k, v, cache, meta, self.scale)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
-
+        if out is not None and q is not q_buf:  # keep q and k in the static buffer
+            q_buf.copy_(q)
+            k_buf.copy_(k)
+            q, k = q_buf, k_buf
+        return q, k, v
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -99,17 +109,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def input_norm(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input RMSNorm (adding x to the residual stream) -> (normed, residual)."""
         ln = self.input_layernorm
         if residual is None:
-            residual, h = x, ops.rms_norm(x, ln.weight, ln.eps)
-        else:
-            h, residual = ops.rms_norm(x, ln.weight, ln.eps, residual)
-        h = self.self_attn(ops, h, positions, cos_sin, cache, meta)
+            return ops.rms_norm(x, ln.weight, ln.eps), x
+        return ops.rms_norm(x, ln.weight, ln.eps, residual)
+
+    def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual)."""
+        h = F.linear(attn_out, self.self_attn.o_proj.weight)
         ln = self.post_attention_layernorm
         h, residual = ops.rms_norm(h, ln.weight, ln.eps, residual)
         return self.mlp(ops, h), residual
+
+    def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm(ops, x, residual)
+        attn = self.self_attn
+        q, k, v = attn.project(ops, h, positions, cos_sin)
+        o = paged_attention(ops, q, k, v, cache, meta, attn.scale)
+        return self.finish(ops, o.reshape(x.shape[0], attn.q_size), residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -115,6 +115,9 @@ def test_graph_memory_is_accounted_before_sizing_the_pool(tiny_models):
     runner = llm.engine.runner
     assert runner.num_blocks > 0 and runner.graphs is not None
     assert 0 < runner.graphs.pool_bytes <= runner.graph_bytes_reserved()
+    pw = runner.piecewise
+    assert pw is not None and pw.max_tokens == llm.config.max_num_batched_tokens
+    assert 0 < pw.pool_bytes + pw.static_bytes + runner.graphs.pool_bytes <= runner.graph_bytes_reserved()
     free, total = torch.cuda.mem_get_info()
     used = total - free
     assert used <= total * llm.config.gpu_memory_utilization + 256 * 2**20
@@ -143,3 +146,31 @@ def test_async_scheduling_equals_sync_with_graphs(tiny_models, kv):
                 for o in outs]
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
+    """Steps with prefill tokens through the piecewise graphs (engine/piecewise.py) give the tokens
+    of launching them eagerly. A 48-token budget chunks the prompts, so steps mix decodes with
+    prefill chunks and run padded to the 16/32/48-token buckets."""
+    import transformers
+
+    path = tiny_models["qwen3"]
+    ps = prompts()
+
+    def run(piecewise):
+        llm = LLM(str(path), dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=256, max_num_batched_tokens=48,
+                  piecewise_graphs=piecewise)
+        pw = llm.engine.runner.piecewise
+        assert (pw is not None) == piecewise
+        out = [o.token_ids for o in llm.generate(ps, GREEDY)]
+        if piecewise:
+            assert pw.buckets == [16, 32, 48] and pw.num_runs >= sum(len(p) for p in ps) // 48
+        return out
+
+    eager, graphs = run(False), run(True)
+    if dtype == "float32":
+        assert graphs == eager
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+        compare(eager, graphs, hf, ps, f"piecewise graphs vs eager steps [{kv}]")

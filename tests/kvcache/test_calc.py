@@ -317,8 +317,9 @@ def test_cli_text(capsys):
         assert needle in out
     p = calc.plan_request(calc.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")))
     assert f"{p.num_blocks:,}" in out and f"{p.max_tokens:,}" in out
-    # the decode-graph reserve is the engine's own estimate, counted before the KV cache
-    assert p.graph_bytes == calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16) > 0
+    # the graph reserve is the engine's own estimate, counted before the KV cache
+    assert p.graph_bytes == (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
+                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)) > 0
 
 
 def test_cli_json(capsys):
@@ -327,7 +328,8 @@ def test_cli_json(capsys):
     assert calc.run(parse(*argv)) == 0
     out = json.loads(capsys.readouterr().out)
     assert JSON_KEYS <= out.keys()
-    graphs = calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 4096, 16)
+    graphs = (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 4096, 16)
+              + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192))
     p = plan(preset("Llama-3-8B"), 80 * GiB, 0.85, "fp8", max_model_len=4096, graph_bytes=graphs)
     assert {k: out[k] for k in JSON_KEYS} == {k: getattr(p, k) for k in JSON_KEYS}
     assert (out["bytes_per_token"], out["kv_cache_dtype"], out["max_model_len"]) == (67584, "fp8", 4096)

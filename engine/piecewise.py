@@ -1,0 +1,157 @@
+"""Piecewise CUDA graphs for the steps that carry prefill tokens (mixed and prefill-only steps).
+
+Launched eagerly, such a step costs 17-36 ms of host time for Qwen2.5-0.5B on the H100 machine
+(bench/NOTES.md), more than its GPU time: every kernel of every layer is a Python launch. Attention
+depends on the batch's layout (which rows decode, the chunks and their lengths), so it stays eager;
+everything between two attentions is captured, per token-count bucket T, as L + 1 graphs:
+
+    piece 0:  embedding; layer 0's input norm, qkv projection, rotary, KV write
+    piece i:  layer i-1's o_proj, post-attention norm and MLP; layer i's input norm ... KV write
+    piece L:  the last layer's o_proj and MLP, the final norm
+
+A step of n tokens runs in the smallest bucket T >= n: the pieces compute T rows (rows n.. are
+padding: their slots are -1, so they write no KV, and nothing reads their results), attention runs
+eagerly on the n real rows between them. Every tensor that crosses a piece boundary (ids,
+positions, slots, qkv, attention output, residual, final hidden state) lives in a static buffer
+allocated outside the graph pool, so the pool holds one piece's temporaries at a time, shared by all
+pieces and buckets.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttnMetadata, Ops, attend, store_kv
+from engine.models.llama import LlamaForCausalLM
+from kvcache.pool import LayerCache
+
+log = logging.getLogger("pagedserve")
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """Token counts to capture: 16 .. 512 (powers of two, then 384), every 256 above, and max_tokens.
+    Above 512 tokens a step is compute bound, so the padding (< 256 rows) costs < 1/3 there and
+    < 1/16 from 4096 up."""
+    sizes = [16, 32, 64, 128, 256, 384, 512] + list(range(768, max_tokens + 1, 256))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+@dataclass
+class StaticBuffers:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 beyond the step's tokens
+    qkv: torch.Tensor  # [T, q + 2 kv]
+    attn_out: torch.Tensor  # [T, q]
+    residual: torch.Tensor  # [T, hidden]
+    hidden: torch.Tensor  # [T, hidden], the final norm's output
+
+    @classmethod
+    def allocate(cls, model: LlamaForCausalLM, max_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> "StaticBuffers":
+        cfg = model.cfg
+        i64 = dict(dtype=torch.int64, device=device)
+        act = dict(dtype=dtype, device=device)
+        return cls(torch.zeros(max_tokens, **i64), torch.zeros(max_tokens, **i64), torch.full((max_tokens,), -1, **i64),
+                   torch.zeros(max_tokens, cfg.q_size + 2 * cfg.kv_size, **act), torch.zeros(max_tokens, cfg.q_size, **act),
+                   torch.zeros(max_tokens, cfg.hidden_size, **act), torch.zeros(max_tokens, cfg.hidden_size, **act))
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_tokens: int,
+                 device: torch.device) -> None:
+        self.model, self.ops, self.caches = model, ops, caches
+        self.buckets = piecewise_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.dtype = model.embed_tokens.weight.dtype
+        self.buf = StaticBuffers.allocate(model, self.max_tokens, self.dtype, device)
+        cfg = model.cfg
+        qkv = self.buf.qkv
+        # the views attention reads: the same memory project() writes inside the pieces
+        self.q = qkv[:, :cfg.q_size].view(-1, cfg.num_heads, cfg.head_dim)
+        self.k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        self.v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        self.out = self.buf.attn_out.view(-1, cfg.num_heads, cfg.head_dim)
+        self.scales = [layer.self_attn.scale for layer in model.layers]
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.device = device
+        self.pool_bytes = 0
+        self.num_runs = 0
+
+    @property
+    def static_bytes(self) -> int:
+        b = self.buf
+        return sum(t.numel() * t.element_size() for t in (b.input_ids, b.positions, b.slot_mapping, b.qkv,
+                                                           b.attn_out, b.residual, b.hidden))
+
+    def _piece(self, i: int, t: int) -> None:
+        """Piece i over the first t rows of the static buffers (see the module docstring)."""
+        m, ops, b = self.model, self.ops, self.buf
+        if i == 0:
+            x, residual = m.embed_tokens(b.input_ids[:t]), None
+        else:
+            x, residual = m.layers[i - 1].finish(ops, b.attn_out[:t], b.residual[:t])
+        if i == len(m.layers):
+            x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+            b.hidden[:t].copy_(x)
+            return
+        layer = m.layers[i]
+        h, residual = layer.input_norm(ops, x, residual)
+        q, k, v = layer.self_attn.project(ops, h, b.positions[:t], m.cos_sin, out=b.qkv[:t])
+        qr, kr = store_kv(ops, q, k, v, self.caches[i], b.slot_mapping[:t])
+        if qr is not q:  # an fp8/int8 cache's rotation: attention reads the rotated q, k from the buffer
+            q.copy_(qr)
+            k.copy_(kr)
+        b.residual[:t].copy_(residual)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.buf.slot_mapping.fill_(-1)  # warm-up and capture runs write no KV
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        n_pieces = len(self.model.layers) + 1
+        for t in reversed(self.buckets):  # largest first: the others reuse its temporaries
+            for i in range(n_pieces):  # warm-up: compiles kernels, picks cuBLAS algorithms
+                self._piece(i, t)
+            torch.cuda.synchronize(self.device)
+            graphs = []
+            for i in range(n_pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._piece(i, t)
+                graphs.append(g)
+            self.graphs[t] = graphs
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured piecewise graphs for %d token counts (%d..%d), %d pieces each, in %.1f MiB + %.1f MiB "
+                 "of static buffers", len(self.buckets), self.buckets[0], self.max_tokens, n_pieces,
+                 self.pool_bytes / 2**20, self.static_bytes / 2**20)
+
+    def bucket_for(self, n: int) -> int | None:
+        for t in self.buckets:
+            if t >= n:
+                return t
+        return None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+            logit_indices: torch.Tensor) -> torch.Tensor:
+        """The model's forward for a step of n <= max_tokens tokens -> logits [len(logit_indices), V]."""
+        n = input_ids.shape[0]
+        t = self.bucket_for(n)
+        self.num_runs += 1
+        b = self.buf
+        b.input_ids[:n].copy_(input_ids)
+        b.positions[:n].copy_(positions)
+        b.slot_mapping[:n].copy_(meta.slot_mapping)
+        if t > n:
+            b.slot_mapping[n:t].fill_(-1)
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.out[:n]
+        graphs = self.graphs[t]
+        graphs[0].replay()
+        for i, cache in enumerate(self.caches):
+            attend(self.ops, q, k, v, cache, meta, self.scales[i], out=out)
+            graphs[i + 1].replay()
+        return self.model.compute_logits(b.hidden[:n][logit_indices])
