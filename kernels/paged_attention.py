@@ -10,9 +10,11 @@ multiply per token, not per element. A bf16 query is divided by its row max befo
 to float16 (no overflow) and the max goes back into the scores. With more than one split, a
 second kernel merges the partial results by their log-sum-exp.
 
-CUDA-graph safety: the grid, the number of splits and the partition length depend only on
-shapes (batch, heads, head_dim, block_tables.shape[1], block_size); seq_lens is read on the
-device only (splits past a sequence's end do no work and the merge skips them).
+CUDA-graph safety: the grid and the number of splits depend only on shapes (batch, heads,
+head_dim, block_tables.shape[1], block_size); seq_lens is read on the device only. Each split
+takes an equal share of its own sequence (whole tiles, at least MIN_TILES_PER_SPLIT), computed in
+the kernel, so a 600-token context spreads over the splits a 32k-token table width plans for;
+splits past a sequence's end do no work and the merge skips them.
 """
 from __future__ import annotations
 
@@ -27,6 +29,14 @@ from kernels.launch import launch, next_pow2
 
 
 @triton.jit
+def _partition(seq_len, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Tokens per split of one sequence: its own length over the splits, in whole tiles (at least
+    MIN_TILES), so a short context still spreads over the splits that a long one would fill."""
+    tiles = tl.maximum((seq_len + NUM_SPLITS * TILE_N - 1) // (NUM_SPLITS * TILE_N), MIN_TILES)
+    return tiles * TILE_N
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr,
     out_ptr, po_ptr, plse_ptr,
@@ -36,15 +46,16 @@ def _decode_kernel(
     stride_sb, stride_sh, stride_btb,
     stride_pb, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr,
     NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + b)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    part = _partition(seq_len, TILE_N, MIN_TILES, NUM_SPLITS)
+    start = split * part
+    end = tl.minimum(start + part, seq_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
@@ -125,12 +136,14 @@ def _decode_kernel(
 def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, sl_ptr,
     stride_ob, stride_oh, stride_pb, stride_ph,
-    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(sl_ptr + b)
-    n_used = (seq_len + PARTITION - 1) // PARTITION
+    part = _partition(seq_len, TILE_N, MIN_TILES, NUM_SPLITS)
+    n_used = (seq_len + part - 1) // part
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
     smask = (s < n_used) & (s < NUM_SPLITS)
@@ -141,6 +154,9 @@ def _merge_kernel(
     po = tl.load(po_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(po * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+MIN_TILES_PER_SPLIT = 2  # a split's share of a sequence: at least this many tiles (pipelining needs a few)
 
 
 def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int, fp32: bool,
@@ -204,8 +220,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = decode_config(B, Hkv, max_context, D, fp32, quant > 0)
     cfg.update(config or {})
     tile_n = cfg["tile_n"]
-    partition = math.ceil(math.ceil(max_context / cfg["num_splits"]) / tile_n) * tile_n
-    splits = math.ceil(max_context / partition)
+    # each sequence's own length is split in the kernel; this only bounds the count by max_context
+    splits = min(cfg["num_splits"], math.ceil(max_context / (MIN_TILES_PER_SPLIT * tile_n)))
     if splits > 1:
         po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
@@ -219,7 +235,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ks.stride(0), ks.stride(1), block_tables.stride(0),
         Hq * splits, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
-        BLOCK_SIZE=bs, TILE_N=tile_n, PARTITION=partition, NUM_SPLITS=splits,
+        BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_SPLIT, NUM_SPLITS=splits,
         QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -227,7 +243,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch(_merge_kernel, (B, Hq),
             out, po, plse, seq_lens,
             out.stride(0), out.stride(1), Hq * splits, splits,
-            HEAD_DIM=D, PARTITION=partition, NUM_SPLITS=splits,
+            HEAD_DIM=D, TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_SPLIT, NUM_SPLITS=splits,
             BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
     return out

@@ -58,6 +58,14 @@ def test_decode_splits(config, kv):
     _run([3, 47, 80, 16], 4, 2, 16, 16, torch.bfloat16, kv, config=config, seed=len(config), extra_cols=2)
 
 
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_decode_short_sequences_in_a_wide_table(kv):
+    """Tables far wider than the sequences (a long max_model_len): each sequence's own length is
+    split, so a short one runs on several splits and the merge combines them."""
+    _run([1, 20, 33, 70, 129], 4, 2, 16, 16, torch.bfloat16, kv, config={"num_splits": 8, "tile_n": 16},
+         seed=7, extra_cols=40)
+
+
 def test_decode_padded_graph_slot():
     """A padded CUDA-graph slot: seq_len 1 over block 0 beside real sequences."""
     g = torch.Generator().manual_seed(3)
