@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -76,6 +77,11 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
         results.send(("error", message if isinstance(e, (ValueError, OSError, RuntimeError))
                       else f"{type(e).__name__}: {message}"))
         return
+    # Everything built so far (torch, Triton, the model) lives as long as the process: out of the
+    # collector's sight, a full collection walks only what serving creates. Without this, the
+    # occasional full collection stalled a step by ~20-40 ms (step traces, H100 machine).
+    gc.collect()
+    gc.freeze()
     results.send(("ready", info, EngineSnapshot.of(core)))
     try:
         _serve(core, commands, results)
