@@ -21,7 +21,7 @@ from engine.sampler import DeviceSamples, SamplingBatch, sample_on_device
 from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
-from scheduler.request import Batch, SampleOutput, SamplingParams
+from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq
 from serve.config import EngineConfig
 
 log = logging.getLogger("pagedserve")
@@ -50,6 +50,21 @@ def select_ops(device: torch.device, backend: str) -> Ops:
         return reference_ops()
     from engine.triton_ops import triton_ops
     return triton_ops()
+
+
+@dataclass
+class _HostInputs:
+    """One step's inputs on the host (see prepare()): int64 [ids | positions | slots | logit
+    indices | pending at | pending rows], int32 [seq_lens | query starts | prefill query starts |
+    tables]."""
+    i64: np.ndarray
+    i32: np.ndarray
+    num_tokens: int
+    head: int  # where the tables start in i32
+    width: int  # the block-table columns used; stale ones beyond are never read
+    max_query_len: int
+    sampled: list[int]  # the items that sample
+    num_pending: int  # input tokens read from prev's samples on the device
 
 
 @dataclass
@@ -192,11 +207,83 @@ class ModelRunner:
 
     def prepare(self, batch: Batch, prev: Launched | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:
-        """Host-side inputs of one step, built with numpy and sent to the device in two copies:
-        int64 [ids | positions | slots | logit indices | pending] and int32 [seq_lens | query
+        """Host-side inputs of one step, built with numpy and sent to the device in one copy:
+        int64 [ids | positions | slots | logit indices | pending] then int32 [seq_lens | query
         starts | a mixed step's prefill query starts | tables]. A decode whose input token is
         pending (sampled by `prev`, still on the device) gets it there: pending = [step positions |
         rows of prev's samples]."""
+        items = batch.items
+        n_seqs = len(items)
+        self._reserve_rows(n_seqs)
+        host = self._decode_inputs(items, prev) if batch.is_decode_only else self._mixed_inputs(batch, prev)
+        n_tok, head, width = host.num_tokens, host.head, host.width
+        # one buffer, so one pinned staging copy and one transfer (each costs the host more than its bytes)
+        both = torch.from_numpy(np.concatenate([host.i64.view(np.uint8), host.i32.view(np.uint8)]))
+        if self.device.type == "cuda":
+            both = both.pin_memory().to(self.device, non_blocking=True)
+        d64, d32 = both[:host.i64.nbytes].view(torch.int64), both[host.i64.nbytes:].view(torch.int32)
+        full = self.block_tables[:n_seqs]
+        full[:, :width].copy_(d32[head:].view(n_seqs, width))
+        has_pq = head > 2 * n_seqs + 1
+        meta = AttnMetadata(
+            slot_mapping=d64[2 * n_tok:3 * n_tok],
+            block_tables=full,
+            seq_lens=d32[:n_seqs],
+            query_start_loc=d32[n_seqs:2 * n_seqs + 1],
+            num_decode=batch.num_decode,
+            max_query_len=host.max_query_len,
+            prefill_query_start_loc=d32[2 * n_seqs + 1:head] if has_pq else None,
+        )
+        sampled = host.sampled
+        # output position of the token each row samples (counts pending tokens, unlike num_output_tokens)
+        sbatch = SamplingBatch([items[i].seq.params for i in sampled],
+                               [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
+        input_ids = d64[:n_tok]
+        n_logits = len(sampled)
+        if host.num_pending:
+            k, at = host.num_pending, 3 * n_tok + n_logits
+            assert prev is not None and prev.samples is not None
+            input_ids.index_copy_(0, d64[at:at + k], prev.samples.tokens.index_select(0, d64[at + k:at + 2 * k]))
+        return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
+
+    def _decode_inputs(self, items: list[ScheduledSeq], prev: Launched | None) -> _HostInputs:
+        """prepare() for a decode-only step, the common one: one token per item, at position
+        start, so plain lists and one conversion do (no cumulative sums, no repeats)."""
+        bs = self.kv_spec.block_size
+        n = len(items)
+        ids: list[int] = []
+        starts: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        pend_at: list[int] = []
+        pend_rows: list[int] = []
+        width = 0
+        for i, it in enumerate(items):
+            seq = it.seq
+            start, toks, table = it.start, seq.token_ids, seq.block_table
+            if start < len(toks):
+                ids.append(toks[start])
+            else:
+                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
+                ids.append(0)
+                pend_at.append(i)
+                pend_rows.append(prev.rows[seq.seq_id])
+            starts.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            rows.append(self._table_row(seq.seq_id, table))
+            if len(table) > width:
+                width = len(table)
+        sampled = [i for i, it in enumerate(items) if it.samples]
+        i64 = np.array(ids + starts + slots + sampled + pend_at + pend_rows, dtype=np.int64)
+        head = 2 * n + 1
+        i32 = np.empty(head + n * width, dtype=np.int32)
+        np.add(i64[n:2 * n], 1, out=i32[:n], casting="unsafe")  # seq_lens: start + 1
+        i32[n:head] = np.arange(n + 1)
+        i32[head:].reshape(n, width)[:] = self._row_store[rows, :width]
+        return _HostInputs(i64, i32, n, head, width, 1, sampled, len(pend_at))
+
+    def _mixed_inputs(self, batch: Batch, prev: Launched | None) -> _HostInputs:
+        """prepare() for a step with prefill chunks (several tokens per item), after any decodes."""
         bs = self.kv_spec.block_size
         items = batch.items
         n_seqs, n_tok = len(items), batch.num_tokens
@@ -213,8 +300,9 @@ class ModelRunner:
         pend_at: list[int] = []
         pend_rows: list[int] = []
         ids_list: list[int] = []
+        rows: list[int] = []
         for i, it in enumerate(items):
-            tables[i] = self._table_row(it.seq.seq_id, it.seq.block_table)[:width]
+            rows.append(self._table_row(it.seq.seq_id, it.seq.block_table))
             toks = it.seq.token_ids
             if it.end <= len(toks):
                 ids_list += toks[it.start:it.end]
@@ -224,6 +312,7 @@ class ModelRunner:
             ids_list.append(0)
             pend_at.append(int(qsl[i + 1]) - 1)
             pend_rows.append(prev.rows[it.seq.seq_id])
+        tables[:] = self._row_store[rows, :width]
         ids = np.array(ids_list, dtype=np.int64)
         seq_idx = np.repeat(np.arange(n_seqs), q_lens)
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
@@ -235,48 +324,40 @@ class ModelRunner:
         if n_pq:
             i32[2 * n_seqs + 1:head] = qsl[nd:] - nd
         i64 = np.concatenate([ids, positions, slots, logit_idx, np.array(pend_at + pend_rows, dtype=np.int64)])
-        d64, d32 = torch.from_numpy(i64), torch.from_numpy(i32)
-        if self.device.type == "cuda":
-            d64 = d64.pin_memory().to(self.device, non_blocking=True)
-            d32 = d32.pin_memory().to(self.device, non_blocking=True)
-        full = self.block_tables[:n_seqs]
-        full[:, :width].copy_(d32[head:].view(n_seqs, width))
-        meta = AttnMetadata(
-            slot_mapping=d64[2 * n_tok:3 * n_tok],
-            block_tables=full,
-            seq_lens=d32[:n_seqs],
-            query_start_loc=d32[n_seqs:2 * n_seqs + 1],
-            num_decode=nd,
-            max_query_len=int(q_lens.max()),
-            prefill_query_start_loc=d32[2 * n_seqs + 1:head] if n_pq else None,
-        )
-        # output position of the token each row samples (counts pending tokens, unlike num_output_tokens)
-        sbatch = SamplingBatch([items[i].seq.params for i in sampled],
-                               [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
-        input_ids = d64[:n_tok]
-        n_logits = len(logit_idx)
-        if pend_at:
-            k, at = len(pend_at), 3 * n_tok + n_logits
-            assert prev is not None and prev.samples is not None
-            input_ids.index_copy_(0, d64[at:at + k], prev.samples.tokens.index_select(0, d64[at + k:at + 2 * k]))
-        return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
+        return _HostInputs(i64, i32, n_tok, head, width, int(q_lens.max()), sampled, len(pend_at))
 
-    def _table_row(self, seq_id: int, table: list[int]) -> np.ndarray:
-        """seq's block table as a fixed-width int32 row, kept between steps and extended in place:
-        converting a long table from a Python list every step costs ~10 us per sequence at 4k
-        tokens. A preempted sequence gets a new list object, which invalidates its row."""
+    # Rows of _table_row, [4 * max_num_seqs, max_blocks_per_seq] int32, made on first use: a step's
+    # tables are gathered from it in one indexing operation.
+    _row_store: np.ndarray | None = None
+
+    def _reserve_rows(self, n: int) -> None:
+        """Room in the row store for n more sequences, made before a step takes its rows: when it
+        is full, the rows of finished sequences are dropped (the live ones refill)."""
+        if self._row_store is None or len(self._row_store) < n:
+            self._row_store = np.zeros((max(4 * self.cfg.max_num_seqs, n), self.max_blocks_per_seq), dtype=np.int32)
+            self._rows.clear()
+        elif len(self._rows) + n > len(self._row_store):
+            self._rows.clear()
+
+    def _table_row(self, seq_id: int, table: list[int]) -> int:
+        """The index in _row_store of seq's block table as a fixed-width int32 row, kept between
+        steps and extended in place: converting a long table from a Python list every step costs
+        ~10 us per sequence at 4k tokens. A preempted sequence gets a new list object, which
+        invalidates its row. _reserve_rows() must have made room first.
+        self._rows: seq_id -> [block table list, its row's index, entries filled]."""
         hit = self._rows.get(seq_id)
+        if hit is not None and hit[0] is table and hit[2] == len(table):
+            return hit[1]  # most decode steps: no new block
+        store = self._row_store
         if hit is None or hit[0] is not table or hit[2] > len(table):
-            if len(self._rows) > 4 * self.cfg.max_num_seqs:
-                self._rows.clear()  # rows of finished sequences; the live ones refill
-            row = np.zeros(self.max_blocks_per_seq, dtype=np.int32)
-            hit = [table, row, 0]
+            index = len(self._rows) if hit is None else hit[1]
+            store[index] = 0
+            hit = [table, index, 0]
             self._rows[seq_id] = hit
-        _, row, filled = hit
-        if filled < len(table):
-            row[filled:len(table)] = table[filled:]
-            hit[2] = len(table)
-        return row
+        _, index, filled = hit
+        store[index, filled:len(table)] = table[filled:]
+        hit[2] = len(table)
+        return index
 
     @torch.inference_mode()
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:

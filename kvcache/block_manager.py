@@ -11,10 +11,13 @@ ordered least recently freed first, so eviction is LRU. Every operation is O(1) 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence as Seq
+from itertools import islice
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The name of a full block: its parent's name and its own token ids. (Inlined where every
+    block of every prompt is hashed: _extend_memo, match_prefix.)"""
     return hash((parent, tokens))
 
 
@@ -91,22 +94,48 @@ class BlockManager:
     def prefix_hashes(self, token_ids: Seq[int], hashes: list[int], num_blocks: int | None = None) -> list[int]:
         """Extend `hashes` (a sequence's memo) to cover every full block of token_ids, or its
         first num_blocks blocks; return it."""
-        bs = self.block_size
-        full = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
-        for i in range(len(hashes), full):
-            hashes.append(block_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+        full = len(token_ids) // self.block_size
+        if num_blocks is not None:
+            full = min(num_blocks, full)
+        if len(hashes) < full:
+            self._extend_memo(hashes, list(self._blocks(token_ids, len(hashes), full)), len(hashes))
         return hashes
+
+    def _blocks(self, token_ids: Seq[int], first: int, last: int) -> Iterator[tuple[int, ...]]:
+        """The token ids of blocks first..last-1, as tuples, made in C (bs at a time). Each serves
+        for the block's hash and its confirmation or registration alike: a prompt's tokens are read
+        once, not once per purpose."""
+        tokens = iter(islice(token_ids, first * self.block_size, last * self.block_size))
+        return zip(*[tokens] * self.block_size)
+
+    @staticmethod
+    def _extend_memo(hashes: list[int], blocks: list[tuple[int, ...]], first: int) -> None:
+        """Append the hashes of blocks (the token ids of blocks first, first + 1, ...) that the
+        memo lacks; it covers the blocks before first."""
+        assert len(hashes) >= first, "the memo must cover the blocks before these"
+        parent = hashes[-1] if hashes else None
+        for block in blocks[len(hashes) - first:]:
+            parent = hash((parent, block))  # block_hash(), inlined: this runs for every block of every prompt
+            hashes.append(parent)
 
     def match_prefix(self, token_ids: Seq[int], hashes: list[int]) -> list[int]:
         """The cached blocks holding the longest prefix of token_ids (full blocks only). Looks,
-        takes nothing: pass the result to admit()."""
+        takes nothing: pass the result to admit(). Extends the memo `hashes` up to the first miss,
+        in the same pass (cache_blocks() hashes the rest)."""
         if not self.enable_caching:
             return []
-        bs = self.block_size
+        cached, block_tokens = self.cached, self.block_tokens
+        known = len(hashes)
+        parent = None
         hits = []
-        for i, h in enumerate(self.prefix_hashes(token_ids, hashes)):
-            b = self.cached.get(h)
-            if b is None or self.block_tokens[b] != tuple(token_ids[i * bs:(i + 1) * bs]):
+        for i, block in enumerate(self._blocks(token_ids, 0, len(token_ids) // self.block_size)):
+            if i < known:
+                parent = hashes[i]
+            else:
+                parent = hash((parent, block))  # block_hash(), inlined
+                hashes.append(parent)
+            b = cached.get(parent)
+            if b is None or block_tokens[b] != block:
                 break
             hits.append(b)
         return hits
@@ -114,12 +143,15 @@ class BlockManager:
     def admit(self, hits: list[int], num_tokens: int) -> list[int] | None:
         """A block table for a new sequence: the prefix-cache hits, then fresh blocks up to
         num_tokens tokens. None (nothing taken) if the free blocks don't suffice."""
+        ref_counts, free_queue = self.ref_counts, self.free_queue
         new = self.blocks_needed(num_tokens) - len(hits)
-        idle_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
-        if new + idle_hits > len(self.free_queue):
+        idle_hits = [ref_counts[b] for b in hits].count(0)  # cached blocks that are free now
+        if new + idle_hits > len(free_queue):
             return None
-        for b in hits:
-            self.share(b)
+        for b in hits:  # share(b), inlined: this runs for every block of every admitted prefix
+            if ref_counts[b] == 0:
+                del free_queue[b]
+            ref_counts[b] += 1
         table = list(hits)
         table.extend(self.allocate(max(0, new)) or [])
         return table
@@ -132,19 +164,22 @@ class BlockManager:
         if not self.enable_caching:
             return
         bs = self.block_size
-        last = min(end // bs, len(block_table))
-        if start // bs >= last:
+        first, last = start // bs, min(end // bs, len(block_table))
+        if first >= last:
             return  # no block becomes full in this range (most decode steps)
-        self.prefix_hashes(token_ids, hashes, last)
-        for i in range(start // bs, last):
+        self.prefix_hashes(token_ids, hashes, first)  # the chain before this range
+        blocks = list(self._blocks(token_ids, first, last))
+        self._extend_memo(hashes, blocks, first)
+        cached, block_hashes = self.cached, self.block_hashes
+        for i, block in enumerate(blocks, first):
             b, h = block_table[i], hashes[i]
-            if self.block_hashes[b] is not None:
+            if block_hashes[b] is not None:
                 continue
-            if h in self.cached:
+            if h in cached:
                 continue  # the same prefix already lives in another block; keep that one
-            self.cached[h] = b
-            self.block_hashes[b] = h
-            self.block_tokens[b] = tuple(token_ids[i * bs:(i + 1) * bs])
+            cached[h] = b
+            block_hashes[b] = h
+            self.block_tokens[b] = block
 
     def uncache(self, block_table: Seq[int], start: int, end: int) -> None:
         """Forget the blocks cache_blocks(block_table, ..., start, end) registered: their K/V

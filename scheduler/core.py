@@ -144,21 +144,26 @@ class EngineCore:
 
     def _process(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
         outputs = self.scheduler.update(batch, samples)
+        if not outputs:
+            return outputs
         now = time.monotonic()
         seqs = {it.seq.seq_id: it.seq for it in batch.items}
+        detoks, stats = self.detok, self.stats
+        new_tokens = 0
         for out in outputs:
-            self.stats.generation_tokens += len(out.new_token_ids)
+            new_tokens += len(out.new_token_ids)
             seq = seqs[out.seq_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
-                self.stats.prompt_tokens += seq.num_prompt_tokens
-            detok = self.detok[out.seq_id]
-            out.new_text = detok.add(out.new_token_ids, final=out.finished)
+                stats.prompt_tokens += seq.num_prompt_tokens
+            detok = detoks[out.seq_id]
+            out.new_text = detok.add(out.new_token_ids, out.finished)
             if detok.stopped and not out.finished:
                 self.scheduler.finish(seq, "stop")
                 out.finished, out.finish_reason = True, "stop"
             if out.finished:
-                del self.detok[out.seq_id]
+                del detoks[out.seq_id]
+        stats.generation_tokens += new_tokens
         return outputs
 
     def _fail(self, batch: Batch, message: str) -> list[StepOutput]:

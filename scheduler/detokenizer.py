@@ -20,11 +20,13 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.skip_special = skip_special_tokens
         self.token_bytes = token_bytes
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if token_bytes is not None else None
-        self.ids: list[int] = []
+        self.partial = b""  # with token_bytes: the start of a UTF-8 character whose other bytes are still to come
+        self.ids: list[int] = []  # without token_bytes: every id so far (a window of them is decoded)
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""  # all decoded output text (up to a stop string, once one is found)
+        # All decoded output text (up to a stop string, once one is found); kept only where held-back
+        # text and stop strings need it: with token_bytes and no stop strings, text goes out as decoded.
+        self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.stopped = False
 
@@ -36,15 +38,14 @@ class IncrementalDetokenizer:
         stop string appears (the text is cut before it). final=True flushes held-back text."""
         if self.stopped:
             return ""
-        self.ids.extend(new_ids)
-        if self.utf8 is not None:
-            table = self.token_bytes
-            decoded = self.utf8.decode(b"".join(table[i] if 0 <= i < len(table) else b"" for i in new_ids), final)
-            self.text += decoded
+        if self.token_bytes is not None:
+            decoded = self._decode_bytes(new_ids, final)
             if not self.stop:  # the common case: nothing is held back, everything decoded is emitted
                 self.emitted += len(decoded)
                 return decoded
+            self.text += decoded
         else:
+            self.ids.extend(new_ids)
             self._decode_window(final)
         if self.stop:
             self._find_stop()
@@ -52,6 +53,19 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:max(end, self.emitted)]
         self.emitted += len(delta)
         return delta
+
+    def _decode_bytes(self, ids: list[int], final: bool) -> str:
+        """Incremental UTF-8 decoding of the ids' bytes (what codecs' incremental decoder does,
+        without its per-call overhead): an incomplete character at the end waits for its next bytes."""
+        table = self.token_bytes
+        if len(ids) == 1:  # a decode step's one token
+            i = ids[0]
+            data = self.partial + (table[i] if 0 <= i < len(table) else b"")
+        else:
+            data = self.partial + b"".join(table[i] if 0 <= i < len(table) else b"" for i in ids)
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self.partial = data[used:]
+        return text
 
     def _decode_window(self, final: bool) -> None:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

@@ -12,8 +12,10 @@ Connection objects.
 
 Parent -> child: ("add", id, (seq_ids, requests))  ("abort", id, seq_ids)  ("call", id, fn)  ("stop",)
 Child -> parent: ("ready", info, snapshot) or ("error", message) once, then
-    ("replies", [(id, ok, value or exception)], snapshot)  ("step", outputs, snapshot)
+    ("replies", [(id, ok, value or exception)], snapshot)  ("step", packed outputs, snapshot)
     ("fault", aborted seq_ids, snapshot): a step raised outside the model
+A step's StepOutputs travel as tuples of their fields (pack_outputs/unpack_outputs): pickling
+dataclasses one by one costs several times more, on both sides, after every step.
 
 Torch-free: the child builds the core with a `build` function it is given by reference.
 """
@@ -29,19 +31,33 @@ import pickle
 import signal
 import struct
 from collections.abc import Callable, Sequence as Seq
+from dataclasses import fields
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from scheduler.core import EngineCore
 from scheduler.loop import EngineEvents, EngineSnapshot, EngineUnavailable, add_all
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, StepOutput
 
 log = logging.getLogger("pagedserve")
 T = TypeVar("T")
 Build = Callable[..., tuple[EngineCore, Any]]  # (args) -> (core, what the parent should know)
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 STOP_TIMEOUT_S = 10.0  # a stopping child finishes its current step first
+
+
+_output_fields = attrgetter(*(f.name for f in fields(StepOutput)))
+
+
+def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
+    """StepOutputs as tuples of their field values, in field order, for the wire."""
+    return list(map(_output_fields, outputs))
+
+
+def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
+    return [StepOutput(*row) for row in rows]
 
 
 class EngineStartError(RuntimeError):
@@ -147,7 +163,7 @@ def _step(core: EngineCore) -> tuple:
             log.exception("cleaning up after the failed step failed too")
             snapshot = EngineSnapshot()
         return ("fault", seq_ids, snapshot)
-    return ("step", outputs, EngineSnapshot.of(core))
+    return ("step", pack_outputs(outputs), EngineSnapshot.of(core))
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -336,7 +352,7 @@ class ProcessCore:
         assert self._events is not None
         kind, self.snapshot = msg[0], msg[-1]
         if kind == "step":
-            self._events.on_outputs(msg[1])
+            self._events.on_outputs(unpack_outputs(msg[1]))
         elif kind == "replies":
             for req_id, ok, value in msg[1]:
                 reply = self._replies.pop(req_id, None)

@@ -22,7 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Protocol, TypeVar
 
 from asyncio_throttle import Throttler
@@ -80,6 +81,11 @@ class EngineSnapshot:
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def __reduce__(self) -> tuple:
+        # The engine process sends one after every step: as its field values, it pickles several
+        # times faster than a dataclass's state dict.
+        return EngineSnapshot, _snapshot_values(self)
+
     @classmethod
     def of(cls, core: EngineCore) -> "EngineSnapshot":
         stats, sched, bm = core.stats, core.scheduler, core.block_manager
@@ -95,6 +101,9 @@ class EngineSnapshot:
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
                    core.has_unfinished())
+
+
+_snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))
 
 
 @dataclass

@@ -69,42 +69,64 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
 
     def schedule(self) -> Batch | None:
-        budget = self.config.max_num_batched_tokens
-        bs = self.bm.block_size
-        items: list[ScheduledSeq] = []
+        decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
+        others: list[ScheduledSeq] = []
+        budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, decodes, others)
+        if not preempted:  # admitting new work right after a preemption would only thrash: wait for room
+            self._admit_waiting(budget, decodes, others)
+        items = decodes + others if others else decodes
+        if not items:
+            return None
+        for it in items:  # the step is committed: the next schedule() continues after it
+            seq = it.seq
+            seq.num_computed_tokens = it.end
+            seq.num_pending += it.samples
+        return Batch(items, len(decodes))
+
+    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]
+                          ) -> tuple[int, bool]:
+        """Running sequences, oldest first, while the token budget lasts; preempts the newest when
+        the cache is full. Returns the budget left and whether anything was preempted."""
+        bm, bs, running = self.bm, self.bm.block_size, self.running
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_pending and seq.last_by_length():
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            pending = seq.num_pending
+            if pending and seq.last_by_length():
                 i += 1  # its token in flight is its last: update() finishes it
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            while self.bm.append(seq.block_table, seq.num_computed_tokens + n) is None:
-                victim = self.running[-1]
+            start = seq.num_computed_tokens
+            n = min(len(seq.token_ids) + pending - start, budget)
+            while bm.append(seq.block_table, start + n) is None:
+                victim = running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                start = seq.num_computed_tokens
-                items.append(ScheduledSeq(seq, start, n))
+                (decodes if n == 1 else others).append(ScheduledSeq(seq, start, n))
                 end = min(start + n, len(seq.token_ids))  # a block completed by a pending token: see update()
                 if end // bs > start // bs:
-                    self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
+                    bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
                 budget -= n
                 i += 1
-        # Admitting new work right after a preemption would only thrash: wait for room.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        return budget, preempted
+
+    def _admit_waiting(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]) -> None:
+        """Waiting sequences in arrival order, as chunked prefills for the budget left."""
+        bm, bs = self.bm, self.bm.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last step was in flight: wait for that step's token
-            hits = self.bm.match_prefix(seq.token_ids, seq.block_hashes)
-            if len(hits) * self.bm.block_size >= seq.num_tokens:
+            num_tokens = len(seq.token_ids)
+            hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
+            if len(hits) * bs >= num_tokens:
                 hits.pop()  # compute at least the last block, so the step yields logits
-            num_cached = len(hits) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            table = self.bm.admit(hits, num_cached + n)
+            num_cached = len(hits) * bs
+            n = min(num_tokens - num_cached, budget)
+            table = bm.admit(hits, num_cached + n)
             if table is None:
                 break
             self.waiting.popleft()
@@ -112,23 +134,16 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
-            if self.bm.enable_caching:
-                self.prefix_cache_queries += seq.num_tokens
+            if bm.enable_caching:
+                self.prefix_cache_queries += num_tokens
                 self.prefix_cache_hits += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            items.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            (decodes if n == 1 else others).append(ScheduledSeq(seq, num_cached, n))
             # Registered now, so the next waiting sequence with the same prefix shares these
             # blocks within this very step instead of computing the prefix again.
-            self.bm.cache_blocks(table, seq.token_ids, seq.block_hashes, num_cached, num_cached + n)
+            bm.cache_blocks(table, seq.token_ids, seq.block_hashes, num_cached, num_cached + n)
             budget -= n
-        if not items:
-            return None
-        for it in items:  # the step is committed: the next schedule() continues after it
-            it.seq.num_computed_tokens = it.end
-            it.seq.num_pending += it.samples
-        items.sort(key=lambda it: it.num_new_tokens != 1)  # stable: decodes first, in order
-        return Batch(items, sum(1 for it in items if it.num_new_tokens == 1))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -144,24 +159,26 @@ class Scheduler:
         """Advance the sequences of an executed batch and append their new tokens."""
         outputs = []
         bs = self.bm.block_size
+        status_finished, status_running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for it, sample in zip(batch.items, samples):
             seq = it.seq
             seq.num_pending -= it.samples
-            if seq.is_finished or not it.samples or sample is None:
+            if seq.status is status_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
-            seq.token_ids.append(sample.token_id)
-            if it.num_new_tokens == 1 and it.end // bs > it.start // bs and seq.status is SequenceStatus.RUNNING:
+            token = sample.token_id
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            if it.num_new_tokens == 1 and it.end % bs == 0 and seq.status is status_running:
                 # a decode, not preempted since, completed a block: schedule() could not register it
                 # if its input token was pending then (prefill chunks never have one)
-                self.bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, it.start, it.end)
-            reason = self._finish_reason(seq, sample.token_id)
+                self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, it.start, it.end)
+            reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-            outputs.append(StepOutput(seq.seq_id, [sample.token_id], reason is not None, reason,
-                                      logprobs=[sample.logprob] if sample.logprob else [],
-                                      num_prompt_tokens=seq.num_prompt_tokens,
-                                      num_output_tokens=seq.num_output_tokens,
-                                      num_cached_tokens=seq.num_cached_tokens))
+            # positional: keyword arguments cost more than the rest of the call
+            outputs.append(StepOutput(seq.seq_id, [token], reason is not None, reason, "",
+                                      [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
+                                      len(token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
     def discard(self, batch: Batch) -> None:
@@ -178,9 +195,10 @@ class Scheduler:
         p = seq.params
         if (not p.ignore_eos and token in seq.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        num_tokens = len(seq.token_ids)
+        if p.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return "length"
         return None
 

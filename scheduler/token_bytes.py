@@ -2,7 +2,8 @@
 
 With it, incremental detokenization is a bytes append and an incremental UTF-8 decode per token
 instead of two calls into the tokenizer. Built once per tokenizer; None when the tokenizer is not
-plain byte-level (then the detokenizer decodes through the tokenizer).
+plain byte-level (then the detokenizer decodes through the tokenizer). A tokenizer may also bring
+its own table (token_bytes_table(), as serve/build.py's TokenIdTokenizer does).
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def token_bytes_table(tokenizer: Any, skip_special_tokens: bool = True) -> list[bytes] | None:
+    own = getattr(tokenizer, "token_bytes_table", None)
+    if callable(own):  # a tokenizer that knows its own table (serve/build.py's TokenIdTokenizer)
+        return own(skip_special_tokens)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None

@@ -44,8 +44,19 @@ class TokenIdTokenizer:
     eos_token_id = None
     chat_template = None
 
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self._table: list[bytes] | None = None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {i}" for i in ids)
+
+    def token_bytes_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each id's text on its own, for the detokenizer's fast path (scheduler/token_bytes.py);
+        None when the vocabulary size is not known."""
+        if self._table is None and self.vocab_size is not None:
+            self._table = [f" {i}".encode() for i in range(self.vocab_size)]
+        return self._table
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError("this model folder has no tokenizer: send prompts as token ids")
@@ -75,9 +86,10 @@ def resolve_model_path(cfg: EngineConfig, show_progress: bool = True) -> Path:
     return p
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path, vocab_size: int | None = None) -> Any:
+    """The folder's tokenizer, or a TokenIdTokenizer (of vocab_size ids, if given) when it has none."""
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return TokenIdTokenizer()
+        return TokenIdTokenizer(vocab_size)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
@@ -108,7 +120,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
     if capacity < max_len and cfg.num_kv_blocks is None:
         log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
         max_len = capacity
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, model_cfg.vocab_size)
     core = EngineCore(runner, tokenizer,
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))

@@ -53,3 +53,15 @@ def test_byte_table_fast_path_equals_tokenizer_decode(tiny_models):
             d = IncrementalDetokenizer(tok, [], skip, table)
             text = "".join(d.add([i], final=k == len(ids) - 1) for k, i in enumerate(ids))
             assert text == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_token_id_tokenizer_table_gives_the_decoded_text():
+    from scheduler.token_bytes import token_bytes_table
+    from serve.build import TokenIdTokenizer
+
+    assert token_bytes_table(TokenIdTokenizer()) is None  # vocabulary size unknown: decode() it is
+    tok = TokenIdTokenizer(vocab_size=500)
+    table = token_bytes_table(tok)
+    ids = [0, 7, 499, 42, 42]
+    d = IncrementalDetokenizer(tok, [], True, table)
+    assert "".join(d.add([i], final=k == len(ids) - 1) for k, i in enumerate(ids)) == tok.decode(ids)
