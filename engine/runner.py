@@ -87,7 +87,7 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
-        self._rows: dict[int, list] = {}  # seq_id -> [block table list, its int32 row, entries filled]
+        self._rows: dict[int, list] = {}  # seq_id -> [block table list, its row index in _row_store, entries filled]
         self.ops = select_ops(self.device, cfg.backend)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
