@@ -30,6 +30,9 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+from bench.profiling import cprofile_to
+
+
 def build_tiny_model(root: Path, context_len: int, tokenizer: bool = True) -> Path:
     """tests/models.py's tiny Llama, with max_position_embeddings raised to context_len; without
     its tokenizer files, the engine stands in serve/build.py's TokenIdTokenizer, as for the
@@ -221,22 +224,8 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     result: dict[str, Any] = {"num_seqs": args.num_seqs, "async_scheduling": core.overlaps,
                               "tokenizer": type(llm.tokenizer).__name__}
     time_decode(core, min(20, args.steps), phases=False)  # warm-up
-    prof = None
-    if args.cprofile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
-    result["decode"] = time_decode(core, args.steps, phases=False)
-    if prof is not None:
-        import io
-        import pstats
-
-        prof.disable()
-        buf = io.StringIO()
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(40)
-        Path(args.cprofile).write_text(buf.getvalue())
+    with cprofile_to(args.cprofile, limit=40):
+        result["decode"] = time_decode(core, args.steps, phases=False)
     if not args.no_phases:
         result["decode_phases"] = time_decode(core, args.steps, phases=True)["phases_mean_ms"]
     for sid in list(core.scheduler.seqs):

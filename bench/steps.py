@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.profiling import cprofile_to
+
 
 def _count_cache(d: Path) -> int:
     return sum(1 for _ in d.iterdir()) if d.exists() else 0
@@ -101,35 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     if not runner.overlap:
         runner.execute = lambda batch: timed_collect(timed_launch(batch))
     prompts = make()
-    prof = None
-    if args.cprofile:
-        import cProfile
+    with cprofile_to(args.cprofile):
+        tprof = None
+        if args.torch_profile:
+            from torch.profiler import ProfilerActivity, profile
 
-        prof = cProfile.Profile()
-        prof.enable()
-    tprof = None
-    if args.torch_profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        tprof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        tprof.__enter__()
-    t0 = time.perf_counter()
-    llm.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    if tprof is not None:
-        tprof.__exit__(None, None, None)
-        Path(args.torch_profile).write_text(
-            tprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45) + "\n\n"
-            + tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
-    if prof is not None:
-        import io
-        import pstats
-
-        prof.disable()
-        buf = io.StringIO()
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
-        Path(args.cprofile).write_text(buf.getvalue())
+            tprof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            tprof.__enter__()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        if tprof is not None:
+            tprof.__exit__(None, None, None)
+            Path(args.torch_profile).write_text(
+                tprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45) + "\n\n"
+                + tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
     runner.launch, runner.collect = launch, collect
     if cuda:
         torch.cuda.synchronize()

@@ -3,6 +3,7 @@ memory pool, replayed with static input buffers that the runner fills. A batch i
 its bucket; padded slots write nowhere (slot -1) and attend to one token of block 0."""
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +21,12 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 1025, 32))
     out = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
     return sorted(set(out))
+
+
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest of the sorted buckets that holds n, or None when n is beyond the largest."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 @dataclass
@@ -81,10 +88,7 @@ class DecodeGraphs:
                  self.pool_bytes / 2**20)
 
     def bucket_for(self, n: int) -> int | None:
-        for bs in self.buckets:
-            if bs >= n:
-                return bs
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def replay(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

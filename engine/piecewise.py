@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttnMetadata, Ops, attend, store_kv
+from engine.cuda_graph import smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from kvcache.pool import LayerCache
 
@@ -82,9 +83,7 @@ class PiecewiseGraphs:
 
     @property
     def static_bytes(self) -> int:
-        b = self.buf
-        return sum(t.numel() * t.element_size() for t in (b.input_ids, b.positions, b.slot_mapping, b.qkv,
-                                                           b.attn_out, b.residual, b.hidden))
+        return sum(t.numel() * t.element_size() for t in vars(self.buf).values())
 
     def _piece(self, i: int, t: int) -> None:
         """Piece i over the first t rows of the static buffers (see the module docstring)."""
@@ -131,10 +130,7 @@ class PiecewiseGraphs:
                  self.pool_bytes / 2**20, self.static_bytes / 2**20)
 
     def bucket_for(self, n: int) -> int | None:
-        for t in self.buckets:
-            if t >= n:
-                return t
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
             logit_indices: torch.Tensor) -> torch.Tensor:

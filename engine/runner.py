@@ -14,9 +14,9 @@ import torch
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.piecewise import PiecewiseGraphs
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
+from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, SamplingBatch, sample_on_device
 from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool

@@ -91,6 +91,7 @@ class Attention(nn.Module):
             q, k = q_buf, k_buf
         return q, k, v
 
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
