@@ -36,7 +36,10 @@ def _partition(seq_len, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, NUM_SPLIT
     return tiles * TILE_N
 
 
-@triton.jit
+# seq_lens is a view into each step's upload buffer at an offset that varies with the step's shape
+# (decode graphs read an aligned static copy): specializing on its alignment made eager mixed steps
+# compile new variants mid-serving, ~0.6 s each (bench/first_use.py). It is read one scalar at a time.
+@triton.jit(do_not_specialize_on_alignment=["sl_ptr"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr,
     out_ptr, po_ptr, plse_ptr,
@@ -132,7 +135,7 @@ def _decode_kernel(
         tl.store(plse_ptr + base, m_i + tl.log2(l_safe), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["sl_ptr"])
 def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, sl_ptr,
     stride_ob, stride_oh, stride_pb, stride_ph,

@@ -174,3 +174,42 @@ def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
         compare(eager, graphs, hf, ps, f"piecewise graphs vs eager steps [{kv}]")
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
+    """Every kernel variant a step can use is compiled while the engine starts (graph capture and
+    warm-up), so no request mix stalls a step mid-serving on a compile. Prompts of many lengths
+    under a small token budget give mixed steps with many decode counts, chunk lengths and cached
+    prefixes. The in-memory kernel caches are emptied first: variants another test compiled in this
+    process must not hide a miss (a compile from Triton's disk cache still counts)."""
+    import sys
+
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    from kernels import launch
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("kernels."):
+            for fn in vars(mod).values():
+                if isinstance(fn, JITFunction):
+                    fn.device_caches.clear()
+    launch._KERNELS.clear()
+    llm = LLM(str(tiny_models["qwen3"]), kv_cache_dtype=kv, num_kv_blocks=512, max_num_batched_tokens=64)
+    compiled = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+        compiled.append(fn.name)
+        return False
+
+    rng = random.Random(5)
+    shared = [rng.randrange(3, VOCAB) for _ in range(40)]
+    ps = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 150))] for _ in range(30)]
+    ps += [shared + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        llm.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert compiled == []
