@@ -6,7 +6,7 @@ first num_decode rows and prefill attention on the rest.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,6 +26,8 @@ class AttnMetadata:
     # query_start_loc[num_decode:] - num_decode: the prefill part's own starts (mixed steps; the
     # runner uploads it with the rest, else each layer computes it)
     prefill_query_start_loc: torch.Tensor | None = None
+    # attention launches planned by the step's first layer, relaunched by the others (Ops.reuse)
+    launches: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Ops:
     #  k=, v=, out=): k, v are this step's new keys/values (already in the pages), which the kernel may
     #  read instead of the pages for the new-token part; out= a view to write the result into
     prefill_attention: Callable
+    # the attention ops take reuse= (kernels/paged_attention.py): one step's layers share a launch plan
+    reuse: bool = False
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -75,23 +79,24 @@ def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
         scale = scale * c.rotation.score_scale
     nd = meta.num_decode
     num_seqs = meta.seq_lens.shape[0]
+    kw = {"reuse": meta.launches} if ops.reuse else {}
     if nd == num_seqs:
         return ops.decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, c.k_scale, c.v_scale,
-                                    out=out)
+                                    out=out, **kw)
     if nd == 0:
         return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v, out=out)
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v, out=out, **kw)
     # Mixed step: both kernels write their rows of one output (no copies). Eager steps run these
     # lines once per layer, so every host microsecond here counts (bench/NOTES.md).
     if out is None:
         out = torch.empty_like(q)
     ops.decode_attention(q[:nd], c.k, c.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         c.k_scale, c.v_scale, out=out[:nd])
+                         c.k_scale, c.v_scale, out=out[:nd], **kw)
     qsl = meta.prefill_query_start_loc
     if qsl is None:
         qsl = meta.query_start_loc[nd:] - nd
     ops.prefill_attention(q[nd:], c.k, c.v, meta.block_tables[nd:], meta.seq_lens[nd:], qsl,
-                          scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:], out=out[nd:])
+                          scale, c.k_scale, c.v_scale, meta.max_query_len, k=k[nd:], v=v[nd:], out=out[nd:], **kw)
     return out
 
 

@@ -12,4 +12,4 @@ def triton_ops() -> Ops:
 
     return Ops(rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul,
                write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention,
-               prefill_attention=paged_prefill_attention)
+               prefill_attention=paged_prefill_attention, reuse=True)

@@ -62,26 +62,39 @@ class _Kernel:
     def key(self, args: list) -> tuple | None:
         out = []
         for a, const, nospec, noalign in zip(args, self.constexpr, self.nospec, self.noalign):
-            if const:
-                out.append(a)
-            elif isinstance(a, torch.Tensor):
-                out.append((a.dtype, noalign or a.data_ptr() % 16 == 0))
-            elif isinstance(a, bool):
-                out.append(("b", a))
-            elif isinstance(a, int):
-                rng = _INT32[0] <= a < _INT32[1]
-                out.append(("i", rng) if nospec else ("i", rng, a == 1, a % 16 == 0))
-            elif isinstance(a, float):
-                out.append("f")
-            elif a is None:
-                out.append(None)
-            elif TensorDescriptor is not None and isinstance(a, TensorDescriptor):
-                b = a.base
-                out.append(("d", b.dtype, tuple(a.block_shape), b.data_ptr() % 16 == 0,
-                            tuple(s % 16 == 0 for s in a.strides), tuple(s % 16 == 0 for s in a.shape)))
-            else:
+            spec = _arg_key(a, const, nospec, noalign)
+            if spec is _UNKNOWN:
                 return None  # a kind this key does not cover: the normal path decides
+            out.append(spec)
         return tuple(out)
+
+    def arg_key(self, i: int, a) -> object:
+        return _arg_key(a, self.constexpr[i], self.nospec[i], self.noalign[i])
+
+
+_UNKNOWN = object()
+
+
+def _arg_key(a, const: bool, nospec: bool, noalign: bool) -> object:
+    """One argument's part of the launch key."""
+    if const:
+        return a
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, noalign or a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        rng = _INT32[0] <= a < _INT32[1]
+        return ("i", rng) if nospec else ("i", rng, a == 1, a % 16 == 0)
+    if isinstance(a, float):
+        return "f"
+    if a is None:
+        return None
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        b = a.base
+        return ("d", b.dtype, tuple(a.block_shape), b.data_ptr() % 16 == 0,
+                tuple(s % 16 == 0 for s in a.strides), tuple(s % 16 == 0 for s in a.shape))
+    return _UNKNOWN
 
 
 _KERNELS: dict[object, _Kernel] = {}
@@ -101,11 +114,52 @@ def cdiv(a: int, b: int) -> int:
 def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs), faster when this specialization was launched before. Every
     parameter must be given (positionally, or by name), launch options (num_warps, ...) by name."""
+    _launch(fn, grid, args, kwargs)
+
+
+def bind(fn, grid: tuple[int, ...], *args, **kwargs) -> "Bound | None":
+    """launch(), and return a Bound that repeats it with some arguments replaced, or None where
+    launches take the normal path (interpreter, profiler hooks, unknown argument kinds)."""
+    return _launch(fn, grid, args, kwargs, bind=True)
+
+
+class Bound:
+    """A launch to repeat with other buffers (the same attention for every layer of a step): the
+    compiled kernel, grid and arguments. A call replaces arguments by position; a replacement of
+    another specialization (dtype, alignment, ...) goes through launch() instead of the kernel."""
+
+    __slots__ = ("state", "fn", "kernel", "grid", "device", "args", "options")
+
+    def __init__(self, state: _Kernel, kernel, grid: tuple[int, int, int], device: int, args: list,
+                 options: dict) -> None:
+        self.state, self.fn, self.kernel = state, state.fn, kernel
+        self.grid, self.device, self.args, self.options = grid, device, args, options
+
+    def __call__(self, changes: tuple[tuple[int, object], ...]) -> None:
+        args = self.args.copy()
+        state = self.state
+        for i, new in changes:
+            if state.arg_key(i, new) != state.arg_key(i, args[i]):
+                for j, v in changes:
+                    args[j] = v
+                launch(self.fn, self.grid, *args, **self.options)
+                return
+            args[i] = new
+        kernel = self.kernel
+        g0, g1, g2 = self.grid
+        if CHECK:
+            expect = self.fn.run(*args, grid=self.grid, warmup=True, **self.options)
+            assert expect is kernel, f"{self.fn.__name__}: a bound relaunch maps to another compiled kernel"
+        kernel.run(g0, g1, g2, _raw_stream(self.device), kernel.function, kernel.packed_metadata, None, None, None,
+                   *args)
+
+
+def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, bind: bool = False) -> Bound | None:
     k = _KERNELS.get(fn)
     if k is None:
         if not hasattr(fn, "params") or os.environ.get("TRITON_INTERPRET") == "1":
             fn[grid](*args, **kwargs)
-            return
+            return None
         k = _KERNELS[fn] = _Kernel(fn)
     names = k.names
     if len(args) < len(names):
@@ -113,7 +167,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
             full = list(args) + [kwargs[n] for n in names[len(args):]]
         except KeyError:
             fn[grid](*args, **kwargs)  # a defaulted parameter: not worth a fast path
-            return
+            return None
         options = tuple(sorted((n, v) for n, v in kwargs.items() if n not in k.name_set))
     else:
         full = list(args)
@@ -121,24 +175,29 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     key = k.key(full)
     if key is None or _raw_stream is None or _hooks_installed():
         fn[grid](*args, **kwargs)
-        return
+        return None
     device = _current_device()
     key = key + options + (device,)
     kernel = k.compiled.get(key)
-    if kernel is None:
-        kernel = fn[grid](*args, **kwargs)
-        if kernel is not None:
-            k.compiled[key] = kernel
-        return
-    if CHECK:
-        expect = fn.run(*args, grid=grid, warmup=True, **kwargs)
-        assert expect is kernel, f"{fn.__name__}: the launch key {key} maps to another compiled kernel"
-    k.fast_launches += 1
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    stream = _raw_stream(device)  # what Triton's own launch asks for; torch.cuda.current_stream() costs ~10 us
-    kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+    if kernel is None:
+        kernel = fn[grid](*args, **kwargs)
+        if kernel is None:
+            return None
+        k.compiled[key] = kernel
+    else:
+        if CHECK:
+            expect = fn.run(*args, grid=grid, warmup=True, **kwargs)
+            assert expect is kernel, f"{fn.__name__}: the launch key {key} maps to another compiled kernel"
+        k.fast_launches += 1
+        stream = _raw_stream(device)  # what Triton's own launch asks for; torch.cuda.current_stream() costs ~10 us
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+    if not bind:
+        return None
+    # in the caller's order: Triton's own cache key is the options' string (CHECK compares kernels)
+    return Bound(k, kernel, (g0, g1, g2), device, full, {n: v for n, v in kwargs.items() if n not in k.name_set})
 
 
 def stats() -> dict[str, tuple[int, int]]:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
-from kernels.launch import cdiv, launch, next_pow2
+from kernels.launch import bind, cdiv, launch, next_pow2
 
 try:  # triton >= 3.4 (host-side TMA descriptors)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -297,7 +297,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, max_query_len: int | None = None,
                             config: dict | None = None, k: torch.Tensor | None = None,
-                            v: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            v: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                            reuse: dict | None = None) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
 
     k, v [T, num_kv_heads, head_dim] (optional): this step's new keys/values, row for row with q,
@@ -306,7 +307,30 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     comes from the pages. `config` overrides keys of prefill_config()'s choice (benchmarks and
     tests only); requests that do not apply (tma, pack_gqa) are dropped. `out`: where to write the
     result (a [T, num_heads, head_dim] view with contiguous rows), instead of a new tensor.
+    `reuse`: as for paged_decode_attention: one step's dict, passed with the same block_tables,
+    seq_lens and query_start_loc each time; later calls of the same shapes relaunch the first's plan.
     """
+    if reuse is not None:
+        hit = reuse.get("prefill")
+        if hit is not None and hit[0] == (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
+                                          None if k is None else (k.shape, k.stride(), v.stride()),
+                                          None if out is None else out.stride()):
+            _, main, src, block_n, k0 = hit
+            new_desc = src == SRC_TMA.value and k.data_ptr() != k0
+            if not new_desc or (_tma_ok(k) and _tma_ok(v)):
+                if out is None:
+                    out = torch.empty_like(q)
+                ks, vs = (k_scale, v_scale) if QUANT_CODE.get(k_cache.dtype, 0) else (k_cache, k_cache)
+                changes = [(0, q), (1, k_cache), (2, v_cache), (3, ks), (4, vs), (10, out), (11, softmax_scale * LOG2E)]
+                if src == SRC_PTR.value:
+                    changes += [(5, k), (6, v)]
+                elif new_desc:
+                    T, Hkv, D = k.shape
+                    box = [block_n, D]
+                    changes += [(5, TensorDescriptor(k, [T, Hkv * D], [k.stride(0), 1], box)),
+                                (6, TensorDescriptor(v, [T, Hkv * D], [v.stride(0), 1], box))]
+                main(tuple(changes))
+                return out
     T, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     B = seq_lens.shape[0]
@@ -334,9 +358,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert k.shape == (T, Hkv, D) and v.shape == (T, Hkv, D), "k/v must be [T, num_kv_heads, head_dim]"
         assert k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
     assert softmax_scale > 0
+    out_stride = None if out is None else out.stride()
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    hit_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
+               None if k is None else (k.shape, k.stride(), v.stride()), out_stride)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
     if T == 0 or B == 0 or max_query_len == 0:
@@ -356,7 +383,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     prog_heads = Hkv if pack else Hq
     sk = k.stride() if src != SRC_PAGES.value else (0, 0, 1)
     sv = v.stride() if src != SRC_PAGES.value else (0, 0, 1)
-    launch(_prefill_kernel, (B * prog_heads, num_m_tiles),
+    main = (bind if reuse is not None else launch)(_prefill_kernel, (B * prog_heads, num_m_tiles),
         q, k_cache, v_cache, ks, vs, k_arg, v_arg, block_tables, seq_lens, query_start_loc, out,
         softmax_scale * LOG2E, num_m_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -368,4 +395,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         NEW_SRC=src, PACK_GQA=pack, QUANT=quant, NATIVE=q.dtype != torch.float32 and q.is_cuda,
         LAZY=plan["lazy_rescale"], num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )
+    if main is not None:
+        reuse["prefill"] = (hit_key, main, src, plan["block_n"], k.data_ptr() if k is not None else 0)
     return out
