@@ -95,11 +95,17 @@ class DeviceSamples:
 
 
 def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> DeviceSamples:
-    """logits [N, V] float32 -> one token id per row (and logprobs for the rows that asked), on
-    the device, with no host synchronization."""
+    """logits [N, V] (any float dtype) -> one token id per row (and logprobs for the rows that
+    asked), on the device, with no host synchronization. Greedy rows read the logits as they are
+    (the argmax of a bf16 row is the argmax of its exact float32 copy); temperature, top-k/top-p
+    and logprobs work in float32."""
     n, vocab = logits.shape
     device = logits.device
     greedy_tokens = logits.argmax(dim=-1)
+    k = batch.max_logprobs
+    if batch.all_greedy and k is None:
+        return DeviceSamples(greedy_tokens, batch.params)
+    logits = logits.float()
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
@@ -118,7 +124,6 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = _to_device([p.greedy for p in batch.params], torch.bool, device)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
-    k = batch.max_logprobs
     if k is None:
         return DeviceSamples(tokens, batch.params)
     logprobs = logits.log_softmax(dim=-1)

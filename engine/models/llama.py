@@ -155,7 +155,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        # in the model's dtype: greedy rows take the argmax as is (the same token as in float32);
+        # the sampler converts for the rows and logprobs that need float32
+        return F.linear(h, w)
 
     def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
         """Hugging Face tensor name -> (our parameter name, shard row offset, shard rows).

@@ -90,3 +90,21 @@ def test_logprobs(llm):
     assert len(out.logprobs) == 3
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0][0] == tok
+
+
+def test_bf16_logits_sample_like_their_float32_copy():
+    """The model hands the sampler logits in its own dtype: greedy rows, seeded random rows and
+    logprobs must come out as from the exact float32 copy."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 500, generator=g) * 4).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins in both
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_k=20, seed=4),
+              SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.7, top_p=0.9, seed=5, logprobs=2)]
+    batch = SamplingBatch(params, [0] * 6)
+    got = sample(logits, batch)
+    want = sample(logits.float(), batch)
+    assert got == want
+    assert got[0][1] == 7
+    greedy_only = SamplingBatch(params[:2], [0, 0])
+    assert sample(logits[:2], greedy_only)[0] == logits[:2].float().argmax(-1).tolist()
