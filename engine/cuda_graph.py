@@ -72,6 +72,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         self.inputs.slot_mapping.fill_(-1)  # warm-up and capture runs write nowhere
+        # cached blocks of earlier work would be released by the empty_cache() below and offset the
+        # pool's growth (a tiny model's pool then measured 0 bytes)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory

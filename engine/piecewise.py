@@ -108,6 +108,9 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         self.buf.slot_mapping.fill_(-1)  # warm-up and capture runs write no KV
+        # cached blocks of earlier work would be released by the empty_cache() below and offset the
+        # pool's growth (a tiny model's pool then measured 0 bytes)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         n_pieces = len(self.model.layers) + 1
