@@ -120,7 +120,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
 def bind(fn, grid: tuple[int, ...], *args, **kwargs) -> "Bound | None":
     """launch(), and return a Bound that repeats it with some arguments replaced, or None where
     launches take the normal path (interpreter, profiler hooks, unknown argument kinds)."""
-    return _launch(fn, grid, args, kwargs, bind=True)
+    return _launch(fn, grid, args, kwargs, keep=True)
 
 
 class Bound:
@@ -154,7 +154,7 @@ class Bound:
                    *args)
 
 
-def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, bind: bool = False) -> Bound | None:
+def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = False) -> Bound | None:
     k = _KERNELS.get(fn)
     if k is None:
         if not hasattr(fn, "params") or os.environ.get("TRITON_INTERPRET") == "1":
@@ -194,7 +194,7 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, bind: bool = F
         k.fast_launches += 1
         stream = _raw_stream(device)  # what Triton's own launch asks for; torch.cuda.current_stream() costs ~10 us
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
-    if not bind:
+    if not keep:
         return None
     # in the caller's order: Triton's own cache key is the options' string (CHECK compares kernels)
     return Bound(k, kernel, (g0, g1, g2), device, full, {n: v for n, v in kwargs.items() if n not in k.name_set})

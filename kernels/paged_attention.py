@@ -198,10 +198,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     shapes and dtypes only relaunch it on their own q, caches, scales and out (an eager step pays
     the wrapper's host time once instead of once per layer).
     """
+    plan_key = None
     if reuse is not None:
+        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, None if out is None else out.stride())
         hit = reuse.get("decode")
-        if hit is not None and hit[0] == (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype,
-                                          None if out is None else out.stride()):
+        if hit is not None and hit[0] == plan_key:
             _, main, merge = hit
             if out is None:
                 out = torch.empty_like(q)
@@ -230,7 +231,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         assert k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
         ks = vs = k_cache  # unused
-    out_stride = None if out is None else out.stride()
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
@@ -270,5 +270,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
     if reuse is not None and main is not None and (merge is not None or splits == 1):
-        reuse["decode"] = ((q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, out_stride), main, merge)
+        reuse["decode"] = (plan_key, main, merge)
     return out

@@ -310,11 +310,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `reuse`: as for paged_decode_attention: one step's dict, passed with the same block_tables,
     seq_lens and query_start_loc each time; later calls of the same shapes relaunch the first's plan.
     """
+    plan_key = None
     if reuse is not None:
+        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
+                    None if k is None else (k.shape, k.stride(), v.stride()), None if out is None else out.stride())
         hit = reuse.get("prefill")
-        if hit is not None and hit[0] == (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
-                                          None if k is None else (k.shape, k.stride(), v.stride()),
-                                          None if out is None else out.stride()):
+        if hit is not None and hit[0] == plan_key:
             _, main, src, block_n, k0 = hit
             new_desc = src == SRC_TMA.value and k.data_ptr() != k0
             if not new_desc or (_tma_ok(k) and _tma_ok(v)):
@@ -358,12 +359,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert k.shape == (T, Hkv, D) and v.shape == (T, Hkv, D), "k/v must be [T, num_kv_heads, head_dim]"
         assert k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
     assert softmax_scale > 0
-    out_stride = None if out is None else out.stride()
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    hit_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
-               None if k is None else (k.shape, k.stride(), v.stride()), out_stride)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
     if T == 0 or B == 0 or max_query_len == 0:
@@ -396,5 +394,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         LAZY=plan["lazy_rescale"], num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )
     if main is not None:
-        reuse["prefill"] = (hit_key, main, src, plan["block_n"], k.data_ptr() if k is not None else 0)
+        reuse["prefill"] = (plan_key, main, src, plan["block_n"], k.data_ptr() if k is not None else 0)
     return out
