@@ -61,11 +61,15 @@ def store_kv(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write this step's k, v into the pages -> (q, k) as attention must see them. An fp8/int8
     cache holds K rotated: q and k are rotated first (kvcache/rotation.py), which leaves every q.k,
-    hence the output, unchanged (attention scales by score_scale)."""
+    hence the output, unchanged (attention scales by score_scale); and the write picks each key's
+    scale with the same token's (rotated) queries (kvcache/quant.py)."""
     c = layer_cache
     if c.rotation is not None:
         q, k = c.rotation.apply(q, k)
-    ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
+    if c.kv_dtype is None:
+        ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
+    else:
+        ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype, q=q)
     return q, k
 
 

@@ -2,8 +2,15 @@
 
 Page layout and scale convention: kvcache/spec.py, kvcache/quant.py. One program per
 (token, kv head): it reads the head's head_dim values of K and of V, and for a quantized cache
-computes scale = amax(|x|) / QMAX (1.0 for an all-zero head), q = x / scale (int8: round half to
-even, clamp to +-127), and stores q and scale. Slot -1 (a padded CUDA-graph slot) writes nothing.
+computes the base scale = amax(|x|) / QMAX (1.0 for an all-zero head), q = x / scale (int8: round
+half to even, clamp to +-127; fp8: round half to even onto e4m3), and stores q and scale. Given
+the tokens' queries, K's scale is instead the one of NC candidates base * (1 + j * STEP) whose
+rounding changes the token's own scores least (kvcache/quant.py): all NC roundings are one
+[NC, head_dim] tile. Slot -1 (a padded CUDA-graph slot) writes nothing.
+
+Bit for bit the reference's result: the sums run in the reference's fixed tree order, and the
+kernel is compiled without fused multiply-add (enable_fp_fusion=False), which would round
+c * s - x and the products of the sums once instead of twice.
 """
 from __future__ import annotations
 
@@ -13,31 +20,86 @@ import triton
 import triton.language as tl
 
 from kernels.launch import launch
+from kvcache.quant import NUM_CANDIDATES, STEP
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 @triton.jit
-def _quantize(x, QUANT: tl.constexpr, QMAX: tl.constexpr, RCP: tl.constexpr):
-    """x [BLOCK_D] float32 -> (q float32 holding the stored values, scale scalar).
-
-    The scale is computed the way torch computes kvcache/quant.py's `amax / qmax` on the same
-    device, so both paths store identical bits: on CUDA torch multiplies by the float32
-    reciprocal of a scalar divisor (RCP, passed as that float32 value), on the CPU it divides.
-    """
+def _base_scale(x, QMAX: tl.constexpr, RCP: tl.constexpr):
+    """amax(|x|) / QMAX (1 for an all-zero x), computed the way torch computes kvcache/quant.py's
+    `amax / qmax` on the same device, so both paths store identical bits: on CUDA torch multiplies
+    by the float32 reciprocal of a scalar divisor (RCP, passed as that float32 value), on the CPU
+    it divides."""
     amax = tl.max(tl.abs(x), axis=0)
     if RCP != 0.0:
         scale = tl.where(amax > 0, amax * RCP, 1.0)
     else:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-    y = tl.math.div_rn(x, scale)
+    return scale
+
+
+@triton.jit
+def _round(y, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """float32 y -> the stored values as float32: clamped to +-QMAX, then int8: round half to even
+    (the 1.5 * 2**23 trick is exact for |y| < 2**22); fp8 e4m3: round half to even onto the e4m3
+    grid here, so the cast at the store is exact."""
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if QUANT == 2:  # int8: round half to even (the 1.5 * 2**23 trick is exact for |y| < 2**22)
+    if QUANT == 2:
         y = (y + 12582912.0) - 12582912.0
-    else:  # fp8 e4m3: round half to even onto the e4m3 grid here, so the cast below is exact
+    else:
         y = _round_to_e4m3(y)
-    return y, scale
+    return y
+
+
+@triton.jit
+def _halve(p, NC: tl.constexpr, H: tl.constexpr):
+    """[NC, 2H] -> [NC, H]: p[:, :H] + p[:, H:] (one level of quant.tree_sum)."""
+    return tl.sum(tl.reshape(p, [NC, 2, H]), axis=1)
+
+
+@triton.jit
+def _tree_sum(p, NC: tl.constexpr, D: tl.constexpr):
+    """Row sums of p [NC, D] in kvcache/quant.py's tree_sum order (D a power of two, <= 512)."""
+    if D >= 512:
+        p = _halve(p, NC, 256)
+    if D >= 256:
+        p = _halve(p, NC, 128)
+    if D >= 128:
+        p = _halve(p, NC, 64)
+    if D >= 64:
+        p = _halve(p, NC, 32)
+    if D >= 32:
+        p = _halve(p, NC, 16)
+    if D >= 16:
+        p = _halve(p, NC, 8)
+    if D >= 8:
+        p = _halve(p, NC, 4)
+    if D >= 4:
+        p = _halve(p, NC, 2)
+    if D >= 2:
+        p = _halve(p, NC, 1)
+    return tl.reshape(p, [NC])
+
+
+@triton.jit
+def _key_scale(k, q_row_ptr, stride_qh, base, QUANT: tl.constexpr, QMAX: tl.constexpr,
+               HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NC: tl.constexpr, STEP: tl.constexpr):
+    """The candidate scale base * (1 + j * STEP) whose rounding of k [HEAD_DIM] moves the scores
+    of the GROUP queries at q_row_ptr (rows stride_qh apart) least; the smallest j on ties."""
+    j = tl.arange(0, NC)
+    d = tl.arange(0, HEAD_DIM)
+    scales = base * (1.0 + j.to(tl.float32) * STEP)  # [NC]
+    c = _round(tl.math.div_rn(k[None, :], scales[:, None]), QUANT, QMAX)  # [NC, HEAD_DIM]
+    e = c * scales[:, None] - k[None, :]  # two roundings: the kernel is compiled without FMA
+    err = tl.zeros([NC], dtype=tl.float32)
+    for g in tl.static_range(GROUP):
+        qg = tl.load(q_row_ptr + g * stride_qh + d).to(tl.float32)
+        s = _tree_sum(e * qg[None, :], NC, HEAD_DIM)
+        err = err + s * s
+    best = tl.argmin(err, axis=0, tie_break_left=True)
+    return tl.min(tl.where(j == best, scales, float("inf")), axis=0)
 
 
 @triton.jit
@@ -80,12 +142,13 @@ def _to_storage(x, dst_ty: tl.constexpr):
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    k_ptr, v_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_qt, stride_qh,
     stride_cb, stride_ch, stride_ct,
     stride_sb, stride_sh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, RCP: tl.constexpr,
+    GROUP: tl.constexpr, NC: tl.constexpr, STEP: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -101,8 +164,15 @@ def _write_kv_kernel(
             tl.store(kc_ptr + dst, _to_storage(k, kc_ptr.dtype.element_ty))
             tl.store(vc_ptr + dst, _to_storage(v, vc_ptr.dtype.element_ty))
         else:
-            kq, ks = _quantize(k.to(tl.float32), QUANT, QMAX, RCP)
-            vq, vs = _quantize(v.to(tl.float32), QUANT, QMAX, RCP)
+            kf = k.to(tl.float32)
+            vf = v.to(tl.float32)
+            ks = _base_scale(kf, QMAX, RCP)
+            vs = _base_scale(vf, QMAX, RCP)
+            if GROUP > 0:  # the queries of this KV head: q heads h * GROUP .. h * GROUP + GROUP - 1
+                q_row = q_ptr + t.to(tl.int64) * stride_qt + (h * GROUP) * stride_qh
+                ks = _key_scale(kf, q_row, stride_qh, ks, QUANT, QMAX, HEAD_DIM, GROUP, NC, STEP)
+            kq = _round(tl.math.div_rn(kf, ks), QUANT, QMAX)
+            vq = _round(tl.math.div_rn(vf, vs), QUANT, QMAX)
             if QUANT == 2:
                 tl.store(kc_ptr + dst, kq.to(tl.int8))
                 tl.store(vc_ptr + dst, vq.to(tl.int8))
@@ -116,16 +186,20 @@ def _write_kv_kernel(
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None, kv_dtype: str | None = None) -> None:
-    """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8."""
+                   v_scale: torch.Tensor | None = None, kv_dtype: str | None = None,
+                   q: torch.Tensor | None = None) -> None:
+    """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8.
+    q [T, num_heads, head_dim]: the same tokens' queries, which pick K's scales (kvcache/quant.py);
+    ignored by unquantized caches."""
     T, H, D = k.shape
     nb, Hc, bs, Dc = k_cache.shape
     assert v.shape == k.shape and v_cache.shape == k_cache.shape, "k/v or k_cache/v_cache shapes differ"
     assert (Hc, Dc) == (H, D), f"cache heads/head_dim {(Hc, Dc)} != k's {(H, D)}"
-    assert D & (D - 1) == 0, "head_dim must be a power of two"
+    assert D & (D - 1) == 0 and D <= 512, "head_dim must be a power of two, at most 512"
     assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    group, step = 0, 0.0
     if kv_dtype in _QMAX:
         assert k_cache.dtype == _STORAGE[kv_dtype] and v_cache.dtype == _STORAGE[kv_dtype]
         assert k_scale is not None and v_scale is not None, "quantized caches need k_scale/v_scale"
@@ -133,6 +207,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and v_scale.is_contiguous()
         quant, qmax = (1 if kv_dtype == "fp8" else 2), _QMAX[kv_dtype]
         ks, vs = k_scale, v_scale
+        if q is not None:
+            assert q.shape[0] == T and q.shape[2] == D and q.shape[1] % H == 0, f"q {tuple(q.shape)} vs k {(T, H, D)}"
+            assert q.stride(2) == 1, "q's last dim must be contiguous"
+            group, step = q.shape[1] // H, STEP[kv_dtype]
     else:
         assert kv_dtype is None, f"kv_dtype must be None, 'fp8' or 'int8'; got {kv_dtype!r}"
         assert k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -140,14 +218,18 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         ks = vs = k_cache  # unused
     if T == 0:
         return
+    if group == 0:
+        q = k  # unused
     kc, vc = k_cache, v_cache
     if quant == 1:
         kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     launch(_write_kv_kernel, (T, H),
-        k, v, kc, vc, ks, vs, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, q, kc, vc, ks, vs, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0), ks.stride(1),
         BLOCK_SIZE=bs, HEAD_DIM=D, QUANT=quant, QMAX=qmax,
         RCP=float(np.float32(1.0) / np.float32(qmax)) if k.is_cuda else 0.0,
+        GROUP=group, NC=NUM_CANDIDATES if group else 1, STEP=step,
+        enable_fp_fusion=False,
     )

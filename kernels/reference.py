@@ -18,15 +18,22 @@ from kvcache import quant
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None, kv_dtype: str | None = None) -> None:
-    """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8."""
+                   v_scale: torch.Tensor | None = None, kv_dtype: str | None = None,
+                   q: torch.Tensor | None = None) -> None:
+    """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8.
+    q [T, num_heads, head_dim]: the same tokens' queries, which pick K's scales (kvcache/quant.py);
+    ignored by unquantized caches."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     k, v = k[keep], v[keep]
     if kv_dtype in quant.QMAX:
-        kq, ks = quant.quantize(k, kv_dtype)
+        qg = None
+        if q is not None:
+            t, h, d = k.shape
+            qg = q[keep].reshape(t, h, q.shape[1] // h, d)  # query head i reads KV head i // group
+        kq, ks = quant.quantize(k, kv_dtype, qg)
         vq, vs = quant.quantize(v, kv_dtype)
         k_cache[blocks, :, offsets] = kq
         v_cache[blocks, :, offsets] = vq

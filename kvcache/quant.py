@@ -1,11 +1,35 @@
 """Reference quantization of KV entries, and the scale convention.
 
 Convention: one float32 scale per (token, KV head) for K and one for V, computed when the token
-is written ("dynamic" scales): scale = max(|x|) / QMAX over the head's head_dim values (1 when the
-head is all zeros), stored value q = x / scale, rounded to the storage type; dequantize with
-x ~= q * scale. QMAX is 448 for fp8 e4m3 (its largest finite value) and 127 for int8 (symmetric:
--128 is never produced). The Triton cache-write kernel implements exactly this; tests compare.
-What an fp8/int8 cache stores as K is the rotated key k @ R (kvcache/rotation.py), quantized so.
+is written ("dynamic" scales); stored value q = x / scale, rounded to the storage type (fp8 e4m3:
+round half to even; int8: round half to even, clamped to +-127: -128 is never produced);
+dequantize with x ~= q * scale. The base scale is max(|x|) / QMAX over the head's head_dim values
+(1 when the head is all zeros), QMAX = 448 for fp8 e4m3 (its largest finite value), 127 for int8.
+
+V, and K when no queries are given, use the base scale. K (the rotated key k @ R, see
+kvcache/rotation.py) is written with the queries of the same token (q @ R, the G = Hq / Hkv
+query heads that read this KV head) and takes one of NUM_CANDIDATES scales
+
+    scale_j = base * (1 + j * STEP),   j = 0 .. NUM_CANDIDATES - 1
+
+(1 + j * STEP is exact in float32; candidate 0 is the base scale. STEP = 1/16 for fp8: the
+candidates cover an octave, over which e4m3's grid repeats; 1/128 for int8, whose grid is
+uniform, so that small moves realign it) -- the one whose rounding changes the token's own
+attention scores least:
+
+    err_j = sum over g of (sum over d of qr[g, d] * (code_j[d] * scale_j - k[d]))**2
+
+(the smallest j on ties). The error of a stored key only matters along the directions queries
+look in, and the queries of one KV head share their large directions (the same few RoPE channel
+pairs carry most of their energy), so the token's own queries stand in for the later ones that
+will read the key. Nothing is calibrated and nothing new is stored: the choice is a function of
+that token's q and k alone, the same however the prefix is batched or cached; attention reads
+code * scale as before. On SmolLM2-135M (`serve kv-calc --accuracy`) it cut the mean KL of fp8
+against the bf16 cache from 3.4e-3 to 1.4e-3 (int8: 2.3e-4 to 1.4e-4).
+
+Bit-exact everywhere (the Triton cache-write kernel reproduces this module bit for bit): every
+step is an elementwise float32 operation (no fused multiply-add), and the sum over d is a fixed
+tree, (a[:D/2] + a[D/2:]) halved again until one value is left; the sum over g runs in order.
 """
 from __future__ import annotations
 
@@ -13,6 +37,13 @@ import torch
 
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE_TORCH_DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+NUM_CANDIDATES = 16  # K scales tried per (token, KV head); fp8 top-1 measured: 8 -> 97.44%, 16 -> 97.50%, 32 -> 97.73%
+STEP = {"fp8": 1.0 / 16, "int8": 1.0 / 128}  # candidate j multiplies the base scale by 1 + j * STEP
+
+
+def scale_factors(kv_dtype: str, n: int = NUM_CANDIDATES) -> list[float]:
+    """1 + j * STEP for j < n: exact float32 values (as Python floats)."""
+    return [1.0 + j * STEP[kv_dtype] for j in range(n)]
 
 
 def storage_dtype(kv_dtype: str) -> torch.dtype:
@@ -22,18 +53,61 @@ def storage_dtype(kv_dtype: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kv_dtype]
 
 
-def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (q [..., head_dim] in storage dtype, scale [...] float32)."""
+def _round(y: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """y (float32) -> the stored values, clamped to +-QMAX and rounded, as float32."""
     qmax = QMAX[kv_dtype]
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    y = xf / scale.unsqueeze(-1)
     if kv_dtype == "int8":
-        q = torch.round(y).clamp(-qmax, qmax).to(torch.int8)
+        return torch.round(y).clamp(-qmax, qmax)
+    return y.clamp(-qmax, qmax).to(torch.float8_e4m3fn).float()
+
+
+def base_scale(xf: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """max(|x|) / QMAX over the last dim (1 where the head is all zeros), float32."""
+    amax = xf.abs().amax(dim=-1)
+    return torch.where(amax > 0, amax / QMAX[kv_dtype], torch.ones_like(amax))
+
+
+def tree_sum(a: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in the fixed order the kernel uses (zero-padded to a power of two)."""
+    n = a.shape[-1]
+    if n & (n - 1):
+        a = torch.nn.functional.pad(a, (0, (1 << n.bit_length()) - n))
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        a = a[..., :h] + a[..., h:]
+    return a[..., 0]
+
+
+def score_errors(xf: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qf: torch.Tensor) -> torch.Tensor:
+    """err_j for candidates: xf [..., D], codes [..., N, D], scales [..., N], qf [..., G, D] -> [..., N]."""
+    d = codes * scales.unsqueeze(-1) - xf.unsqueeze(-2)  # two roundings, as the kernel (no FMA)
+    err = torch.zeros_like(scales)
+    for g in range(qf.shape[-2]):
+        s = tree_sum(d * qf[..., g, :].unsqueeze(-2))
+        err = err + s * s
+    return err
+
+
+def quantize(x: torch.Tensor, kv_dtype: str, q: torch.Tensor | None = None,
+             num_candidates: int = NUM_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (q [..., head_dim] in storage dtype, scale [...] float32).
+
+    q: the same token's queries that read x, [..., G, head_dim] (x's leading dims): the scale is
+    then the candidate that changes their scores least (module docstring); None: the base scale."""
+    xf = x.float()
+    base = base_scale(xf, kv_dtype)
+    if q is None or num_candidates == 1:
+        scale = base
     else:
-        q = y.clamp(-qmax, qmax).to(torch.float8_e4m3fn)
-    return q, scale
+        assert q.shape[:-2] == x.shape[:-1] and q.shape[-1] == x.shape[-1], (q.shape, x.shape)
+        # 1 + j * STEP on the device (no host copy): j * STEP and the sum are exact in float32
+        f = 1.0 + torch.arange(num_candidates, dtype=torch.float32, device=x.device) * STEP[kv_dtype]
+        scales = base.unsqueeze(-1) * f  # [..., N]
+        codes = _round(xf.unsqueeze(-2) / scales.unsqueeze(-1), kv_dtype)
+        best = score_errors(xf, codes, scales, q.float()).argmin(dim=-1, keepdim=True)  # first of equal minima
+        scale = scales.gather(-1, best).squeeze(-1)
+    y = _round(xf / scale.unsqueeze(-1), kv_dtype)
+    return y.to(STORAGE_TORCH_DTYPE[kv_dtype]), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

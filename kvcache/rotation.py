@@ -15,10 +15,11 @@ R @ R.T = c * I with c = 2**(log2(D) - 2a) (1 when log2(D) is even, e.g. D = 64;
 e.g. D = 128) and q'.k' = c * q.k: attention multiplies its softmax scale by score_scale = 1/c.
 R's entries are powers of two, exact in every float dtype: only the matmul's output is rounded.
 (A k' twice as large is quantized to the same codes with twice the scale: nothing is lost by
-not splitting the factor between q and k.) k' is what the cache stores (quantized); attention
-runs on q' and the cache (the kernels know nothing of the rotation). V is not rotated: it did
-not measurably help. bf16/fp16/float32 caches are not rotated. RoPE does not commute with H,
-so the rotation can't be folded into the q/k projection weights.
+not splitting the factor between q and k.) k' is what the cache stores (quantized, with a
+per-token scale picked by the same token's q', kvcache/quant.py); attention runs on q' and the
+cache (the kernels know nothing of the rotation). V is not rotated: it did not measurably help.
+bf16/fp16/float32 caches are not rotated. RoPE does not commute with H, so the rotation can't be
+folded into the q/k projection weights.
 """
 from __future__ import annotations
 

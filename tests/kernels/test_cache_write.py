@@ -1,8 +1,12 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from kernels import cache_write
 from kernels import reference as ref
 from kernels.cache_write import write_kv_cache
+from kvcache import quant
 from tests.kernels.util import DEVICE, KV_STORAGE, gpu
 
 
@@ -30,19 +34,30 @@ def _diff(x, y, k, v, slots, ref_scale):
     return [(i, xf[tuple(i)].item(), yf[tuple(i)].item()) for i in idx] + [f"{int((xf != yf).sum())} of {xf.numel()}"]
 
 
-def _check(T, H, D, bs, nb, in_dtype, cache_dtype, kv, device, fused_qkv=False, seed=0):
+def _check(T, H, D, bs, nb, in_dtype, cache_dtype, kv, device, fused_qkv=False, seed=0, group=0):
+    """Reference and kernel write the same random k, v (and, with group > 0, the tokens' queries,
+    group per KV head, which pick K's scales) into copies of the same pages: identical bits."""
     g = torch.Generator().manual_seed(seed)
-    if fused_qkv:  # k, v as strided views of one projection output, like the engine's qkv split
-        qkv = torch.randn(T, (4 + 2) * H * D, generator=g).to(in_dtype)
-        k = qkv[:, 4 * H * D:5 * H * D].view(T, H, D)
-        v = qkv[:, 5 * H * D:].view(T, H, D)
+    q = None
+    if fused_qkv:  # q, k, v as strided views of one projection output, like the engine's qkv split
+        qh = max(group, 1) * H
+        qkv = torch.randn(T, (qh + 2 * H) * D, generator=g).to(in_dtype)
+        k = qkv[:, qh * D:(qh + H) * D].view(T, H, D)
+        v = qkv[:, (qh + H) * D:].view(T, H, D)
+        if group:
+            q = qkv[:, :qh * D].view(T, qh, D)
     else:
         k = (torch.randn(T, H, D, generator=g) * 3).to(in_dtype)
         v = torch.randn(T, H, D, generator=g).to(in_dtype)
+        if group:
+            q = torch.randn(T, group * H, D, generator=g).to(in_dtype)
     if T > 2:
         k[1, 0] = 0  # an all-zero head: scale 1.0
         v[2, -1, ::2] = 0
+        if q is not None:
+            q[2] = 0  # every candidate's error is 0: the first (base) scale
     k, v = k.to(device), v.to(device)
+    q = None if q is None else q.to(device)
     slots = torch.randperm(nb * bs, generator=g)[:T].to(torch.int32)
     if T > 3:
         slots[0] = -1
@@ -50,16 +65,33 @@ def _check(T, H, D, bs, nb, in_dtype, cache_dtype, kv, device, fused_qkv=False, 
     slots = slots.to(device)
     a = _caches(nb, H, bs, D, cache_dtype, kv, device)
     b = [None if x is None else x.clone() for x in a]
-    ref.write_kv_cache(k, v, a[0], a[1], slots, a[2], a[3], kv)
-    write_kv_cache(k, v, b[0], b[1], slots, b[2], b[3], kv)
+    ref.write_kv_cache(k, v, a[0], a[1], slots, a[2], a[3], kv, q=q)
+    write_kv_cache(k, v, b[0], b[1], slots, b[2], b[3], kv, q=q)
     for x, y in zip(a, b):
         assert _same(x, y), f"mismatch for kv={kv} cache_dtype={cache_dtype}: {_diff(x, y, k, v, slots, a[2])}"
+    if kv and group and T > 8:  # the queries did move some scales off the base one
+        base = ref.quant.base_scale(k.float(), kv)
+        keep = slots >= 0
+        written = a[2].permute(0, 2, 1).reshape(-1, H)[slots[keep].long()]
+        assert bool((written != base[keep]).any())
 
 
 @pytest.mark.parametrize("kv", [None, "fp8", "int8"])
 @pytest.mark.parametrize("T,H,D,bs,nb", [(1, 1, 16, 16, 2), (7, 2, 32, 16, 5), (13, 3, 64, 32, 2), (5, 2, 16, 64, 1)])
 def test_write_matches_reference(T, H, D, bs, nb, kv):
     _check(T, H, D, bs, nb, torch.bfloat16, torch.bfloat16, kv, DEVICE, seed=T)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("T,H,D,bs,nb", [(1, 1, 16, 16, 2), (13, 3, 64, 32, 2), (11, 2, 128, 16, 2)])
+def test_write_with_queries_matches_reference(T, H, D, bs, nb, kv, group):
+    _check(T, H, D, bs, nb, torch.bfloat16, torch.bfloat16, kv, DEVICE, seed=T + group, group=group)
+
+
+@pytest.mark.parametrize("kv", [None, "fp8", "int8"])
+def test_float32_queries_match_reference(kv):
+    _check(12, 2, 32, 16, 2, torch.float32, torch.float32, kv, DEVICE, seed=5, group=2)
 
 
 @pytest.mark.parametrize("in_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
@@ -69,8 +101,9 @@ def test_write_float_dtypes(in_dtype, cache_dtype):
 
 
 @pytest.mark.parametrize("kv", [None, "int8", "fp8"])
-def test_write_strided_views(kv):
-    _check(6, 2, 32, 16, 3, torch.float16, torch.float16, kv, DEVICE, fused_qkv=True)
+@pytest.mark.parametrize("group", [0, 4])
+def test_write_strided_views(kv, group):
+    _check(6, 2, 32, 16, 3, torch.float16, torch.float16, kv, DEVICE, fused_qkv=True, group=group)
 
 
 def test_all_slots_skipped_leaves_cache():
@@ -108,11 +141,54 @@ def test_tiny_values_round_like_torch(kv):
         assert _same(x_, y_)
 
 
-@pytest.mark.parametrize("kv", [None, "fp8", "int8"])
+@pytest.mark.parametrize("kv,group", [(None, 0), ("fp8", 0), ("fp8", 4), ("int8", 0), ("int8", 4)])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [1, 257, 4096])
 @gpu
-def test_write_gpu_real_shapes(T, dtype, D, bs, kv):
-    _check(T, 8, D, bs, T // bs + 8, dtype, dtype, kv, "cuda", seed=T + D)
+def test_write_gpu_real_shapes(T, dtype, D, bs, kv, group):
+    _check(T, 8, D, bs, T // bs + 8, dtype, dtype, kv, "cuda", seed=T + D, group=group)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("group", [1, 7])
+@gpu
+def test_write_gpu_query_groups(kv, group):
+    """Group sizes of real models besides Llama's 4: 1 (multi-head), 7 (Qwen2.5-0.5B); fused views."""
+    _check(300, 2, 64, 16, 30, torch.bfloat16, torch.bfloat16, kv, "cuda", fused_qkv=True, seed=group, group=group)
+
+
+@triton.jit
+def _tree_sum_kernel(x_ptr, out_ptr, NC: tl.constexpr, D: tl.constexpr):
+    i = tl.arange(0, NC)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out_ptr + tl.arange(0, NC), cache_write._tree_sum(tl.load(x_ptr + i), NC, D))
+
+
+@pytest.mark.parametrize("D", [4, 64])
+def test_kernel_sums_in_the_reference_tree_order(D):
+    """Float32 sums whose value depends on the order (quant.tree_sum pairs i with i + n/2): the
+    kernel's tree gives the reference's value, on the interpreter and on the GPU."""
+    x = torch.zeros(2, D)
+    x[0, [0, 1, D // 2, D // 2 + 1]] = torch.tensor([1e8, 1.0, -1e8, 1.0])  # tree: 2; left to right: 1
+    x[1] = torch.randn(D, generator=torch.Generator().manual_seed(D)) * 1e4
+    x = x.to(DEVICE)
+    out = torch.empty(2, device=DEVICE)
+    _tree_sum_kernel[(1,)](x, out, NC=2, D=D)
+    assert torch.equal(out.cpu(), quant.tree_sum(x.cpu()))
+    assert out[0].item() == 2.0
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@gpu
+def test_gpu_kernel_has_no_fused_multiply_add(kv):
+    """c * s - x and the products of the sums must round twice, as torch does: the launch asks
+    Triton for no FMA contraction. Look for float FMAs in every compiled quantizing variant."""
+    from kernels.launch import _KERNELS
+
+    _check(64, 2, 64, 16, 8, torch.bfloat16, torch.bfloat16, kv, "cuda", group=4)
+    state = _KERNELS.get(cache_write._write_kv_kernel)
+    assert state is not None and state.compiled, "the write went past kernels.launch"
+    for kernel in state.compiled.values():
+        ptx = kernel.asm["ptx"]
+        assert "fma.rn.f32" not in ptx and "fma.rn.ftz.f32" not in ptx
