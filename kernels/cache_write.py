@@ -6,11 +6,12 @@ computes the base scale = amax(|x|) / QMAX (1.0 for an all-zero head), q = x / s
 half to even, clamp to +-127; fp8: round half to even onto e4m3), and stores q and scale. Given
 the tokens' queries, K's scale is instead the one of NC candidates base * (1 + j * STEP) whose
 rounding changes the token's own scores least (kvcache/quant.py): all NC roundings are one
-[NC, head_dim] tile. Slot -1 (a padded CUDA-graph slot) writes nothing.
+[NC, head_dim] tile, in one warp (measured fastest on the H100: bench/NOTES.md). Slot -1 (a padded
+CUDA-graph slot) writes nothing.
 
-Bit for bit the reference's result: the sums run in the reference's fixed tree order, and the
-kernel is compiled without fused multiply-add (enable_fp_fusion=False), which would round
-c * s - x and the products of the sums once instead of twice.
+Bit for bit the reference's result, except where two candidates' score errors agree to float32
+rounding: the kernel sums them in its own order and may then pick the other scale (codes are
+always the rounding of x at the scale stored).
 """
 from __future__ import annotations
 
@@ -54,36 +55,6 @@ def _round(y, QUANT: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _halve(p, NC: tl.constexpr, H: tl.constexpr):
-    """[NC, 2H] -> [NC, H]: p[:, :H] + p[:, H:] (one level of quant.tree_sum)."""
-    return tl.sum(tl.reshape(p, [NC, 2, H]), axis=1)
-
-
-@triton.jit
-def _tree_sum(p, NC: tl.constexpr, D: tl.constexpr):
-    """Row sums of p [NC, D] in kvcache/quant.py's tree_sum order (D a power of two, <= 512)."""
-    if D >= 512:
-        p = _halve(p, NC, 256)
-    if D >= 256:
-        p = _halve(p, NC, 128)
-    if D >= 128:
-        p = _halve(p, NC, 64)
-    if D >= 64:
-        p = _halve(p, NC, 32)
-    if D >= 32:
-        p = _halve(p, NC, 16)
-    if D >= 16:
-        p = _halve(p, NC, 8)
-    if D >= 8:
-        p = _halve(p, NC, 4)
-    if D >= 4:
-        p = _halve(p, NC, 2)
-    if D >= 2:
-        p = _halve(p, NC, 1)
-    return tl.reshape(p, [NC])
-
-
-@triton.jit
 def _key_scale(k, q_row_ptr, stride_qh, base, QUANT: tl.constexpr, QMAX: tl.constexpr,
                HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NC: tl.constexpr, STEP: tl.constexpr):
     """The candidate scale base * (1 + j * STEP) whose rounding of k [HEAD_DIM] moves the scores
@@ -91,12 +62,12 @@ def _key_scale(k, q_row_ptr, stride_qh, base, QUANT: tl.constexpr, QMAX: tl.cons
     j = tl.arange(0, NC)
     d = tl.arange(0, HEAD_DIM)
     scales = base * (1.0 + j.to(tl.float32) * STEP)  # [NC]
-    c = _round(tl.math.div_rn(k[None, :], scales[:, None]), QUANT, QMAX)  # [NC, HEAD_DIM]
-    e = c * scales[:, None] - k[None, :]  # two roundings: the kernel is compiled without FMA
+    inv = tl.math.div_rn(tl.full([NC], 1.0, tl.float32), scales)  # torch's 1 / scales, bit for bit
+    e = _round(k[None, :] * inv[:, None], QUANT, QMAX) * scales[:, None] - k[None, :]  # [NC, HEAD_DIM]
     err = tl.zeros([NC], dtype=tl.float32)
     for g in tl.static_range(GROUP):
         qg = tl.load(q_row_ptr + g * stride_qh + d).to(tl.float32)
-        s = _tree_sum(e * qg[None, :], NC, HEAD_DIM)
+        s = tl.sum(e * qg[None, :], axis=1)
         err = err + s * s
     best = tl.argmin(err, axis=0, tie_break_left=True)
     return tl.min(tl.where(j == best, scales, float("inf")), axis=0)
@@ -231,5 +202,5 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         BLOCK_SIZE=bs, HEAD_DIM=D, QUANT=quant, QMAX=qmax,
         RCP=float(np.float32(1.0) / np.float32(qmax)) if k.is_cuda else 0.0,
         GROUP=group, NC=NUM_CANDIDATES if group else 1, STEP=step,
-        enable_fp_fusion=False,
+        num_warps=1 if group else 4,
     )

@@ -60,7 +60,7 @@ def test_queries_pick_the_candidate_with_the_least_score_error(kv_dtype):
     j = (scales == scale.unsqueeze(-1)).float().argmax(-1)
     assert bool((scales == scale.unsqueeze(-1)).any(-1).all()), "the scale is not one of the candidates"
     chosen = err.gather(-1, j.unsqueeze(-1)).squeeze(-1)
-    # float32 tree sums against float64 einsums: equal up to rounding
+    # float32 sums against float64 einsums: equal up to rounding
     assert bool((chosen <= err.min(-1).values * (1 + 1e-4) + 1e-9).all())
     assert bool((j > 0).any()), "no key took another scale than the base one: the search did nothing"
     # the stored values are the rounding of x at that scale
@@ -118,12 +118,3 @@ def test_later_queries_see_smaller_score_errors(kv_dtype, group):
     base = rms_score_error(quant.dequantize(*quant.quantize(kr, kv_dtype)))
     chosen = rms_score_error(quant.dequantize(*quant.quantize(kr, kv_dtype, own.view(tokens, 1, group, dim))))
     assert chosen < 0.7 * base, (chosen, base)
-
-
-def test_tree_sum_order_and_padding():
-    assert quant.tree_sum(torch.arange(8, dtype=torch.float32)).item() == 28.0
-    # float32 sums of these depend on the order: pairs (i, i + n/2) give (1e8 - 1e8) + (1 + 1) = 2;
-    # left to right gives 1, adjacent pairs 0. The kernel sums in the same tree order.
-    assert quant.tree_sum(torch.tensor([1e8, 1.0, -1e8, 1.0])).item() == 2.0
-    x = torch.randn(5, 12)  # not a power of two: zero-padded
-    torch.testing.assert_close(quant.tree_sum(x), x.sum(-1), rtol=1e-5, atol=1e-5)
