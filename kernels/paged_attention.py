@@ -160,6 +160,9 @@ def _merge_kernel(
 
 
 MIN_TILES_PER_SPLIT = 2  # a split's share of a sequence: at least this many tiles (pipelining needs a few)
+# Programs the split count aims at: ~256 measured best for bf16 and fp8 pages alike, from 8 to 512
+# (batch, KV head) pairs; more splits cost their partial results and the merge (bench/KERNELS.md, run 9).
+TARGET_PROGRAMS = 256
 
 
 def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int, fp32: bool,
@@ -178,10 +181,10 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split. The batch
     # is rounded up to a power of two: the split count is a compile-time constant, and eager mixed
     # steps (any number of decodes) then reuse the variants compiled for the decode graphs.
-    want = max(1, math.ceil(1024 / (next_pow2(batch) * num_kv_heads)))
+    want = max(1, math.ceil(TARGET_PROGRAMS / (next_pow2(batch) * num_kv_heads)))
     splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
     return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": 2 if fp32 else 3,
-            "prefetch": prefetch}
+            "prefetch": prefetch, "min_tiles": MIN_TILES_PER_SPLIT}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -243,7 +246,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg.update(config or {})
     tile_n = cfg["tile_n"]
     # each sequence's own length is split in the kernel; this only bounds the count by max_context
-    splits = min(cfg["num_splits"], math.ceil(max_context / (MIN_TILES_PER_SPLIT * tile_n)))
+    min_tiles = cfg["min_tiles"]
+    splits = min(cfg["num_splits"], math.ceil(max_context / (min_tiles * tile_n)))
     if splits > 1:
         po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
@@ -257,7 +261,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ks.stride(0), ks.stride(1), block_tables.stride(0),
         Hq * splits, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
-        BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_SPLIT, NUM_SPLITS=splits,
+        BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=min_tiles, NUM_SPLITS=splits,
         QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -266,7 +270,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merge = (bind if reuse is not None else launch)(_merge_kernel, (B, Hq),
             out, po, plse, seq_lens,
             out.stride(0), out.stride(1), Hq * splits, splits,
-            HEAD_DIM=D, TILE_N=tile_n, MIN_TILES=MIN_TILES_PER_SPLIT, NUM_SPLITS=splits,
+            HEAD_DIM=D, TILE_N=tile_n, MIN_TILES=min_tiles, NUM_SPLITS=splits,
             BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
     if reuse is not None and main is not None and (merge is not None or splits == 1):
