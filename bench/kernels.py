@@ -344,7 +344,8 @@ def run_cache_write(copy_bw):
 
     rows = []
     for T in (64, 8192):
-        for kv in (None, "fp8", "int8"):
+        # "+q": the engine's write, with the tokens' queries (32 heads) picking K's scales
+        for kv, with_q in ((None, False), ("fp8", False), ("fp8", True), ("int8", False), ("int8", True)):
             Hkv, D, bs = 8, 128, 16
             nb = T // bs + 64
             st = quant.storage_dtype(kv) if kv else torch.bfloat16
@@ -354,14 +355,17 @@ def run_cache_write(copy_bw):
             vs = torch.zeros_like(ks) if kv else None
             k = torch.randn((T, Hkv, D), device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
+            q = torch.randn((T, 4 * Hkv, D), device="cuda", dtype=torch.bfloat16) if with_q else None
             slots = torch.randperm(nb * bs, device="cuda")[:T].to(torch.int32)
-            t = bench(lambda: write_kv_cache(k, v, kc, vc, slots, ks, vs, kv))
+            t = bench(lambda: write_kv_cache(k, v, kc, vc, slots, ks, vs, kv, q=q))
             elem = 1 if kv else 2
-            nbytes = 2 * T * Hkv * D * 2 + 2 * T * Hkv * D * elem + (2 * T * Hkv * 4 if kv else 0) + T * 4
+            nbytes = (2 * T * Hkv * D * 2 + 2 * T * Hkv * D * elem + (2 * T * Hkv * 4 if kv else 0) + T * 4
+                      + (q.numel() * 2 if with_q else 0))
+            name = (kv or "bf16") + ("+q" if with_q else "")
             rows.append({"kernel": "write_kv_cache", "shape": {"T": T, "Hkv": Hkv, "D": D, "bs": bs,
-                         "kv": kv or "bf16"}, "time_us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9,
+                         "kv": name}, "time_us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9,
                          "frac_copy_bw": nbytes / t / copy_bw})
-            print(f"cache write T={T} {kv or 'bf16'}: {t * 1e6:.1f} us {nbytes / t / 1e9:.0f} GB/s", flush=True)
+            print(f"cache write T={T} {name}: {t * 1e6:.1f} us {nbytes / t / 1e9:.0f} GB/s", flush=True)
     return rows
 
 

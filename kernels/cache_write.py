@@ -172,7 +172,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     nb, Hc, bs, Dc = k_cache.shape
     assert v.shape == k.shape and v_cache.shape == k_cache.shape, "k/v or k_cache/v_cache shapes differ"
     assert (Hc, Dc) == (H, D), f"cache heads/head_dim {(Hc, Dc)} != k's {(H, D)}"
-    assert D & (D - 1) == 0 and D <= 512, "head_dim must be a power of two, at most 512"
+    assert D & (D - 1) == 0, "head_dim must be a power of two"
     assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"

@@ -135,7 +135,9 @@ def test_the_engine_process_dying_fails_requests_and_health(model_dir):
         with pytest.raises(openai.APIError, match="engine process exited unexpectedly"):
             for i, _ in enumerate(stream):
                 if i == 2:
+                    deadline = time.monotonic() + 30  # a race here once hung the suite: fail instead
                     while srv.state.loop.num_in_flight < 2:
+                        assert time.monotonic() < deadline, f"{srv.state.loop.num_in_flight} requests in flight, not 2"
                         time.sleep(0.01)
                     os.kill(srv.engine.core.pid, signal.SIGKILL)
         waiter.join(timeout=30)
