@@ -69,6 +69,16 @@ def base_scale(xf: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     return torch.where(amax > 0, amax / QMAX[kv_dtype], torch.ones_like(amax))
 
 
+def candidates(xf: torch.Tensor, base: torch.Tensor, kv_dtype: str,
+               num_candidates: int = NUM_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's candidate scales [..., N] from the base scale [...], and xf's codes [..., N, D] at each
+    (as float32 values, rounded from x * (1 / scale))."""
+    # 1 + j * STEP on the device (no host copy): j * STEP and the sum are exact in float32
+    f = 1.0 + torch.arange(num_candidates, dtype=torch.float32, device=xf.device) * STEP[kv_dtype]
+    scales = base.unsqueeze(-1) * f
+    return scales, _round(xf.unsqueeze(-2) * (1.0 / scales).unsqueeze(-1), kv_dtype)
+
+
 def score_errors(xf: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qf: torch.Tensor) -> torch.Tensor:
     """err_j for candidates: xf [..., D], codes [..., N, D], scales [..., N], qf [..., G, D] -> [..., N]."""
     e = codes * scales.unsqueeze(-1) - xf.unsqueeze(-2)  # [..., N, D]
@@ -87,10 +97,7 @@ def quantize(x: torch.Tensor, kv_dtype: str, q: torch.Tensor | None = None,
         scale = base
     else:
         assert q.shape[:-2] == x.shape[:-1] and q.shape[-1] == x.shape[-1], (q.shape, x.shape)
-        # 1 + j * STEP on the device (no host copy): j * STEP and the sum are exact in float32
-        f = 1.0 + torch.arange(num_candidates, dtype=torch.float32, device=x.device) * STEP[kv_dtype]
-        scales = base.unsqueeze(-1) * f  # [..., N]
-        codes = _round(xf.unsqueeze(-2) * (1.0 / scales).unsqueeze(-1), kv_dtype)
+        scales, codes = candidates(xf, base, kv_dtype, num_candidates)
         best = score_errors(xf, codes, scales, q.float()).argmin(dim=-1, keepdim=True)  # first of equal minima
         scale = scales.gather(-1, best).squeeze(-1)
     y = _round(xf / scale.unsqueeze(-1), kv_dtype)

@@ -37,9 +37,8 @@ def _candidate_check(k, q, kv, chosen, picked_by_ref):
     T, H, D = k.shape
     # the candidates on k's device: CUDA torch computes amax / QMAX as amax * (1 / QMAX), like the kernel
     kf = k.float()
-    scales = quant.base_scale(kf, kv).unsqueeze(-1) * torch.tensor(quant.scale_factors(kv), device=k.device)
-    codes = quant._round(kf.unsqueeze(-2) * (1.0 / scales).unsqueeze(-1), kv).cpu()
-    kf, scales, qf = kf.cpu(), scales.cpu(), q.float().cpu().view(T, H, -1, D).double()
+    scales, codes = quant.candidates(kf, quant.base_scale(kf, kv), kv)
+    kf, scales, codes, qf = kf.cpu(), scales.cpu(), codes.cpu(), q.float().cpu().view(T, H, -1, D).double()
     e = codes.double() * scales.double().unsqueeze(-1) - kf.double().unsqueeze(-2)  # [T, H, N, D]
     err = (e @ qf.transpose(-1, -2)).square().sum(-1)  # [T, H, N]
     size = (e.abs() @ qf.abs().transpose(-1, -2)).square().sum(-1)  # what float32 rounding of the sums scales with
