@@ -77,6 +77,15 @@ def test_decode_padded_graph_slot():
     assert rel_err(got, ref.paged_decode_attention(q, kc, vc, bt, sl, 0.2)) < REL_TOL[torch.bfloat16]
 
 
+def test_decode_merge_counters_return_to_zero():
+    """The last split to arrive merges and zeroes its counter: a second launch (the next layer, the
+    next graph replay) with other lengths must merge again (its output starts as NaN)."""
+    config = {"num_splits": 4, "tile_n": 16}
+    _run([3, 47, 80, 16], 4, 2, 16, 16, torch.bfloat16, None, config=config, seed=11, extra_cols=2)
+    _run([90, 1, 33, 64], 4, 2, 16, 16, torch.bfloat16, "int8", config=config, seed=12, extra_cols=2)
+    assert all(not c.any() for kept in pa._COUNTERS.values() for c in kept)
+
+
 def test_decode_launch_depends_on_shapes_only(monkeypatch):
     """The grid and the compile-time constants must not change with seq_lens (CUDA graphs)."""
     launches = []
@@ -131,22 +140,28 @@ def test_decode_gpu_float32():
     _run([1, 100, 777], 32, 8, 128, 16, torch.float32, "int8", device="cuda")
 
 
+def _captured_decode(B, Hq, Hkv, D, bs, max_blocks, kv, g):
+    """Random pages, q, and a CUDA graph of one decode call over in-place block tables and lengths."""
+    kc, vc, ks, vs = make_cache(B * max_blocks + 1, Hkv, bs, D, torch.bfloat16, kv, "cuda", gen=g)
+    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16).cuda()
+    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    sl = torch.ones(B, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out)  # compile and allocate outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out)
+    return graph, q, kc, vc, ks, vs, bt, sl, out
+
+
 @gpu
 @pytest.mark.parametrize("kv", [None, "fp8"])
 def test_decode_gpu_cuda_graph_replay(kv):
     """Capture once, then change seq_lens and block tables in place and replay."""
     B, Hq, Hkv, D, bs, max_blocks = 8, 32, 8, 128, 16, 64
     g = torch.Generator().manual_seed(7)
-    kc, vc, ks, vs = make_cache(B * max_blocks + 1, Hkv, bs, D, torch.bfloat16, kv, "cuda", gen=g)
-    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16).cuda()
-    bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
-    sl = torch.ones(B, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out)
+    graph, q, kc, vc, ks, vs, bt, sl, out = _captured_decode(B, Hq, Hkv, D, bs, max_blocks, kv, g)
     for trial in range(3):
         lens = torch.randint(1, max_blocks * bs + 1, (B,), generator=g)
         lens[0] = 1  # a padded slot
@@ -158,3 +173,45 @@ def test_decode_gpu_cuda_graph_replay(kv):
         torch.cuda.synchronize()
         expect = ref.paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs)
         assert rel_err(out, expect) < REL_TOL[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.parametrize("B,Hq,Hkv,D,kv", [(64, 14, 2, 64, None), (8, 32, 8, 128, None), (4, 32, 8, 128, "fp8")])
+def test_decode_gpu_cuda_graph_replays_merge(B, Hq, Hkv, D, kv):
+    """One captured graph replayed many times with several splits, the last program of each
+    (sequence, KV head) merging: every row checked, and a replay of the same inputs must give the
+    same bits (a race on the arrival counters or a stale partial shows in either)."""
+    bs, max_blocks = 16, 128
+    assert pa.decode_config(B, Hkv, max_blocks * bs, D, False, kv is not None)["num_splits"] > 1
+    g = torch.Generator().manual_seed(B)
+    graph, q, kc, vc, ks, vs, bt, sl, out = _captured_decode(B, Hq, Hkv, D, bs, max_blocks, kv, g)
+    for trial in range(50):
+        lens = torch.randint(1, max_blocks * bs + 1, (B,), generator=g)
+        lens[0] = 1  # a padded slot
+        lens[-1] = torch.randint(1, 3 * 64, (1,), generator=g)  # within one or two splits
+        bt.copy_((torch.randperm(B * max_blocks, generator=g).view(B, max_blocks) + 1).int())
+        sl.copy_(lens.int())
+        q.copy_(torch.randn(B, Hq, D, generator=g).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first), f"replay {trial}: two replays of the same inputs differ"
+        expect = ref.paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs).float()
+        row_err = (out.float() - expect).norm(dim=-1) / expect.norm(dim=-1)
+        assert row_err.max().item() < 2 * REL_TOL[torch.bfloat16], f"replay {trial}: row error {row_err.max():.2e}"
+    assert all(not c.any() for kept in pa._COUNTERS.values() for c in kept)
+
+
+@gpu
+def test_decode_gpu_counters_never_allocated_during_capture(monkeypatch):
+    monkeypatch.setattr(pa, "_COUNTERS", {})
+    g = torch.Generator().manual_seed(0)
+    kc, vc, _, _ = make_cache(64, 2, 16, 64, torch.bfloat16, None, "cuda", gen=g)
+    q = torch.randn(4, 8, 64, generator=g).to(torch.bfloat16).cuda()
+    bt = torch.arange(64, dtype=torch.int32, device="cuda").view(4, 16)
+    sl = torch.full((4,), 200, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="eagerly"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            paged_decode_attention(q, kc, vc, bt, sl, 0.1, config={"num_splits": 4})
