@@ -41,6 +41,7 @@ class Ops:
     #  k=, v=, out=): k, v are this step's new keys/values (already in the pages), which the kernel may
     #  read instead of the pages for the new-token part; out= a view to write the result into
     prefill_attention: Callable
+    linear: Callable  # (x, weight, bias=None, out=None) -> x @ weight.T + bias
     # the attention ops take reuse= (kernels/paged_attention.py): one step's layers share a launch plan
     reuse: bool = False
 
@@ -54,7 +55,20 @@ def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_
 
 def reference_ops() -> Ops:
     return Ops(reference.rms_norm, reference.apply_rotary, reference.silu_and_mul,
-               reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill)
+               reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill,
+               reference.linear)
+
+
+def rotate_and_store(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, layer_cache: LayerCache,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding on q, k, then this step's k, v into the pages -> (q, k) as attention must
+    see them. Unquantized pages take both in one kernel."""
+    c = layer_cache
+    if c.kv_dtype is None and c.rotation is None:
+        return ops.apply_rotary(q, k, positions, cos_sin, v, c.k, c.v, slot_mapping)
+    q, k = ops.apply_rotary(q, k, positions, cos_sin)
+    return store_kv(ops, q, k, v, c, slot_mapping)
 
 
 def store_kv(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: LayerCache,
@@ -104,8 +118,9 @@ def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
     return out
 
 
-def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    layer_cache: LayerCache, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """Write this step's k, v into the pages, then attend: q [T, H, D] -> [T, H, D]."""
-    q, k = store_kv(ops, q, k, v, layer_cache, meta.slot_mapping)
+def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, layer_cache: LayerCache, meta: AttnMetadata,
+                    scale: float) -> torch.Tensor:
+    """Rotary embedding, this step's k, v into the pages, then attention: q [T, H, D] -> [T, H, D]."""
+    q, k = rotate_and_store(ops, q, k, v, positions, cos_sin, layer_cache, meta.slot_mapping)
     return attend(ops, q, k, v, layer_cache, meta, scale)

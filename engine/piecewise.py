@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttnMetadata, Ops, attend, store_kv
+from engine.attention import AttnMetadata, Ops, attend, rotate_and_store
 from engine.cuda_graph import smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from kvcache.pool import LayerCache
@@ -98,9 +98,9 @@ class PiecewiseGraphs:
             return
         layer = m.layers[i]
         h, residual = layer.input_norm(ops, x, residual)
-        q, k, v = layer.self_attn.project(ops, h, b.positions[:t], m.cos_sin, out=b.qkv[:t])
-        qr, kr = store_kv(ops, q, k, v, self.caches[i], b.slot_mapping[:t])
-        if qr is not q:  # an fp8/int8 cache's rotation: attention reads the rotated q, k from the buffer
+        q, k, v = layer.self_attn.project(ops, h, out=b.qkv[:t])
+        qr, kr = rotate_and_store(ops, q, k, v, b.positions[:t], m.cos_sin, self.caches[i], b.slot_mapping[:t])
+        if qr is not q:  # not rotated in place (reference ops, an fp8/int8 cache's rotation): attention reads the buffer
             q.copy_(qr)
             k.copy_(kr)
         b.residual[:t].copy_(residual)

@@ -81,12 +81,15 @@ def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c1, s1, c2, s2,
     o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
     tl.store(p1, o1.to(dt), mask=hmask)
     tl.store(p1 + HALF, o2.to(dt), mask=hmask)
+    return o1.to(dt), o2.to(dt)
 
 
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # positions: a view at an offset of the step's inputs
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # views at offsets of the step's inputs
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr):
+                   stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+                   WRITE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, HALF)
@@ -98,13 +101,29 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr,
     s1 = tl.load(cs + 2 * HALF + j).to(dt).to(tl.float32)
     s2 = tl.load(cs + 3 * HALF + j).to(dt).to(tl.float32)
     _rotate_heads(q_ptr, t, stride_qt, stride_qh, HQ, c1, s1, c2, s2, BLOCK_HQ, HALF)
-    _rotate_heads(k_ptr, t, stride_kt, stride_kh, HK, c1, s1, c2, s2, BLOCK_HK, HALF)
+    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, HK, c1, s1, c2, s2, BLOCK_HK, HALF)
+    if WRITE:  # the rotated k and v into the pages (slot -1: a padded row, written nowhere)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            hh = tl.arange(0, BLOCK_HK)
+            hmask = hh[:, None] < HK
+            cdt = kc_ptr.dtype.element_ty
+            page = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + hh[:, None] * stride_ch + j[None, :]
+            tl.store(kc_ptr + page, k1.to(cdt), mask=hmask)
+            tl.store(kc_ptr + page + HALF, k2.to(cdt), mask=hmask)
+            pv = v_ptr + t * stride_vt + hh[:, None] * stride_vh + j[None, :]
+            tl.store(vc_ptr + page, tl.load(pv, mask=hmask, other=0.0).to(cdt), mask=hmask)
+            tl.store(vc_ptr + page + HALF, tl.load(pv + HALF, mask=hmask, other=0.0).to(cdt), mask=hmask)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                 v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding, IN PLACE on q [T, Hq, D] and k [T, Hkv, D]; returns (q, k).
-    cos_sin [max_pos, 2, D] float32 (cos then sin, each duplicated over both halves)."""
+    cos_sin [max_pos, 2, D] float32 (cos then sin, each duplicated over both halves).
+    With v, k_cache, v_cache and slot_mapping: also writes the rotated k and v into those
+    (unquantized) pages, as write_kv_cache does: one kernel instead of two per layer."""
     T, Hq, D = q.shape
     assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D and k.dtype == q.dtype
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, "head_dim must be a power of two"
@@ -113,12 +132,24 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     assert positions.shape == (T,) and not positions.dtype.is_floating_point
     assert cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, D) and cos_sin.dtype == torch.float32
     assert cos_sin.stride(2) == 1 and cos_sin.stride(1) == D
+    write = k_cache is not None
+    if write:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        assert v.shape == k.shape and v.stride(2) == 1 and v.dtype == k.dtype
+        assert k_cache.shape[1] == k.shape[1] and k_cache.shape[3] == D and v_cache.shape == k_cache.shape
+        assert k_cache.dtype in _FLOAT_DTYPES and v_cache.dtype == k_cache.dtype, "unquantized pages only"
+        assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+        assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused
     if T:
         Hk = k.shape[1]
         launch(_rotary_kernel, (T,),
-            q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-            Hq, Hk, BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HALF=D // 2,
-            num_warps=4,
+            q, k, positions, cos_sin, v, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), Hq, Hk,
+            v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HALF=D // 2,
+            WRITE=write, BLOCK_SIZE=k_cache.shape[2] if write else 1, num_warps=4,
         )
     return q, k
 

@@ -113,17 +113,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                 v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding. q [T, Hq, D], k [T, Hkv, D], cos_sin [max_pos, 2, D] float32
-    (cos then sin, each already duplicated over both halves)."""
+    (cos then sin, each already duplicated over both halves). With v and the (unquantized) pages,
+    then writes the rotated k and v into them (write_kv_cache)."""
     cs = cos_sin[positions.long()]
     cos = cs[:, 0].unsqueeze(1).to(q.dtype)
     sin = cs[:, 1].unsqueeze(1).to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if k_cache is not None:
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2 * I] holding gate then up -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, into `out` when given."""
+    if out is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+

@@ -65,17 +65,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def project(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    def project(self, ops: Ops, x: torch.Tensor,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], rotary applied; views of one qkv tensor
-        (`out` [T, q + 2 kv] when given: the piecewise CUDA graphs' static buffer)."""
+        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] before the rotary embedding (which
+        engine/attention.py applies with the KV write); views of one qkv tensor (`out`
+        [T, q + 2 kv] when given: the piecewise CUDA graphs' static buffer)."""
         t = x.shape[0]
-        if out is None:
-            qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        elif self.qkv_proj.bias is None:
-            qkv = torch.mm(x, self.qkv_proj.weight.t(), out=out)
-        else:
-            qkv = torch.addmm(self.qkv_proj.bias, x, self.qkv_proj.weight.t(), out=out)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, out=out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -84,7 +80,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
         if out is not None and q is not q_buf:  # keep q and k in the static buffer
             q_buf.copy_(q)
             k_buf.copy_(k)
@@ -99,7 +94,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +114,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual)."""
-        h = F.linear(attn_out, self.self_attn.o_proj.weight)
+        h = ops.linear(attn_out, self.self_attn.o_proj.weight)
         ln = self.post_attention_layernorm
         h, residual = ops.rms_norm(h, ln.weight, ln.eps, residual)
         return self.mlp(ops, h), residual
@@ -128,8 +123,8 @@ class DecoderLayer(nn.Module):
                 cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm(ops, x, residual)
         attn = self.self_attn
-        q, k, v = attn.project(ops, h, positions, cos_sin)
-        o = paged_attention(ops, q, k, v, cache, meta, attn.scale)
+        q, k, v = attn.project(ops, h)
+        o = paged_attention(ops, q, k, v, positions, cos_sin, cache, meta, attn.scale)
         return self.finish(ops, o.reshape(x.shape[0], attn.q_size), residual)
 
 

@@ -74,6 +74,32 @@ def test_rotary_strided_views_in_place(device=DEVICE):
     assert torch.equal(qkv[:, (Hq + Hk) * D:], v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,Hq,Hk,D,bs", [(7, 4, 2, 32, 4), (3, 3, 1, 16, 16), (5, 14, 2, 64, 8)])
+def test_rotary_with_kv_write(T, Hq, Hk, D, bs, dtype, device=DEVICE):
+    """Rotary plus the KV write in one kernel == rotary, then write_kv_cache; slot -1 writes nothing,
+    and the pages' other slots keep their values."""
+    g = torch.Generator().manual_seed(T * D + bs)
+    q = torch.randn(T, Hq, D, generator=g).to(dtype).to(device)
+    k = torch.randn(T, Hk, D, generator=g).to(dtype).to(device)
+    v = torch.randn(T, Hk, D, generator=g).to(dtype).to(device)
+    cs = _cos_sin(300, D).to(device)
+    pos = torch.randint(0, 300, (T,), generator=g).to(device)
+    nb = (2 * T) // bs + 2
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[T // 2] = -1  # a padded graph row (the only row when T = 1)
+    slots = slots.to(device)
+    kc = torch.randn(nb, Hk, bs, D, generator=g).to(dtype).to(device)
+    vc = torch.randn(nb, Hk, bs, D, generator=g).to(dtype).to(device)
+    ekc, evc = kc.clone(), vc.clone()
+    eq, ek = ref.apply_rotary(q, k, pos, cs, v, ekc, evc, slots)
+    gq, gk = fused.apply_rotary(q.clone(), k.clone(), pos, cs, v, kc, vc, slots)
+    _close(gq, eq)
+    _close(gk, ek)
+    _close(kc, ekc)
+    assert torch.equal(vc, evc)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 80), (2, 2, 2 * 1500), (1, 32)])
 def test_silu_and_mul(shape, dtype, device=DEVICE):
@@ -90,5 +116,7 @@ def test_fused_gpu_real_shapes(rows, dtype):
     test_rms_norm((rows, 896), dtype, dtype, False, device="cuda")
     test_rotary(rows, 32, 8, 128, dtype, device="cuda")
     test_rotary(rows, 14, 2, 64, dtype, device="cuda")
+    test_rotary_with_kv_write(max(rows, 2), 32, 8, 128, 16, dtype, device="cuda")
+    test_rotary_with_kv_write(max(rows, 2), 14, 2, 64, 16, dtype, device="cuda")
     test_silu_and_mul((rows, 2 * 14336), dtype, device="cuda")
     test_silu_and_mul((rows, 2 * 4864), dtype, device="cuda")
