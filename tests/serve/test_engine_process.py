@@ -39,6 +39,21 @@ def break_next_step(core) -> None:
     core.step = broken
 
 
+class SlowExecutor:
+    """Wraps the model runner; each step takes at least `delay` seconds."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def execute(self, batch):
+        time.sleep(self.delay)
+        return self.inner.execute(batch)
+
+
+def install_slow_executor(delay: float, core) -> None:
+    core.executor = SlowExecutor(core.executor, delay)
+
+
 def return_a_lock(core) -> threading.Lock:
     return threading.Lock()
 
@@ -126,6 +141,9 @@ def test_a_failed_build_is_one_clear_line(model_dir, tmp_path):
 
 def test_the_engine_process_dying_fails_requests_and_health(model_dir):
     with ServerThread(build_process(model_dir)) as srv:
+        # 200 tokens take >= 4 s: both requests are still running when the engine is killed (the
+        # tiny model on the CPU once finished one before the other arrived, and the test hung)
+        srv.call(functools.partial(install_slow_executor, 0.02))
         whole: list = []
         waiter = threading.Thread(target=lambda: whole.append(srv.http.post("/v1/completions", json=LONG)))
         waiter.start()
@@ -135,7 +153,7 @@ def test_the_engine_process_dying_fails_requests_and_health(model_dir):
         with pytest.raises(openai.APIError, match="engine process exited unexpectedly"):
             for i, _ in enumerate(stream):
                 if i == 2:
-                    deadline = time.monotonic() + 30  # a race here once hung the suite: fail instead
+                    deadline = time.monotonic() + 30
                     while srv.state.loop.num_in_flight < 2:
                         assert time.monotonic() < deadline, f"{srv.state.loop.num_in_flight} requests in flight, not 2"
                         time.sleep(0.01)
