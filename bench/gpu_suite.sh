@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure|ab   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m bench.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -114,6 +114,26 @@ for stage in "$@"; do
       log "kv-calc --measure llama3-8b"
       python3 -m serve.cli kv-calc --model llama3-8b --measure --json > "$OUT/kvcalc-measure.json" 2>"$OUT/kvcalc-measure.err"
       tail -c 600 "$OUT/kvcalc-measure.json"; tail -3 "$OUT/kvcalc-measure.err"
+      ;;
+    ab)
+      # this tree against an older one in the same call (host noise moves serve figures by 10%+
+      # between calls): prepare it on the CPU with `mkdir ab-old && git archive REV | tar -x -C ab-old`
+      # (untracked, so it travels with the tree). Decode only, then serve with a step trace, new/old/new.
+      [ -d "${OLD:-ab-old}" ] || { echo "no old tree at ${OLD:-ab-old}"; exit 2; }
+      ln -sfn "$PWD/.whl" "${OLD:-ab-old}/.whl"
+      for m in ${MODELS:-qwen2.5-0.5b}; do
+        for side in new old; do
+          dir=.; [ $side = old ] && dir=${OLD:-ab-old}
+          log "decode only $m ($side)"
+          (cd $dir && PYTHONPATH=$PWD python3 -m bench.offline --model $m --num-prompts 64 --input-len 512 \
+            --output-len 128 --decode-only --repeat 3 --result-json "$OUT/ab-decode-$m-$side.json" 2>&1 | tail -1 | cut -c1-160)
+        done
+        for side in new old new2; do
+          dir=.; [ $side = old ] && dir=${OLD:-ab-old}
+          (cd $dir && OUT=$OUT MODELS=$m TAG=ab-$side bench/gpu_suite.sh trace 2>&1 | grep -E "Output|TPOT")
+          rm -f "$OUT/trace-$m-ab-$side.jsonl"
+        done
+      done
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

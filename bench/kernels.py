@@ -6,7 +6,8 @@ the shape, time, bytes moved (each input read once, each output written once), a
 and the fraction of the device-to-device copy bandwidth measured in the same run (bytes read +
 written). Prefill attention is compared with torch's scaled_dot_product_attention on the same
 contiguous tensors (every SDPA backend that runs; the fastest is the baseline), and each fused op
-with the torch reference it replaces. --sweep also times launch configurations of the attention
+with the torch reference it replaces. The decode step's few-microsecond kernels (the engine's
+matmul against cuBLAS, rotary + KV write against two kernels) are timed in CUDA graphs instead. --sweep also times launch configurations of the attention
 kernels (compiled in parallel worker processes first) and records them all.
 
 Targets (issue 3; H100, Llama-3-8B heads 32 q / 8 kv, head_dim 128, batch 64, context 4096):
@@ -407,6 +408,96 @@ def run_fused(copy_bw):
     return rows
 
 
+def graph_time(fn, copies: int, reps: int = 15) -> float:
+    """Seconds per call of fn(i), i = 0..copies-1, replayed in one CUDA graph (median of reps):
+    a decode step's kernels run back to back in a graph, where a few-microsecond kernel's launch
+    gap would dominate do_bench's figure. Each i reads its own inputs, so weights come from HBM."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, allocates
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / copies)
+    return sorted(times)[reps // 2]
+
+
+# (name, N, K, bias): Qwen2.5-0.5B's and Llama-3-8B's projections
+DECODE_MATMULS = [("qwen2.5-0.5b qkv", 1152, 896, True), ("qwen2.5-0.5b o", 896, 896, False),
+                  ("qwen2.5-0.5b gate_up", 9728, 896, False), ("qwen2.5-0.5b down", 896, 4864, False),
+                  ("llama3-8b qkv", 6144, 4096, False), ("llama3-8b down", 4096, 14336, False)]
+
+
+def run_decode_layer_ops(copy_bw):
+    """The decode step's small kernels in CUDA graphs: the engine's matmul (kernels/linear.py: the
+    skinny kernel where it applies, cuBLAS elsewhere) against cuBLAS, and rotary + KV write in one
+    kernel against the two kernels."""
+    import torch
+    import torch.nn.functional as F
+    from kernels import fused, linear
+    from kernels.cache_write import write_kv_cache
+
+    rows = []
+    for name, N, K, has_bias in DECODE_MATMULS:
+        wbytes = N * K * 2
+        copies = int(min(64, max(3, math.ceil(400e6 / wbytes))))  # > L2 in all
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+        bs = [torch.randn(N, device="cuda", dtype=torch.bfloat16) if has_bias else None for _ in range(copies)]
+        for M in (16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            skinny = linear.supports(x, ws[0])
+            t_eng = graph_time(lambda i: linear.linear(x, ws[i], bs[i]), copies)
+            t_cublas = graph_time(lambda i: F.linear(x, ws[i], bs[i]), copies)
+            rows.append({"kernel": "linear", "shape": {"model_op": name, "M": M, "N": N, "K": K},
+                         "path": "skinny" if skinny else "cublas", "time_us": t_eng * 1e6,
+                         "cublas_us": t_cublas * 1e6, "speedup_vs_cublas": t_cublas / t_eng, "bytes": wbytes,
+                         "frac_copy_bw": wbytes / t_eng / copy_bw})
+            print(f"linear {name} M={M}: {'skinny' if skinny else 'cuBLAS'} {t_eng * 1e6:.2f} us, "
+                  f"cuBLAS {t_cublas * 1e6:.2f} us ({t_cublas / t_eng:.2f}x), floor {wbytes / copy_bw * 1e6:.2f} us",
+                  flush=True)
+        del ws
+    for name, Hq, Hkv, D in (("qwen2.5-0.5b", 14, 2, 64), ("llama3-8b", 32, 8, 128)):
+        T, bs_, copies = 64, 16, 24
+        qkv = [torch.randn(T, (Hq + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        views = [(t[:, :Hq * D].view(T, Hq, D), t[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
+                  t[:, (Hq + Hkv) * D:].view(T, Hkv, D)) for t in qkv]
+        caches = [(torch.zeros(64, Hkv, bs_, D, device="cuda", dtype=torch.bfloat16),
+                   torch.zeros(64, Hkv, bs_, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
+        cs = torch.randn(4096, 2, D, device="cuda")
+        pos = torch.randint(0, 4096, (T,), device="cuda")
+        slots = torch.randperm(64 * bs_, device="cuda")[:T]
+
+        def fused_call(i):
+            q, k, v = views[i]
+            fused.apply_rotary(q, k, pos, cs, v, caches[i][0], caches[i][1], slots)
+
+        def separate(i):
+            q, k, v = views[i]
+            fused.apply_rotary(q, k, pos, cs)
+            write_kv_cache(k, v, caches[i][0], caches[i][1], slots)
+
+        t_f, t_s = graph_time(fused_call, copies), graph_time(separate, copies)
+        rows.append({"kernel": "apply_rotary+write_kv", "shape": {"model": name, "T": T, "Hq": Hq, "Hkv": Hkv, "D": D},
+                     "time_us": t_f * 1e6, "separate_us": t_s * 1e6, "speedup_vs_separate": t_s / t_f})
+        print(f"rotary+write {name} T={T}: fused {t_f * 1e6:.2f} us, two kernels {t_s * 1e6:.2f} us "
+              f"({t_s / t_f:.2f}x)", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
@@ -437,6 +528,7 @@ def main(argv=None):
     sweeps.update(psweeps)
     write_rows = run_cache_write(copy_bw)
     fused_rows = run_fused(copy_bw)
+    layer_rows = run_decode_layer_ops(copy_bw)
 
     tgt = {r["shape"]["kv"]: r for r in decode_rows[:3]}
     bf16_t = tgt["bf16"]["time_us"]
@@ -464,6 +556,7 @@ def main(argv=None):
         "targets": targets,
         "cases": decode_rows + prefill_rows + write_rows,
         "fused_vs_torch": fused_rows,
+        "decode_layer_ops_in_graphs": layer_rows,
         "sweeps": sweeps,
         "wall_s": time.time() - t0,
     }
