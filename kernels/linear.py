@@ -30,7 +30,9 @@ def _epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, N, tile_mask, stride_om, HAS_
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit
+# M (rows) changes with every eager step's batch; specializing on it (== 1, % 16) would compile
+# new variants mid-serving
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, split,
                    stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, SPLIT_ONE: tl.constexpr, SWAP: tl.constexpr,
