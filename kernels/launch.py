@@ -200,6 +200,28 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = F
     return Bound(k, kernel, (g0, g1, g2), device, full, {n: v for n, v in kwargs.items() if n not in k.name_set})
 
 
+# Arrival counters of the kernels whose last program to finish does the final reduction (decode
+# attention's split merge, the skinny matmul's split-K sum). Every such kernel sets the counters
+# it used back to zero before it ends, and launches on a device are ordered (one stream), so all
+# of them share one buffer per device. A captured CUDA graph holds the buffer's address: a grown
+# buffer keeps the smaller ones alive.
+_COUNTERS: dict[object, list[torch.Tensor]] = {}
+MIN_COUNTERS = 8192
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters on device, zero between launches, allocated once and reused."""
+    kept = _COUNTERS.get(device)
+    if kept and kept[-1].numel() >= n:
+        return kept[-1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{n} arrival counters are needed while a CUDA graph is being captured; "
+                           "run the same launch once eagerly before the capture")
+    counters = torch.zeros(max(MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
+    _COUNTERS.setdefault(device, []).append(counters)
+    return counters
+
+
 def stats() -> dict[str, tuple[int, int]]:
     """Per kernel name: (specializations seen, launches that took the fast path)."""
     return {k.fn.__name__: (len(k.compiled), k.fast_launches) for k in _KERNELS.values()}

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.attn_common import mma
-from kernels.launch import cdiv, launch, next_pow2
+from kernels.launch import arrival_counters, cdiv, launch, next_pow2
 
 MAX_M = 64
 
@@ -108,18 +108,6 @@ def plan(M: int, N: int, K: int) -> Plan:
     return Plan(16 if split == 1 else 32, block_k, split, swap=M <= 16)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_linear: run it once before capturing a CUDA graph (split-K counters)")
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether skinny_linear takes x [M, K] and w [N, K], and should."""
     K = w.shape[1]
@@ -149,7 +137,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     split = cdiv(K, k_per_split)
     if split > 1:
         part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, tiles)
+        counters = arrival_counters(x.device, tiles)
     else:
         part = counters = out  # unused
     launch(_skinny_kernel, (tiles, split),

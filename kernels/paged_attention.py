@@ -18,7 +18,7 @@ head_dim, block_tables.shape[1], block_size); seq_lens is read on the device onl
 takes an equal share of its own sequence (whole tiles, at least MIN_TILES_PER_SPLIT), computed in
 the kernel, so a 600-token context spreads over the splits a 32k-token table width plans for;
 splits past a sequence's end do no work (but still arrive) and the merge skips them. The counters
-live for the process (_merge_counters): captured graphs hold their address.
+live for the process (kernels/launch.py arrival_counters): captured graphs hold their address.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
-from kernels.launch import bind, launch, next_pow2
+from kernels.launch import arrival_counters, bind, launch, next_pow2
 
 
 @triton.jit
@@ -180,26 +180,6 @@ def _merge_splits(
              o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
-# Arrival counters of the merge, one int32 per (sequence, KV head), zero between launches (launches
-# on one device must not overlap: one stream). Per device, for the process: a captured CUDA graph
-# holds a buffer's address, so a grown buffer keeps the smaller ones alive.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-MIN_COUNTERS = 4096  # 512 sequences x 8 KV heads: grown only past that
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed counters on device, allocated once and reused by every launch."""
-    kept = _COUNTERS.get(device)
-    if kept and kept[-1].numel() >= n:
-        return kept[-1]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"paged_decode_attention: {n} split-merge counters are needed while a CUDA graph "
-                           "is being captured; run the same decode once eagerly before the capture")
-    counters = torch.zeros(max(MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
-    _COUNTERS.setdefault(device, []).append(counters)
-    return counters
-
-
 MIN_TILES_PER_SPLIT = 2  # a split's share of a sequence: at least this many tiles (pipelining needs a few)
 # Programs the split count aims at: ~256 measured best for bf16 and fp8 pages alike, from 8 to 512
 # (batch, KV head) pairs; more splits cost their partial results and the merge (bench/KERNELS.md, run 9).
@@ -289,7 +269,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits > 1:
         po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
-        counters = _merge_counters(q.device, B * Hkv)
+        counters = arrival_counters(q.device, B * Hkv)
     else:
         po = plse = counters = out  # unused
     main = (bind if reuse is not None else launch)(_decode_kernel, (B, Hkv, splits),

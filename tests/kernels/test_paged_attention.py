@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kernels.paged_attention as pa
+from kernels import launch
 from kernels import reference as ref
 from kernels.paged_attention import paged_decode_attention
 from tests.kernels.util import DEVICE, REL_TOL, gpu, make_block_tables, make_cache, rel_err
@@ -83,7 +84,7 @@ def test_decode_merge_counters_return_to_zero():
     config = {"num_splits": 4, "tile_n": 16}
     _run([3, 47, 80, 16], 4, 2, 16, 16, torch.bfloat16, None, config=config, seed=11, extra_cols=2)
     _run([90, 1, 33, 64], 4, 2, 16, 16, torch.bfloat16, "int8", config=config, seed=12, extra_cols=2)
-    assert all(not c.any() for kept in pa._COUNTERS.values() for c in kept)
+    assert all(not c.any() for kept in launch._COUNTERS.values() for c in kept)
 
 
 def test_decode_launch_depends_on_shapes_only(monkeypatch):
@@ -201,12 +202,12 @@ def test_decode_gpu_cuda_graph_replays_merge(B, Hq, Hkv, D, kv):
         expect = ref.paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs).float()
         row_err = (out.float() - expect).norm(dim=-1) / expect.norm(dim=-1)
         assert row_err.max().item() < 2 * REL_TOL[torch.bfloat16], f"replay {trial}: row error {row_err.max():.2e}"
-    assert all(not c.any() for kept in pa._COUNTERS.values() for c in kept)
+    assert all(not c.any() for kept in launch._COUNTERS.values() for c in kept)
 
 
 @gpu
 def test_decode_gpu_counters_never_allocated_during_capture(monkeypatch):
-    monkeypatch.setattr(pa, "_COUNTERS", {})
+    monkeypatch.setattr(launch, "_COUNTERS", {})
     g = torch.Generator().manual_seed(0)
     kc, vc, _, _ = make_cache(64, 2, 16, 64, torch.bfloat16, None, "cuda", gen=g)
     q = torch.randn(4, 8, 64, generator=g).to(torch.bfloat16).cuda()
