@@ -7,8 +7,9 @@ and the fraction of the device-to-device copy bandwidth measured in the same run
 written). Prefill attention is compared with torch's scaled_dot_product_attention on the same
 contiguous tensors (every SDPA backend that runs; the fastest is the baseline), and each fused op
 with the torch reference it replaces. The decode step's few-microsecond kernels (the engine's
-matmul against cuBLAS, rotary + KV write against two kernels) are timed in CUDA graphs instead. --sweep also times launch configurations of the attention
-kernels (compiled in parallel worker processes first) and records them all.
+matmul against cuBLAS, rotary + KV write against two kernels) are timed in CUDA graphs instead.
+--sweep also times launch configurations of the attention kernels (compiled in parallel worker
+processes first) and records them all.
 
 Targets (issue 3; H100, Llama-3-8B heads 32 q / 8 kv, head_dim 128, batch 64, context 4096):
 bf16 decode >= 0.8 of copy bandwidth; fp8 and int8 KV decode >= 1.7x faster than bf16;

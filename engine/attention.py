@@ -80,10 +80,7 @@ def store_kv(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_
     c = layer_cache
     if c.rotation is not None:
         q, k = c.rotation.apply(q, k)
-    if c.kv_dtype is None:
-        ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype)
-    else:
-        ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype, q=q)
+    ops.write_kv_cache(k, v, c.k, c.v, slot_mapping, c.k_scale, c.v_scale, c.kv_dtype, q=q)  # unquantized: q unused
     return q, k
 
 
