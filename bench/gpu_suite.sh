@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure|ab   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure|pdl|ab   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m bench.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -21,8 +21,12 @@ for stage in "$@"; do
   case $stage in
     tests)
       log "GPU tests"
-      PAGEDSERVE_CHECK_LAUNCH=1 PAGEDSERVE_GPU_REPORT=$OUT/gpu-equality.jsonl python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/engine/test_gpu.py tests/kernels 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+      # pyproject adds -q (a second -q would drop the summary line); a time limit (the device's calls
+      # have one) that dumps every thread's stack if it is reached
+      PAGEDSERVE_CHECK_LAUNCH=1 PAGEDSERVE_GPU_REPORT=$OUT/gpu-equality.jsonl timeout -s ABRT ${TESTS_TIMEOUT:-540} \
+        python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=15 \
+        tests/engine/test_gpu.py tests/kernels ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+      echo "pytest exit ${PIPESTATUS[0]}"
       ;;
     engine)
       for m in llama3-8b qwen2.5-0.5b; do
@@ -114,6 +118,20 @@ for stage in "$@"; do
       log "kv-calc --measure llama3-8b"
       python3 -m serve.cli kv-calc --model llama3-8b --measure --json > "$OUT/kvcalc-measure.json" 2>"$OUT/kvcalc-measure.err"
       tail -c 600 "$OUT/kvcalc-measure.json"; tail -3 "$OUT/kvcalc-measure.err"
+      ;;
+    pdl)
+      # programmatic dependent launch (--pdl, kernels/pdl.py) against plain launches, decode only;
+      # serve: MODELS=qwen2.5-0.5b TAG=pdl SERVER_ARGS=--pdl bench/gpu_suite.sh trace (and TAG=plain)
+      for m in ${MODELS:-qwen2.5-0.5b llama3-8b}; do
+        for side in plain pdl plain2; do
+          args=""; [ $side = pdl ] && args="--pdl"
+          log "decode only $m ($side)"
+          python3 -m bench.offline --model $m --num-prompts 64 --input-len 512 --output-len 128 --decode-only \
+            --repeat 3 $args --result-json "$OUT/pdl-decode-$m-$side.json" 2>&1 | tail -1 | cut -c1-200
+        done
+        python3 -m bench.compare --key output_throughput --baseline "$OUT/pdl-decode-$m-plain.json" \
+          --out "$OUT/pdl-decode-$m.json" "$OUT/pdl-decode-$m-pdl.json" "$OUT/pdl-decode-$m-plain2.json" > /dev/null
+      done
       ;;
     ab)
       # this tree against an older one in the same call (host noise moves serve figures by 10%+
