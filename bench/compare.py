@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 # kept from every result, however large the rest of it
-SUMMARY_KEYS = ("model", "kv_cache_dtype", "server_args", "num_prompts", "concurrency", "input_len", "output_len",
+SUMMARY_KEYS = ("model", "kv_cache_dtype", "pdl", "server_args", "num_prompts", "concurrency", "input_len", "output_len",
                 "completed", "failed", "output_throughput", "roofline_output_throughput", "roofline_fraction",
                 "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "decode_step_ms",
                 "roofline_decode_step_ms", "repeat_throughputs")

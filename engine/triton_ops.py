@@ -1,16 +1,21 @@
 """The GPU op set: the Triton kernels of kernels/ behind the same Ops interface as the reference."""
 from __future__ import annotations
 
+from functools import partial
+
 from engine.attention import Ops
 
 
-def triton_ops() -> Ops:
+def triton_ops(pdl: bool = False) -> Ops:
+    """pdl: the kernels of a decode layer launch with programmatic dependent launch (kernels/pdl.py)."""
     from kernels.cache_write import write_kv_cache
     from kernels.fused import apply_rotary, rms_norm, silu_and_mul
     from kernels.linear import linear
     from kernels.paged_attention import paged_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
 
-    return Ops(rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul,
-               write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention,
-               prefill_attention=paged_prefill_attention, linear=linear, reuse=True)
+    fns = dict(rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul,
+               write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention, linear=linear)
+    if pdl:  # prefill attention (compute bound, long) launches the usual way
+        fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
+    return Ops(prefill_attention=paged_prefill_attention, reuse=True, **fns)

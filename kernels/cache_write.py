@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import launch
+from kernels.pdl import wait_for_prior
 from kvcache.quant import NUM_CANDIDATES, STEP
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -125,8 +126,9 @@ def _write_kv_kernel(
     stride_sb, stride_sh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, RCP: tl.constexpr,
-    GROUP: tl.constexpr, NC: tl.constexpr, STEP: tl.constexpr,
+    GROUP: tl.constexpr, NC: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -164,10 +166,10 @@ def _write_kv_kernel(
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None, kv_dtype: str | None = None,
-                   q: torch.Tensor | None = None) -> None:
+                   q: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Scatter k, v [T, num_kv_heads, head_dim] into the pages; quantize when kv_dtype is fp8/int8.
     q [T, num_heads, head_dim]: the same tokens' queries, which pick K's scales (kvcache/quant.py);
-    ignored by unquantized caches."""
+    ignored by unquantized caches. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     T, H, D = k.shape
     nb, Hc, bs, Dc = k_cache.shape
     assert v.shape == k.shape and v_cache.shape == k_cache.shape, "k/v or k_cache/v_cache shapes differ"
@@ -200,6 +202,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     kc, vc = k_cache, v_cache
     if quant == 1:
         kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    pdl = pdl and k.is_cuda
     launch(_write_kv_kernel, (T, H),
         k, v, q, kc, vc, ks, vs, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), q.stride(0), q.stride(1),
@@ -208,5 +211,5 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         BLOCK_SIZE=bs, HEAD_DIM=D, QUANT=quant, QMAX=qmax,
         RCP=float(np.float32(1.0) / np.float32(qmax)) if k.is_cuda else 0.0,
         GROUP=group, NC=NUM_CANDIDATES if group else 1, STEP=step,
-        num_warps=1 if group else 4,
+        PDL=pdl, num_warps=1 if group else 4, launch_pdl=pdl,
     )

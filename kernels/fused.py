@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import cdiv, launch, next_pow2
+from kernels.pdl import wait_for_prior
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -18,7 +19,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro, N,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -34,9 +36,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as Hugging Face's Llama computes it; with residual returns (normed, x + residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as Hugging Face's Llama computes it; with residual returns (normed, x + residual).
+    pdl (here and in the other wrappers): launch with programmatic dependent launch (kernels/pdl.py)."""
     N = x.shape[-1]
     assert weight.shape == (N,) and weight.is_contiguous(), "weight must be [hidden] and contiguous"
     assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES
@@ -56,9 +59,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows = x2.shape[0]
     if rows:
         block = next_pow2(N)
+        pdl = pdl and x.is_cuda
         launch(_rms_norm_kernel, (rows,),
             x2, r2, weight, out2, ro2, eps, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
-            BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 512)),
+            BLOCK=block, HAS_RES=residual is not None, PDL=pdl, num_warps=min(16, max(1, block // 512)),
+            launch_pdl=pdl,
         )
     return out if residual is None else (out, res_out)
 
@@ -89,7 +94,8 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, v_ptr, kc_ptr, vc_ptr, slot_pt
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,
                    stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-                   WRITE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   WRITE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, HALF)
@@ -119,7 +125,7 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, v_ptr, kc_ptr, vc_ptr, slot_pt
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                  v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding, IN PLACE on q [T, Hq, D] and k [T, Hkv, D]; returns (q, k).
     cos_sin [max_pos, 2, D] float32 (cos then sin, each duplicated over both halves).
     With v, k_cache, v_cache and slot_mapping: also writes the rotated k and v into those
@@ -144,18 +150,20 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused
     if T:
         Hk = k.shape[1]
+        pdl = pdl and q.is_cuda
         launch(_rotary_kernel, (T,),
             q, k, positions, cos_sin, v, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), Hq, Hk,
             v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HALF=D // 2,
-            WRITE=write, BLOCK_SIZE=k_cache.shape[2] if write else 1, num_warps=4,
+            WRITE=write, BLOCK_SIZE=k_cache.shape[2] if write else 1, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return q, k
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -166,7 +174,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (s * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [..., 2 * I] holding gate then up -> silu(gate) * up [..., I]."""
     N2 = x.shape[-1]
     assert N2 % 2 == 0 and x.dtype in _FLOAT_DTYPES
@@ -177,6 +185,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     o2 = out.view(-1, N)
     if x2.shape[0] and N:
         block = min(1024, next_pow2(N))
+        pdl = pdl and x.is_cuda
         launch(_silu_and_mul_kernel, (x2.shape[0], cdiv(N, block)),
-            x2, o2, x2.stride(0), o2.stride(0), N, BLOCK=block, num_warps=4)
+            x2, o2, x2.stride(0), o2.stride(0), N, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

@@ -19,6 +19,7 @@ import triton.language as tl
 from kernels import reference
 from kernels.attn_common import mma
 from kernels.launch import arrival_counters, cdiv, launch, next_pow2
+from kernels.pdl import prefetch_l2, wait_for_prior
 
 MAX_M = 64
 
@@ -36,7 +37,8 @@ def _epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, N, tile_mask, stride_om, HAS_
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, split,
                    stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, SPLIT_ONE: tl.constexpr, SWAP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr, LINES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -46,6 +48,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
     n_mask = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        # this program's weights (which no kernel writes) into L2 while the previous kernel
+        # finishes; 64 elements = one 128-byte line of a 16-bit weight (the wrapper checks)
+        lines = tl.minimum(k_lo + tl.arange(0, LINES) * 64, k_hi - 1)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :])
+    wait_for_prior(PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     if SWAP:
@@ -117,8 +126,9 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, p: Plan | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T + bias -> [M, N] in x's dtype, for M <= 64 and K a multiple of 64."""
+                  out: torch.Tensor | None = None, p: Plan | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T + bias -> [M, N] in x's dtype, for M <= 64 and K a multiple of 64.
+    pdl: launch with programmatic dependent launch (kernels/pdl.py), prefetching the weights."""
     M = x.shape[0]
     N, K = w.shape
     assert x.dim() == 2 and x.shape[1] == K and K % 64 == 0 and M <= MAX_M
@@ -140,19 +150,21 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         counters = arrival_counters(x.device, tiles)
     else:
         part = counters = out  # unused
+    pdl = pdl and x.is_cuda
     launch(_skinny_kernel, (tiles, split),
            x, w, bias if bias is not None else w, out, part, counters, M, N, K, k_per_split, split,
            x.stride(0), w.stride(0), out.stride(0),
            HAS_BIAS=bias is not None, NATIVE=x.is_cuda, SPLIT_ONE=split == 1, SWAP=p.swap,
            BLOCK_M=max(16, next_pow2(M)), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-           num_warps=p.num_warps, num_stages=p.num_stages)
+           PDL=pdl, LINES=min(128, next_pow2(cdiv(k_per_split, 64))) if pdl else 1,
+           num_warps=p.num_warps, num_stages=p.num_stages, launch_pdl=pdl)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The engine's projection: skinny_linear where supports() says so, cuBLAS otherwise."""
     if supports(x, weight):
-        return skinny_linear(x, weight, bias, out)
+        return skinny_linear(x, weight, bias, out, pdl=pdl)
     return reference.linear(x, weight, bias, out)
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
 from kernels.launch import arrival_counters, bind, launch, next_pow2
+from kernels.pdl import wait_for_prior
 
 
 @triton.jit
@@ -55,8 +56,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -212,7 +214,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, config: dict | None = None,
-                           reuse: dict | None = None) -> torch.Tensor:
+                           reuse: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """Decode: one query token per sequence, q [B, num_heads, head_dim] -> [B, num_heads, head_dim].
 
     `config` overrides keys of decode_config()'s choice (benchmarks and tests only).
@@ -224,7 +226,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     plan_key = None
     if reuse is not None:
-        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, None if out is None else out.stride())
+        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, None if out is None else out.stride(), pdl)
         hit = reuse.get("decode")
         if hit is not None and hit[0] == plan_key:
             if out is None:
@@ -272,6 +274,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         counters = arrival_counters(q.device, B * Hkv)
     else:
         po = plse = counters = out  # unused
+    pdl = pdl and q.is_cuda
     main = (bind if reuse is not None else launch)(_decode_kernel, (B, Hkv, splits),
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, po, plse, counters,
         softmax_scale * LOG2E,
@@ -281,8 +284,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         Hq * splits, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
         BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=min_tiles, NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)),
-        QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     if reuse is not None and main is not None:  # None: launched the normal way (interpreter, profiler hooks)
         reuse["decode"] = (plan_key, main)

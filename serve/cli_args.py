@@ -32,6 +32,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch steps with prefill tokens eagerly (default: CUDA graphs around attention)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                    help="wait for each step before scheduling the next (default: overlap them on a GPU)")
+    g.add_argument("--pdl", action="store_true",
+                   help="launch the Triton kernels with programmatic dependent launch (Hopper or newer): "
+                        "each kernel starts, and prefetches its weights, while the previous one finishes")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--seed", type=int, default=0)
@@ -43,4 +46,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
-                        async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, seed=args.seed)
+                        async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
+                        seed=args.seed)

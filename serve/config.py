@@ -29,6 +29,7 @@ class EngineConfig:
     piecewise_graphs: bool = True  # CUDA graphs around attention for steps with prefill tokens
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
+    pdl: bool = False  # Triton kernels with programmatic dependent launch (compute capability >= 9.0)
     seed: int = 0
 
     def __post_init__(self) -> None:

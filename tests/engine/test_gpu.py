@@ -177,6 +177,25 @@ def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_pdl_equals_plain_launches(tiny_models, kv):
+    """Programmatic dependent launch (kernels/pdl.py) changes when kernels start, not what they
+    compute: the same tokens and logprobs through decode graphs and piecewise graphs of mixed
+    steps (a 64-token budget chunks the prompts), and through eager steps."""
+    ps = prompts()
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(pdl, eager):
+        llm = LLM(str(tiny_models["qwen2"]), dtype="bfloat16", kv_cache_dtype=kv, num_kv_blocks=256,
+                  max_num_batched_tokens=64, pdl=pdl, enforce_eager=eager)
+        assert llm.config.pdl == pdl
+        outs = llm.generate(ps, params)
+        return [(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in outs]
+
+    assert run(True, False) == run(False, False)
+    assert run(True, True) == run(False, True)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
     """Every kernel variant a step can use is compiled while the engine starts (graph capture and
     warm-up), so no request mix stalls a step mid-serving on a compile. Prompts of many lengths
