@@ -40,7 +40,7 @@ def make_inputs(B, Hq, Hkv, D, bs, width, lo, hi, kv=None, seed=0):
     nb = sum(need) + 1
     dt = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     kc = torch.randn(nb, Hkv, bs, D, device="cuda").to(dt)
-    vc = torch.randn(nb, Hkv, bs, D, device="cuda").to(dt)
+    vc = torch.randn(*((nb, Hkv, D, bs) if kv else (nb, Hkv, bs, D)), device="cuda").to(dt)  # kvcache/quant.py
     ks = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
     vs = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
     perm = torch.randperm(nb - 1, generator=g) + 1

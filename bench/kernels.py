@@ -56,6 +56,8 @@ def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0):
         return out, scale
     kc, ks = page()
     vc, vs = page()
+    if kv is not None:
+        vc = quant.v_page_view(vc).contiguous()  # quantized V pages are [.., head_dim, block_size]
     # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding)
     perm = torch.randperm(nb - 1, device="cuda", generator=g)[:B * nblk_seq] + 1
     bt = perm.view(B, nblk_seq).to(torch.int32).contiguous()
@@ -352,7 +354,7 @@ def run_cache_write(copy_bw):
             nb = T // bs + 64
             st = quant.storage_dtype(kv) if kv else torch.bfloat16
             kc = torch.zeros((nb, Hkv, bs, D), device="cuda", dtype=st)
-            vc = torch.zeros_like(kc)
+            vc = quant.v_page_view(kc).contiguous() if kv else torch.zeros_like(kc)
             ks = torch.zeros((nb, Hkv, bs), device="cuda") if kv else None
             vs = torch.zeros_like(ks) if kv else None
             k = torch.randn((T, Hkv, D), device="cuda", dtype=torch.bfloat16)

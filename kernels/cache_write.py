@@ -152,12 +152,14 @@ def _write_kv_kernel(
                 ks = _key_scale(kf, q_row, stride_qh, ks, QUANT, QMAX, HEAD_DIM, GROUP, NC, STEP)
             kq = _round(tl.math.div_rn(kf, ks), QUANT, QMAX)
             vq = _round(tl.math.div_rn(vf, vs), QUANT, QMAX)
+            # V pages are [head_dim, block_size] (kvcache/quant.py)
+            vdst = blk * stride_cb + h * stride_ch + d * BLOCK_SIZE + off
             if QUANT == 2:
                 tl.store(kc_ptr + dst, kq.to(tl.int8))
-                tl.store(vc_ptr + dst, vq.to(tl.int8))
+                tl.store(vc_ptr + vdst, vq.to(tl.int8))
             else:  # fp8 pages arrive as uint8 views: store the bits, with the sign bit of x
                 tl.store(kc_ptr + dst, _fp8_bits(kq, k))
-                tl.store(vc_ptr + dst, _fp8_bits(vq, v))
+                tl.store(vc_ptr + vdst, _fp8_bits(vq, v))
             sdst = blk * stride_sb + h * stride_sh + off
             tl.store(ks_ptr + sdst, ks)
             tl.store(vs_ptr + sdst, vs)
@@ -172,7 +174,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     ignored by unquantized caches. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     T, H, D = k.shape
     nb, Hc, bs, Dc = k_cache.shape
-    assert v.shape == k.shape and v_cache.shape == k_cache.shape, "k/v or k_cache/v_cache shapes differ"
+    v_shape = (nb, Hc, Dc, bs) if kv_dtype in _QMAX else k_cache.shape  # quantized V pages: kvcache/quant.py
+    assert v.shape == k.shape and v_cache.shape == v_shape, f"v_cache {tuple(v_cache.shape)} != {tuple(v_shape)}"
     assert (Hc, Dc) == (H, D), f"cache heads/head_dim {(Hc, Dc)} != k's {(H, D)}"
     assert D & (D - 1) == 0, "head_dim must be a power of two"
     assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point

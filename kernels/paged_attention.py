@@ -97,6 +97,13 @@ def _decode_kernel(
     # the inline lookup measured faster at small batches (bench/KERNELS.md).
     pos0 = start + tl.arange(0, TILE_N)
     blk_next = tl.load(bt_row + pos0 // BLOCK_SIZE, mask=pos0 < end, other=0)  # unused unless PREFETCH
+    # quantized V pages are [HEAD_DIM, BLOCK_SIZE] (kvcache/quant.py); a tile of whole pages (tiles
+    # start at multiples of TILE_N) is loaded page by page, BLOCK_SIZE tokens contiguous
+    V_PAGES: tl.constexpr = QUANT != 0 and TILE_N >= BLOCK_SIZE
+    if V_PAGES:
+        pg = tl.arange(0, TILE_N // BLOCK_SIZE)
+        jj = tl.arange(0, BLOCK_SIZE)
+        vblk_next = tl.load(bt_row + start // BLOCK_SIZE + pg, mask=start + pg * BLOCK_SIZE < end, other=0)
     for tok0 in range(start, end, TILE_N):
         pos = tok0 + tl.arange(0, TILE_N)
         valid = pos < end
@@ -109,7 +116,20 @@ def _decode_kernel(
         off = pos % BLOCK_SIZE
         row = blk * stride_cb + head_off + off * stride_ct
         k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if V_PAGES:
+            vblk = vblk_next.to(tl.int64)
+            vblk_next = tl.load(bt_row + (tok0 + TILE_N) // BLOCK_SIZE + pg,
+                                mask=tok0 + TILE_N + pg * BLOCK_SIZE < end, other=0)
+            # masked by whole pages; slots past the end in the last page hold finite values (the
+            # pool starts zeroed), which p = 0 cancels
+            vp = vc_ptr + (vblk * stride_cb + head_off)[:, None, None] + d[None, :, None] * BLOCK_SIZE + jj[None, None, :]
+            v3 = tl.load(vp, mask=(tok0 + pg * BLOCK_SIZE < end)[:, None, None], other=0.0)
+            v = tl.reshape(tl.permute(v3, (0, 2, 1)), (TILE_N, HEAD_DIM))
+        elif QUANT:
+            v = tl.load(vc_ptr + (blk * stride_cb + head_off + off)[:, None] + d[None, :] * BLOCK_SIZE,
+                        mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = mma(q, tl.trans(kv_to_dot(k, dot_ty, QUANT)), NATIVE) * row_scale[:, None]
         if QUANT:
             srow = blk * stride_sb + kvh * stride_sh + off
@@ -236,7 +256,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             return out
     B, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
-    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
+    quant = QUANT_CODE.get(k_cache.dtype, 0)
+    v_shape = (nb, Hkv, Dc, bs) if quant else k_cache.shape  # quantized V pages: kvcache/quant.py
+    assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
     assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
     assert bs & (bs - 1) == 0, "block_size must be a power of two"
@@ -245,7 +267,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     assert seq_lens.shape == (B,) and seq_lens.dtype == torch.int32
-    quant = QUANT_CODE.get(k_cache.dtype, 0)
     if quant:
         assert k_scale is not None and v_scale is not None, "fp8/int8 caches need k_scale and v_scale"
         assert k_scale.shape == (nb, Hkv, bs) and v_scale.shape == k_scale.shape

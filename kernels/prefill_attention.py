@@ -63,12 +63,16 @@ def _attend(acc, l_i, m_i, q, row_scale, qk_scale, q_idx, k_src, v_src, ks_ptr, 
             blk_next = tl.load(bt_row + (pos + BLOCK_N) // BLOCK_SIZE, mask=j + BLOCK_N < hi, other=0)
             off = pos % BLOCK_SIZE
             row = blk * stride_cb + off * stride_ct
+            if QUANT:  # quantized V pages are [HEAD_DIM, BLOCK_SIZE] (kvcache/quant.py)
+                v_ptrs = v_src + (blk * stride_cb + off)[:, None] + d[None, :] * BLOCK_SIZE
+            else:
+                v_ptrs = v_src + row[:, None] + d[None, :]
             if MASKED:
                 k = tl.load(k_src + row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-                v = tl.load(v_src + row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
             else:
                 k = tl.load(k_src + row[:, None] + d[None, :])
-                v = tl.load(v_src + row[:, None] + d[None, :])
+                v = tl.load(v_ptrs)
         elif SRC == SRC_PTR:
             if MASKED:
                 k = tl.load(k_src + j[:, None] * stride_k + d[None, :], mask=kmask[:, None], other=0.0)
@@ -335,7 +339,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     T, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     B = seq_lens.shape[0]
-    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
+    v_shape = (nb, Hkv, Dc, bs) if QUANT_CODE.get(k_cache.dtype, 0) else k_cache.shape  # kvcache/quant.py
+    assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
     assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
     assert bs & (bs - 1) == 0, "block_size must be a power of two"

@@ -1,7 +1,8 @@
 """Plain-torch reference ops: the test oracle for every Triton kernel and the CPU execution path.
 
 Shapes (see kvcache/spec.py for the page layout):
-  k_cache, v_cache  [num_blocks, num_kv_heads, block_size, head_dim]  storage dtype
+  k_cache, v_cache  [num_blocks, num_kv_heads, block_size, head_dim]  storage dtype (fp8/int8 V:
+                    [num_blocks, num_kv_heads, head_dim, block_size], quant.v_page_view)
   k_scale, v_scale  [num_blocks, num_kv_heads, block_size] float32, only for fp8/int8 caches
   slot_mapping      [T] int, slot = block * block_size + offset, -1 = skip
   block_tables      [B, max_blocks] int32 (unused tail entries are ignored)
@@ -36,7 +37,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         kq, ks = quant.quantize(k, kv_dtype, qg)
         vq, vs = quant.quantize(v, kv_dtype)
         k_cache[blocks, :, offsets] = kq
-        v_cache[blocks, :, offsets] = vq
+        quant.v_page_view(v_cache)[blocks, :, offsets] = vq
         k_scale[blocks, :, offsets] = ks
         v_scale[blocks, :, offsets] = vs
     else:
@@ -69,13 +70,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    v_pages = v_cache if v_scale is None else quant.v_page_view(v_cache)
     qsl = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = qsl[i], qsl[i + 1]
         if hi == lo:
             continue
         k = gather_kv(k_cache, k_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
-        v = gather_kv(v_cache, v_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
+        v = gather_kv(v_pages, v_scale, block_tables[i], seq_len).repeat_interleave(group, dim=0)
         qi = q[lo:hi].float().transpose(0, 1)  # [H, q_len, D]
         scores = (qi @ k.transpose(1, 2)) * softmax_scale  # [H, q_len, seq_len]
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device).unsqueeze(1)

@@ -22,7 +22,8 @@ class LayerCache:
 
 
 class KVPool:
-    """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype, plus
+    """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype (fp8/int8:
+    each layer's V pages are used as [num_blocks, kv_heads, head_dim, block_size], kvcache/quant.py), plus
     float32 scales [layers, 2, num_blocks, kv_heads, block_size] for fp8/int8, and for those the
     q/k rotation (kvcache/rotation.py) in act_dtype, the dtype of the model's q and k: built once
     here, so decode CUDA graphs capture a static tensor."""
@@ -38,8 +39,9 @@ class KVPool:
         # head_dim not a power of two (no Hadamard matrix; the Triton kernels refuse it anyway): no rotation
         pow2 = spec.head_dim & (spec.head_dim - 1) == 0
         self.rotation = QKRotation.build(spec.head_dim, device, act_dtype) if spec.quantized and pow2 else None
+        nb, h, bs, d = shape[2:]
         self.layers = [
-            LayerCache(self.kv[i, 0], self.kv[i, 1],
+            LayerCache(self.kv[i, 0], self.kv[i, 1].view(nb, h, d, bs) if spec.quantized else self.kv[i, 1],
                        None if self.scales is None else self.scales[i, 0],
                        None if self.scales is None else self.scales[i, 1], kv_dtype, self.rotation)
             for i in range(spec.num_layers)

@@ -32,6 +32,12 @@ x / scale, like V's. The Triton cache-write kernel sums err_j in its own order (
 multiply-adds), so where two candidates' errors agree to float32 rounding it may pick the other
 one: a scale whose error is the least up to that rounding is what both paths guarantee, and the
 codes are always the rounding of x at the scale stored (tests/kernels/test_cache_write.py).
+
+Page layout: fp8/int8 caches store V pages transposed, [num_blocks, kv_heads, head_dim,
+block_size]: one dim's values of a page's tokens are contiguous. The tensor cores take the
+tokens of P @ V in pairs per register; with 8-bit values stored token-major the decode kernel
+assembled them byte by byte from shared memory (a third of its instructions on an H100,
+bench/KERNELS.md). K pages, scales and float caches keep [.., block_size, head_dim].
 """
 from __future__ import annotations
 
@@ -46,6 +52,12 @@ STEP = {"fp8": 1.0 / 16, "int8": 1.0 / 128}  # candidate j multiplies the base s
 def scale_factors(kv_dtype: str, n: int = NUM_CANDIDATES) -> list[float]:
     """1 + j * STEP for j < n: exact float32 values (as Python floats)."""
     return [1.0 + j * STEP[kv_dtype] for j in range(n)]
+
+
+def v_page_view(v_cache: torch.Tensor) -> torch.Tensor:
+    """A quantized cache's V pages [num_blocks, kv_heads, head_dim, block_size] seen as
+    [num_blocks, kv_heads, block_size, head_dim] (a view: writes go to the pages)."""
+    return v_cache.transpose(-1, -2)
 
 
 def storage_dtype(kv_dtype: str) -> torch.dtype:

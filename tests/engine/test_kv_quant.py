@@ -90,7 +90,9 @@ def test_pool_round_trip_matches_the_reference_convention(kv_dtype, with_queries
     reference.write_kv_cache(k, v, layer.k, layer.v, slots, layer.k_scale, layer.v_scale, layer.kv_dtype, q=q)
     want_k = quant.dequantize(*quant.quantize(k, kv_dtype, None if q is None else q.view(40, 3, 2, 64)))
     want_v = quant.dequantize(*quant.quantize(v, kv_dtype))
-    for want, cache, scales in ((want_k, layer.k, layer.k_scale), (want_v, layer.v, layer.v_scale)):
+    assert layer.v.shape == (4, 3, 64, 16)  # quantized V pages are [head_dim, block_size] (kvcache/quant.py)
+    v_pages = quant.v_page_view(layer.v)
+    for want, cache, scales in ((want_k, layer.k, layer.k_scale), (want_v, v_pages, layer.v_scale)):
         got = reference.gather_kv(cache, scales, block_table, 40).transpose(0, 1)  # [T, H, D]
         keep = slots >= 0
         assert torch.equal(got[keep], want[keep])

@@ -2,7 +2,9 @@
 machine without a GPU: Triton's bundled ptxas needs no driver. Run in a process of its own,
 without TRITON_INTERPRET (under the interpreter the kernels are not JITFunctions):
 
-    python -m tests.kernels.sm90_compile    -> one JSON line per kernel variant
+    python -m tests.kernels.sm90_compile            -> one JSON line per kernel variant
+    python -m tests.kernels.sm90_compile --stats    -> registers, spills and the instructions of
+        the main loop of the decode kernel (Llama-3-8B heads, batch 64, 4,096 tokens) per page dtype
 
 Each kernel wrapper runs on small CPU tensors with its `launch` replaced by a recorder; the
 recorded arguments are compiled with the GPU's settings (tensor cores, PDL) and the PTX is checked
@@ -36,27 +38,40 @@ def _record(calls: list):
     return launch
 
 
-def _compile(fn, args: tuple, kwargs: dict) -> dict:
+def compile_sm90(fn, args: tuple, kwargs: dict, settings: dict = GPU_SETTINGS):
+    """Triton's compiled kernel for an H100 from one recorded launch, constexprs overridden by
+    `settings` where the kernel has them."""
     names = [p.name for p in fn.params]
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    values.update({k: v for k, v in GPU_SETTINGS.items() if k in names})
-    signature, constexprs = {}, {}
-    for p in fn.params:
+    values.update({k: v for k, v in settings.items() if k in names})
+    signature, constexprs, attrs = {}, {}, {}
+    # Triton's own specialization: 16-byte aligned tensors and integers divisible by 16 are
+    # marked so (vectorized loads depend on it), integers equal to 1 become constants
+    for i, p in enumerate(fn.params):
         v = values[p.name]
-        if p.is_constexpr:
+        if p.is_constexpr or (type(v) is int and v == 1 and not p.do_not_specialize):
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
-        elif isinstance(v, torch.Tensor):
+            continue
+        if isinstance(v, torch.Tensor):
             signature[p.name] = "*" + _TYPES[v.dtype]
+            aligned = v.data_ptr() % 16 == 0 and not p.do_not_specialize_on_alignment
         elif isinstance(v, bool):
-            signature[p.name] = "i1"
+            signature[p.name], aligned = "i1", False
         elif isinstance(v, int):
             signature[p.name] = "i32" if -(1 << 31) <= v < (1 << 31) else "i64"
+            aligned = v % 16 == 0 and not p.do_not_specialize
         else:
-            signature[p.name] = "fp32"
-    options = {k: v for k, v in kwargs.items() if k in _OPTIONS} | {"launch_pdl": True}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 64), options=options)
+            signature[p.name], aligned = "fp32", False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS} | {"launch_pdl": bool(values.get("PDL"))}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 64), options=options)
+
+
+def _check(fn, args: tuple, kwargs: dict) -> dict:
+    compiled = compile_sm90(fn, args, kwargs)
     ptx = compiled.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     first_access = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global", "red.global"))
@@ -85,18 +100,77 @@ def cases() -> list[tuple]:
     slots = torch.arange(64)
     fused.apply_rotary(q, k, torch.arange(64), torch.randn(128, 2, 64, generator=g), k.clone(), kc, kc.clone(), slots)
     ks = torch.ones(32, 2, 16)
+    vt = kc.transpose(2, 3).contiguous()  # quantized V pages are [.., head_dim, block_size]
     for kv_dtype, storage in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
-        cache_write.write_kv_cache(k, k.clone(), kc.to(storage), kc.to(storage), slots, ks, ks.clone(), kv_dtype, q=q)
+        cache_write.write_kv_cache(k, k.clone(), kc.to(storage), vt.to(storage), slots, ks, ks.clone(), kv_dtype, q=q)
     bt = torch.arange(64 * 8, dtype=torch.int32).view(64, 8) % 32
     sl = torch.full((64,), 100, dtype=torch.int32)
-    for cache, scales in ((kc, (None, None)), (kc.to(torch.float8_e4m3fn), (ks, ks))):
-        paged_attention.paged_decode_attention(q, cache, cache, bt, sl, 0.125, *scales, config={"num_splits": 2})
+    fp8 = torch.float8_e4m3fn
+    for kc_, vc_, scales in ((kc, kc.clone(), (None, None)), (kc.to(fp8), vt.to(fp8), (ks, ks))):
+        paged_attention.paged_decode_attention(q, kc_, vc_, bt, sl, 0.125, *scales, config={"num_splits": 2})
     return calls
 
 
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_stats(compiled) -> dict:
+    """Registers and stack per thread (cuobjdump), and the opcodes of the longest loop body."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    loop: collections.Counter = collections.Counter()
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA.*`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:  # a backward branch closes a loop
+            body = collections.Counter(op.group(1) for b in lines[labels[m.group(1)]:i + 1]
+                                       if (op := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", b)))
+            if sum(body.values()) > sum(loop.values()):
+                loop = body
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    memory = {k: v for k, v in loop.items() if k.startswith(("LDG", "LDS", "STS", "LDL", "STL", "HMMA", "F2FP"))}
+    return {"registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
+            "loop_instructions": sum(loop.values()), "loop_memory_and_mma": memory}
+
+
+def decode_stats() -> list[dict]:
+    calls: list = []
+    paged_attention.launch = _record(calls)
+    B, Hq, Hkv, D, bs, blocks = 64, 32, 8, 128, 16, 256
+    q = torch.randn(B, Hq, D).to(torch.bfloat16)
+    bt = torch.arange(B * blocks, dtype=torch.int32).view(B, blocks)
+    sl = torch.full((B,), blocks * bs, dtype=torch.int32)
+    ks = torch.ones(B * blocks, Hkv, bs)
+    rows = []
+    for kv, dt in ((None, torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        kc = torch.zeros(B * blocks, Hkv, bs, D).to(dt)
+        vc = kc.transpose(2, 3).contiguous() if kv else kc.clone()
+        paged_attention.paged_decode_attention(q, kc, vc, bt, sl, 0.1, *((ks, ks) if kv else (None, None)))
+        fn, args, kwargs = calls[-1]
+        plan = {k: kwargs[k] for k in ("TILE_N", "NUM_SPLITS", "PREFETCH", "num_warps", "num_stages")}
+        rows.append({"kv": kv or "bf16", "plan": plan} | sass_stats(compile_sm90(fn, args, kwargs, {"NATIVE": True})))
+    return rows
+
+
 def main() -> int:
+    if "--stats" in sys.argv:
+        for row in decode_stats():
+            print(json.dumps(row), flush=True)
+        return 0
     for fn, args, kwargs in cases():
-        print(json.dumps(_compile(fn, args, kwargs)), flush=True)
+        print(json.dumps(_check(fn, args, kwargs)), flush=True)
     return 0
 
 

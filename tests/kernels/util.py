@@ -37,6 +37,7 @@ def make_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: in
         return kf.to(dtype).to(device), vf.to(dtype).to(device), None, None
     kq, ks = quant.quantize(kf, kv)
     vq, vs = quant.quantize(vf, kv)
+    vq = quant.v_page_view(vq).contiguous()  # V pages [.., head_dim, block_size]
     return kq.to(device), vq.to(device), ks.to(device), vs.to(device)
 
 
