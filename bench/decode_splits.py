@@ -34,13 +34,15 @@ def make_inputs(B, Hq, Hkv, D, bs, width, lo, hi, kv=None, seed=0):
     in [lo, hi]."""
     import torch
 
+    from kvcache import quant
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (B,), generator=g).to(torch.int32)
     need = [(int(n) + bs - 1) // bs for n in lens]
     nb = sum(need) + 1
     dt = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     kc = torch.randn(nb, Hkv, bs, D, device="cuda").to(dt)
-    vc = torch.randn(*((nb, Hkv, D, bs) if kv else (nb, Hkv, bs, D)), device="cuda").to(dt)  # kvcache/quant.py
+    vc = torch.randn(quant.v_page_shape((nb, Hkv, bs, D), kv is not None), device="cuda").to(dt)
     ks = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
     vs = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
     perm = torch.randperm(nb - 1, generator=g) + 1

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels.launch import launch
 from kernels.pdl import wait_for_prior
-from kvcache.quant import NUM_CANDIDATES, STEP
+from kvcache.quant import NUM_CANDIDATES, STEP, v_page_shape
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -174,7 +174,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     ignored by unquantized caches. pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     T, H, D = k.shape
     nb, Hc, bs, Dc = k_cache.shape
-    v_shape = (nb, Hc, Dc, bs) if kv_dtype in _QMAX else k_cache.shape  # quantized V pages: kvcache/quant.py
+    v_shape = v_page_shape(k_cache.shape, kv_dtype in _QMAX)
     assert v.shape == k.shape and v_cache.shape == v_shape, f"v_cache {tuple(v_cache.shape)} != {tuple(v_shape)}"
     assert (Hc, Dc) == (H, D), f"cache heads/head_dim {(Hc, Dc)} != k's {(H, D)}"
     assert D & (D - 1) == 0, "head_dim must be a power of two"

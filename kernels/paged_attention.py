@@ -31,6 +31,7 @@ import triton.language as tl
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
 from kernels.launch import arrival_counters, bind, launch, next_pow2
 from kernels.pdl import wait_for_prior
+from kvcache.quant import v_page_shape
 
 
 @triton.jit
@@ -257,7 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     quant = QUANT_CODE.get(k_cache.dtype, 0)
-    v_shape = (nb, Hkv, Dc, bs) if quant else k_cache.shape  # quantized V pages: kvcache/quant.py
+    v_shape = v_page_shape(k_cache.shape, quant > 0)
     assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
     assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"

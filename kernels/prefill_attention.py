@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
 from kernels.launch import bind, cdiv, launch, next_pow2
+from kvcache.quant import v_page_shape
 
 try:  # triton >= 3.4 (host-side TMA descriptors)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -339,7 +340,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     T, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     B = seq_lens.shape[0]
-    v_shape = (nb, Hkv, Dc, bs) if QUANT_CODE.get(k_cache.dtype, 0) else k_cache.shape  # kvcache/quant.py
+    v_shape = v_page_shape(k_cache.shape, k_cache.dtype in QUANT_CODE)
     assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
     assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"

@@ -39,9 +39,9 @@ class KVPool:
         # head_dim not a power of two (no Hadamard matrix; the Triton kernels refuse it anyway): no rotation
         pow2 = spec.head_dim & (spec.head_dim - 1) == 0
         self.rotation = QKRotation.build(spec.head_dim, device, act_dtype) if spec.quantized and pow2 else None
-        nb, h, bs, d = shape[2:]
+        v_shape = quant.v_page_shape(shape[2:], spec.quantized)
         self.layers = [
-            LayerCache(self.kv[i, 0], self.kv[i, 1].view(nb, h, d, bs) if spec.quantized else self.kv[i, 1],
+            LayerCache(self.kv[i, 0], self.kv[i, 1].view(v_shape),
                        None if self.scales is None else self.scales[i, 0],
                        None if self.scales is None else self.scales[i, 1], kv_dtype, self.rotation)
             for i in range(spec.num_layers)

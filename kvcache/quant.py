@@ -54,6 +54,12 @@ def scale_factors(kv_dtype: str, n: int = NUM_CANDIDATES) -> list[float]:
     return [1.0 + j * STEP[kv_dtype] for j in range(n)]
 
 
+def v_page_shape(k_shape: tuple[int, ...], quantized: bool) -> tuple[int, ...]:
+    """The V pages' shape for K pages of k_shape [num_blocks, kv_heads, block_size, head_dim]."""
+    nb, h, bs, d = k_shape
+    return (nb, h, d, bs) if quantized else (nb, h, bs, d)
+
+
 def v_page_view(v_cache: torch.Tensor) -> torch.Tensor:
     """A quantized cache's V pages [num_blocks, kv_heads, head_dim, block_size] seen as
     [num_blocks, kv_heads, block_size, head_dim] (a view: writes go to the pages)."""

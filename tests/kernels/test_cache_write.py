@@ -9,7 +9,7 @@ from tests.kernels.util import DEVICE, KV_STORAGE, gpu
 def _caches(nb, H, bs, D, dtype, kv, device):
     st = KV_STORAGE[kv] or dtype
     kc = torch.randn(nb, H, bs, D).to(st).to(device)
-    vc = torch.randn(*((nb, H, D, bs) if kv else (nb, H, bs, D))).to(st).to(device)  # quantized V: [.., D, bs]
+    vc = torch.randn(quant.v_page_shape((nb, H, bs, D), kv is not None)).to(st).to(device)
     ks = torch.rand(nb, H, bs, device=device) if kv else None
     vs = torch.rand(nb, H, bs, device=device) if kv else None
     return kc, vc, ks, vs
