@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one session, run on the device machine from the repo root:
-#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|prefix|trace|kvdecode|kvmeasure|pdl|ab   (several stages may be given)
+#   bench/gpu_suite.sh tests|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m bench.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -76,6 +76,24 @@ for stage in "$@"; do
             --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/budget-$m-$b.json" 2>&1 \
             | grep -E "Output token|Median TPOT|Median TTFT|Median ITL|Roofline|error" | head -8
         done
+      done
+      ;;
+    hold)
+      # issue 5: Llama-3-8B TPOT at a 32,768-token step budget (a whole burst fits one step), new
+      # prompts started at once or held for the rest of their burst (--prefill-hold-ms), same call
+      for m in ${MODELS:-llama3-8b}; do
+        for h in ${HOLDS:-0 50}; do
+          log "serve bench $m, max-num-batched-tokens 32768, prefill hold $h ms"
+          rm -f "$OUT/trace-hold-$m-$h.jsonl"
+          PAGEDSERVE_STEP_TRACE="$OUT/trace-hold-$m-$h.jsonl" python3 -m serve.cli bench --model $m --load-format dummy \
+            --server-command "python3 -m serve.cli run" --server-args="--max-num-batched-tokens 32768 --prefill-hold-ms $h" \
+            --concurrency 64 --num-prompts 192 --input-len 512 --output-len 128 --ignore-eos --num-warmups 64 \
+            --result-json "$OUT/hold-$m-$h.json" 2>&1 | grep -E "Output token|Median TPOT|Median TTFT|Median ITL|Roofline|error" | head -8
+          python3 -m bench.trace_summary "$OUT/trace-hold-$m-$h.jsonl" --json "$OUT/trace-summary-hold-$m-$h.json" > /dev/null
+          rm -f "$OUT/trace-hold-$m-$h.jsonl"
+        done
+        python3 -m bench.compare --key median_tpot_ms --lower-is-better --baseline "$OUT/hold-$m-0.json" \
+          --out "$OUT/prefill-hold-$m.json" $(for h in ${HOLDS:-0 50}; do [ $h = 0 ] || echo "$OUT/hold-$m-$h.json"; done)
       done
       ;;
     prefix)

@@ -23,7 +23,7 @@ def kind(row: dict) -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    out: dict = {"steps": len(rows)}
+    out: dict = {"steps": len(rows), "held_steps": sum(r.get("held", 0) for r in rows)}
     if len(rows) > 1:
         out["wall_ms"] = rows[-1]["t_end"] - rows[0]["t0"]
     for k in ("decode", "mixed", "prefill", "drain"):

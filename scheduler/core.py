@@ -103,9 +103,11 @@ class EngineCore:
     def _step(self) -> list[StepOutput]:
         trace = self.trace
         before = self.scheduler.num_preemptions
+        held = self.scheduler.num_held_steps
         batch = self.scheduler.schedule()
         if trace is not None and batch is not None:
-            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items))
+            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items),
+                       held=self.scheduler.num_held_steps - held)
         self.stats.num_preemptions += self.scheduler.num_preemptions - before
         prev, self._in_flight = self._in_flight, None
         outputs: list[StepOutput] = []

@@ -5,6 +5,13 @@ prefill the rest of its prompt up to the token budget); then waiting sequences i
 as chunked prefills for whatever budget is left. When the cache runs out, the newest running
 sequence is preempted (its blocks freed, recomputed later) and re-queued at the front.
 
+Prefill hold (prefill_hold_s > 0, off by default): while sequences decode, the new prompts of a
+burst that is still arriving (more came since the previous step) wait, at most prefill_hold_s
+after the first of them and only while they fit the step's budget, so the burst runs as one
+prefill instead of one per step. A sequence's time per output token includes every prefill step
+it sits through while decoding; in a closed loop of equal requests a burst split over several
+steps makes the earliest of it sit through the rest, which then keeps the waves staggered.
+
 Async scheduling: schedule() may run while the previous step is still on the GPU. A sequence
 then has a pending token (sampled by that step, its value not yet known here): its next decode
 reads the token on the device, its count is known, and a sequence whose pending token is its
@@ -13,6 +20,7 @@ num_pending); update() later appends the sampled tokens. Torch-free.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    prefill_hold_s: float = 0.0  # the longest a new prompt waits for the rest of its burst (see above)
 
 
 class Scheduler:
@@ -42,6 +51,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found cached
+        self.num_added = 0
+        self._added_at_last_schedule = 0
+        self.num_held_steps = 0  # steps that left new prompts waiting for the rest of their burst
 
     @property
     def num_unfinished(self) -> int:
@@ -67,12 +79,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
+        self.num_added += 1
 
-    def schedule(self) -> Batch | None:
+    def schedule(self, now: float | None = None) -> Batch | None:
+        """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []
         budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, decodes, others)
-        if not preempted:  # admitting new work right after a preemption would only thrash: wait for room
+        arrived = self.num_added != self._added_at_last_schedule
+        self._added_at_last_schedule = self.num_added
+        # admitting new work right after a preemption would only thrash: wait for room
+        if not preempted and not (arrived and decodes and self._hold(budget, now)):
             self._admit_waiting(budget, decodes, others)
         items = decodes + others if others else decodes
         if not items:
@@ -112,6 +129,18 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget, preempted
+
+    def _hold(self, budget: int, now: float | None) -> bool:
+        """Whether the new prompts wait for the rest of their burst (the module's docstring)."""
+        hold_s = self.config.prefill_hold_s
+        if hold_s <= 0 or not self.waiting or self.waiting[0].num_preemptions:
+            return False  # preempted sequences are not new: they go first, as before
+        if (time.monotonic() if now is None else now) - self.waiting[0].arrival_time >= hold_s:
+            return False
+        if sum(s.num_prompt_tokens for s in self.waiting) >= budget:
+            return False  # a full step already: waiting for more would only delay it
+        self.num_held_steps += 1
+        return True
 
     def _admit_waiting(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]) -> None:
         """Waiting sequences in arrival order, as chunked prefills for the budget left."""

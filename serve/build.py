@@ -122,7 +122,8 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
         max_len = capacity
     tokenizer = load_tokenizer(path, model_cfg.vocab_size)
     core = EngineCore(runner, tokenizer,
-                      SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching),
+                      SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
+                                      cfg.prefill_hold_ms / 1e3),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)

@@ -35,6 +35,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pdl", action="store_true",
                    help="launch the Triton kernels with programmatic dependent launch (Hopper or newer): "
                         "each kernel starts, and prefetches its weights, while the previous one finishes")
+    g.add_argument("--prefill-hold-ms", type=float, default=0.0,
+                   help="while sequences decode, new prompts wait up to this many ms for the rest of their "
+                        "burst, so that it runs as one prefill step (off: 0)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--seed", type=int, default=0)
@@ -47,4 +50,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
                         async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
-                        seed=args.seed)
+                        prefill_hold_ms=args.prefill_hold_ms, seed=args.seed)

@@ -30,6 +30,7 @@ class EngineConfig:
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
     pdl: bool = False  # Triton kernels with programmatic dependent launch (compute capability >= 9.0)
+    prefill_hold_ms: float = 0.0  # new prompts wait up to this for the rest of their burst (scheduler/policy.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,3 +62,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 1.0]; got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError("cpu_kv_cache_gib must be > 0")
+        if (isinstance(self.prefill_hold_ms, bool) or not isinstance(self.prefill_hold_ms, (int, float))
+                or not 0 <= self.prefill_hold_ms <= 10_000):
+            raise ValueError(f"prefill_hold_ms must be a number of milliseconds in [0, 10000]; got {self.prefill_hold_ms!r}")

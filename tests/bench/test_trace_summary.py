@@ -25,3 +25,4 @@ def test_step_trace_of_an_offline_run(tiny_models, tmp_path, monkeypatch):
     assert "decode" in kinds and kinds & {"mixed", "prefill"}
     assert sum(res[k]["steps"] for k in kinds) == len(rows)
     assert res["decode"]["schedule_ms"]["sum"] >= 0
+    assert res["held_steps"] == 0 and all(r["held"] == 0 for r in rows)  # the prefill hold is off by default

@@ -7,6 +7,7 @@ import pytest
 
 from engine.config import ModelConfig, ModelConfigError
 from serve import LLM, SamplingParams
+from serve.config import EngineConfig
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
@@ -46,6 +47,9 @@ def test_bad_token_ids_and_config_values(tiny_models):
         LLM(str(tiny_models["llama"]), block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(tiny_models["llama"]), dtype="float64")
+    for bad in (-1.0, float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="prefill_hold_ms"):
+            EngineConfig(prefill_hold_ms=bad)
 
 
 def test_sharded_checkpoint_loads(tiny_models):

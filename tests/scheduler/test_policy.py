@@ -158,3 +158,63 @@ def test_a_failed_step_leaves_nothing_cached_it_did_not_compute():
     assert len(s.bm.cached) == 0
     s.abort(0)
     s.check_integrity()
+
+
+def _decoding(s, n=2):
+    """n sequences past their prefill, so the next step decodes them."""
+    for i in range(n):
+        s.add(seq(100 + i, 3, max_tokens=50))
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    return s
+
+
+def _new(s, b):
+    return [it.seq.seq_id for it in b.items if it.start == 0]
+
+
+def test_prefill_hold_waits_for_the_rest_of_a_burst():
+    """While sequences decode, the prompts of a burst still arriving wait; the step after the
+    arrivals stop takes the whole burst in one prefill."""
+    s = _decoding(Scheduler(SchedulerConfig(8, 64, 256, False, prefill_hold_s=1.0), BlockManager(64, 4, False)))
+    s.add(seq(0, 5))
+    b = s.schedule(now=s.seqs[0].arrival_time + 0.01)
+    assert b.num_decode == 2 and _new(s, b) == []  # decodes only: the burst is arriving
+    s.update(b, fake_execute(b))
+    s.add(seq(1, 5))
+    s.add(seq(2, 5))
+    b = s.schedule(now=s.seqs[0].arrival_time + 0.02)
+    assert _new(s, b) == []
+    s.update(b, fake_execute(b))
+    b = s.schedule(now=s.seqs[0].arrival_time + 0.03)  # nothing arrived since the last step
+    assert _new(s, b) == [0, 1, 2] and b.num_decode == 2
+    assert s.num_held_steps == 2
+    s.update(b, fake_execute(b))
+    s.check_integrity()
+
+
+def test_prefill_hold_is_bounded_by_time_and_budget():
+    s = _decoding(Scheduler(SchedulerConfig(8, 16, 256, False, prefill_hold_s=0.05), BlockManager(64, 4, False)))
+    s.add(seq(0, 5))
+    first = s.seqs[0].arrival_time
+    b = s.schedule(now=first + 0.06)  # waited longer than the hold
+    assert _new(s, b) == [0]
+    s.update(b, fake_execute(b))
+    s.add(seq(1, 7))
+    s.add(seq(2, 7))  # 14 prompt tokens: a full step with the 2 decodes (budget 16)
+    b = s.schedule(now=s.seqs[1].arrival_time)
+    assert _new(s, b) == [1, 2]
+    s.update(b, fake_execute(b))
+    s.check_integrity()
+
+
+def test_prefill_hold_never_idles_the_step():
+    """With nothing decoding a new prompt starts at once (holding would leave the GPU idle), and
+    with the hold off (the default) nothing ever waits."""
+    s = Scheduler(SchedulerConfig(8, 64, 256, False, prefill_hold_s=1.0), BlockManager(64, 4, False))
+    s.add(seq(0, 5))
+    assert _new(s, s.schedule(now=s.seqs[0].arrival_time)) == [0]
+    s = _decoding(make(budget=64))
+    s.add(seq(0, 5))
+    assert _new(s, s.schedule(now=s.seqs[0].arrival_time)) == [0]
+    assert s.num_held_steps == 0

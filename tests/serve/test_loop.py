@@ -174,3 +174,29 @@ def test_a_step_that_raises_fails_in_flight_requests_and_the_loop_goes_on(engine
         return loop.num_loop_faults, again[2]
 
     assert run(engine, body) == (1, "length")
+
+
+def test_prefill_hold_keeps_outputs_and_frees_everything(model_dir):
+    """With --prefill-hold-ms, prompts that arrive while others decode wait for the rest of their
+    burst; the tokens are the offline engine's, and no block stays taken."""
+    engine = build(model_dir, prefill_hold_ms=5000.0)
+    prompts = [engine.tokenizer.encode(p) for p in ("Hello there", "The capital of France", "1 2 3", "a b", "xyz")]
+    offline = LLM.from_config(engine_config(model_dir)).generate(prompts, GREEDY)
+
+    async def body(loop):
+        first = await loop.add_request(prompts[0], GREEDY)
+        it = first.__aiter__()
+        got = list(await it.__anext__())  # decoding now
+        later = []
+        for p in prompts[1:]:  # a burst, one by one while the first decodes
+            later.append(await loop.add_request(p, GREEDY))
+            await asyncio.sleep(0.01)
+        async for batch in it:
+            got += batch
+        rest = [await drain_stream(s) for s in later]
+        return [out for _, out in got], rest
+
+    outs, rest = run(engine, body)
+    assert [sum((o.new_token_ids for o in outs), [])] + [ids for _, ids, _ in rest] == [o.token_ids for o in offline]
+    assert engine.core.scheduler.num_held_steps > 0
+    assert engine.core.block_manager.num_used_blocks == 0
