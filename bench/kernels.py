@@ -37,7 +37,7 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------- inputs
 
-def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0):
+def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, contiguous=False):
     import torch
     from kvcache import quant
 
@@ -58,8 +58,12 @@ def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0):
     vc, vs = page()
     if kv is not None:
         vc = quant.v_page_view(vc).contiguous()  # quantized V pages are [.., head_dim, block_size]
-    # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding)
-    perm = torch.randperm(nb - 1, device="cuda", generator=g)[:B * nblk_seq] + 1
+    # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding);
+    # contiguous: each sequence's blocks in order, one after another
+    if contiguous:
+        perm = torch.arange(1, nb, device="cuda")
+    else:
+        perm = torch.randperm(nb - 1, device="cuda", generator=g)[:B * nblk_seq] + 1
     bt = perm.view(B, nblk_seq).to(torch.int32).contiguous()
     sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn((B, Hq, D), device="cuda", generator=g, dtype=dtype)
