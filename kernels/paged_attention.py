@@ -222,10 +222,11 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     if fp32:  # float32 products run on the FMA units: 16-token tiles keep them out of local memory
         tile_n, prefetch = 16, quant
     elif quant:
-        # two stages (42 KB of shared memory) and at most 128 registers: 4 programs per SM instead
-        # of 2-3 (Llama-3-8B heads, batch 64, 4,096 tokens, fp8 pages: 223 instead of 261 us)
         tile_n, prefetch = (128 if head_dim <= 128 else 32), True
-        stages, maxnreg = 2, 128
+        if head_dim <= 128:  # measured at 64 and 128 (bench/decode_occupancy.py)
+            # two stages (42 KB of shared memory) and at most 128 registers: 4 programs per SM
+            # instead of 2-3 (Llama-3-8B heads, batch 64, 4,096 tokens, fp8 pages: 223 vs 261 us)
+            stages, maxnreg = 2, 128
     else:
         tile_n, prefetch = min(64, 8192 // head_dim), False
     tile_n = max(16, min(tile_n, next_pow2(max_context)))
