@@ -23,7 +23,6 @@ live for the process (kernels/launch.py arrival_counters): captured graphs hold 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -33,8 +32,6 @@ from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
 from kernels.launch import arrival_counters, bind, launch, next_pow2
 from kernels.pdl import wait_for_prior
 from kvcache.quant import v_page_shape
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter takes no compile options
 
 
 @triton.jit
@@ -316,7 +313,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=min_tiles, NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)),
         QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]), PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {}),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     if reuse is not None and main is not None:  # None: launched the normal way (interpreter, profiler hooks)
         reuse["decode"] = (plan_key, main)

@@ -6,9 +6,9 @@ from scheduler.policy import RequestRejected, Scheduler, SchedulerConfig
 from scheduler.request import SampleOutput, SamplingParams, Sequence
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False, hold_s=0.0):
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, caching), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, caching, hold_s), bm)
 
 
 def seq(sid, n, max_tokens=4, **kw):
@@ -176,7 +176,7 @@ def _new(s, b):
 def test_prefill_hold_waits_for_the_rest_of_a_burst():
     """While sequences decode, the prompts of a burst still arriving wait; the step after the
     arrivals stop takes the whole burst in one prefill."""
-    s = _decoding(Scheduler(SchedulerConfig(8, 64, 256, False, prefill_hold_s=1.0), BlockManager(64, 4, False)))
+    s = _decoding(make(budget=64, hold_s=1.0))
     s.add(seq(0, 5))
     b = s.schedule(now=s.seqs[0].arrival_time + 0.01)
     assert b.num_decode == 2 and _new(s, b) == []  # decodes only: the burst is arriving
@@ -194,7 +194,7 @@ def test_prefill_hold_waits_for_the_rest_of_a_burst():
 
 
 def test_prefill_hold_is_bounded_by_time_and_budget():
-    s = _decoding(Scheduler(SchedulerConfig(8, 16, 256, False, prefill_hold_s=0.05), BlockManager(64, 4, False)))
+    s = _decoding(make(budget=16, hold_s=0.05))
     s.add(seq(0, 5))
     first = s.seqs[0].arrival_time
     b = s.schedule(now=first + 0.06)  # waited longer than the hold
@@ -211,7 +211,7 @@ def test_prefill_hold_is_bounded_by_time_and_budget():
 def test_prefill_hold_never_idles_the_step():
     """With nothing decoding a new prompt starts at once (holding would leave the GPU idle), and
     with the hold off (the default) nothing ever waits."""
-    s = Scheduler(SchedulerConfig(8, 64, 256, False, prefill_hold_s=1.0), BlockManager(64, 4, False))
+    s = make(budget=64, hold_s=1.0)
     s.add(seq(0, 5))
     assert _new(s, s.schedule(now=s.seqs[0].arrival_time)) == [0]
     s = _decoding(make(budget=64))
