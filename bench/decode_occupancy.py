@@ -24,7 +24,7 @@ CASES = [
     ("llama B64 4096 bs16", dict(B=64, ctx=4096, bs=16, **LLAMA), ("fp8", "int8")),
     # the same pages in order, not scattered: does block size 16 lose to 32 by the DRAM pattern?
     ("llama B64 4096 bs16 contiguous", dict(B=64, ctx=4096, bs=16, contiguous=True, **LLAMA), ("fp8",)),
-    # V's scales read from K's (the same addresses, in L1/L2 by then): what the separate scale streams cost
+    # V's scales read from K's (the same addresses): what the second scale load costs at all
     ("llama B64 4096 bs16 one scale stream", dict(B=64, ctx=4096, bs=16, same_scales=True, **LLAMA), ("fp8",)),
     ("llama B64 4096 bs32", dict(B=64, ctx=4096, bs=32, **LLAMA), ("fp8",)),
     ("llama B256 1024 bs16", dict(B=256, ctx=1024, bs=16, **LLAMA), ("fp8",)),

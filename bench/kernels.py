@@ -37,7 +37,10 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------- inputs
 
-def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, contiguous=False):
+def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, contiguous=False,
+                  separate_scales=False):
+    """Random pages and a block table; fp8/int8 scales in the pool's layout (K's and V's views of one
+    tensor, kvcache/quant.py) or, with separate_scales, two contiguous tensors."""
     import torch
     from kvcache import quant
 
@@ -58,6 +61,9 @@ def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, con
     vc, vs = page()
     if kv is not None:
         vc = quant.v_page_view(vc).contiguous()  # quantized V pages are [.., head_dim, block_size]
+        if not separate_scales:
+            pk, pv = quant.scale_views(quant.new_scales(nb, Hkv, bs, "cuda"))
+            ks, vs = pk.copy_(ks), pv.copy_(vs)
     # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding);
     # contiguous: each sequence's blocks in order, one after another
     if contiguous:
@@ -219,7 +225,8 @@ def run_decode(copy_bw, cases, sweep):
     rows, sweeps = [], {}
     for c in cases:
         B, ctx, Hq, Hkv, D, bs, kv = c["B"], c["ctx"], c["Hq"], c["Hkv"], c["D"], c["bs"], c["kv"]
-        q, kc, vc, ks, vs, bt, sl = decode_inputs(B, ctx, Hq, Hkv, D, bs, kv)
+        q, kc, vc, ks, vs, bt, sl = decode_inputs(B, ctx, Hq, Hkv, D, bs, kv,
+                                                  separate_scales=c.get("scales") == "separate")
         out = torch.empty_like(q)
         nbytes = decode_bytes(B, ctx, Hq, Hkv, D, bs, kv)
         fn = lambda cfg=None: paged_decode_attention(q, kc, vc, bt, sl, D**-0.5, ks, vs, out=out, config=cfg)
@@ -527,6 +534,8 @@ def main(argv=None):
     print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     t = DECODE_TARGET
     cases = [dict(t, kv=kv, sweep=True) for kv in (None, "fp8", "int8")]
+    # the layout before K's and V's scales were paired (kvcache/quant.py), for the same-run ratio
+    cases += [dict(t, kv=kv, scales="separate") for kv in ("fp8", "int8")]
     cases += [dict(t, bs=bs, kv=kv) for bs in (32, 64) for kv in (None, "fp8")]
     cases += [dict(t, B=B, ctx=ctx, kv=kv) for B, ctx in ((1, 32768), (8, 4096), (256, 1024)) for kv in (None, "int8")]
     cases += [dict(B=64, ctx=4096, Hq=14, Hkv=2, D=64, bs=16, kv=kv) for kv in (None, "fp8")]  # Qwen2.5-0.5B

@@ -9,6 +9,16 @@ LOG2E = 1.4426950408889634
 QUANT_CODE = {torch.float8_e4m3fn: 1, torch.int8: 2}  # 0: K/V stored in a float dtype
 
 
+def check_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, shape: tuple[int, int, int]) -> None:
+    """fp8/int8 scales: float32 [num_blocks, kv_heads, block_size], a page's tokens contiguous, K's
+    and V's with the same strides (the kernels take one set), e.g. kvcache/quant.py's scale_views."""
+    assert k_scale is not None and v_scale is not None, "fp8/int8 caches need k_scale and v_scale"
+    assert k_scale.shape == shape and v_scale.shape == shape, f"scales must be {shape}"
+    assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32, "scales must be float32"
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1, \
+        "k_scale and v_scale need the same strides, tokens contiguous"
+
+
 @triton.jit
 def mma(a, b, NATIVE: tl.constexpr):
     """a @ b with float32 accumulation. NATIVE: 16-bit operands on the tensor cores. Otherwise the

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attn_common import check_scales
 from kernels.launch import launch
 from kernels.pdl import wait_for_prior
 from kvcache.quant import NUM_CANDIDATES, STEP, v_page_shape
@@ -184,9 +185,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     group, step = 0, 0.0
     if kv_dtype in _QMAX:
         assert k_cache.dtype == _STORAGE[kv_dtype] and v_cache.dtype == _STORAGE[kv_dtype]
-        assert k_scale is not None and v_scale is not None, "quantized caches need k_scale/v_scale"
-        assert k_scale.shape == (nb, H, bs) and v_scale.shape == (nb, H, bs)
-        assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and v_scale.is_contiguous()
+        check_scales(k_scale, v_scale, (nb, H, bs))
         quant, qmax = (1 if kv_dtype == "fp8" else 2), _QMAX[kv_dtype]
         ks, vs = k_scale, v_scale
         if q is not None:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
+from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
 from kernels.launch import arrival_counters, bind, launch, next_pow2
 from kernels.pdl import wait_for_prior
 from kvcache.quant import v_page_shape
@@ -252,7 +252,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     plan_key = None
     if reuse is not None:
-        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, None if out is None else out.stride(), pdl)
+        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, None if out is None else out.stride(), pdl,
+                    None if k_scale is None else k_scale.stride())
         hit = reuse.get("decode")
         if hit is not None and hit[0] == plan_key:
             if out is None:
@@ -274,9 +275,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     assert seq_lens.shape == (B,) and seq_lens.dtype == torch.int32
     if quant:
-        assert k_scale is not None and v_scale is not None, "fp8/int8 caches need k_scale and v_scale"
-        assert k_scale.shape == (nb, Hkv, bs) and v_scale.shape == k_scale.shape
-        assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and v_scale.is_contiguous()
+        check_scales(k_scale, v_scale, (nb, Hkv, bs))
         ks, vs = k_scale, v_scale
     else:
         assert k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)

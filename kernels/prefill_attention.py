@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import LOG2E, QUANT_CODE, kv_to_dot, mma
+from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
 from kernels.launch import bind, cdiv, launch, next_pow2
 from kvcache.quant import v_page_shape
 
@@ -318,7 +318,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     plan_key = None
     if reuse is not None:
         plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
-                    None if k is None else (k.shape, k.stride(), v.stride()), None if out is None else out.stride())
+                    None if k is None else (k.shape, k.stride(), v.stride()), None if out is None else out.stride(),
+                    None if k_scale is None else k_scale.stride())
         hit = reuse.get("prefill")
         if hit is not None and hit[0] == plan_key:
             _, main, src, block_n, k0 = hit
@@ -354,9 +355,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert (k is None) == (v is None), "pass both k and v or neither"
     quant = QUANT_CODE.get(k_cache.dtype, 0)
     if quant:
-        assert k_scale is not None and v_scale is not None, "fp8/int8 caches need k_scale and v_scale"
-        assert k_scale.shape == (nb, Hkv, bs) and v_scale.shape == k_scale.shape
-        assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and v_scale.is_contiguous()
+        check_scales(k_scale, v_scale, (nb, Hkv, bs))
         ks, vs = k_scale, v_scale
     else:
         assert k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -24,7 +24,8 @@ class LayerCache:
 class KVPool:
     """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype (fp8/int8:
     each layer's V pages are used as [num_blocks, kv_heads, head_dim, block_size], kvcache/quant.py), plus
-    float32 scales [layers, 2, num_blocks, kv_heads, block_size] for fp8/int8, and for those the
+    float32 scales [layers, num_blocks, kv_heads, 2, block_size] for fp8/int8 (K's and V's of a
+    page side by side, kvcache/quant.py), and for those the
     q/k rotation (kvcache/rotation.py) in act_dtype, the dtype of the model's q and k: built once
     here, so decode CUDA graphs capture a static tensor."""
 
@@ -34,7 +35,8 @@ class KVPool:
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=quant.storage_dtype(spec.dtype), device=device)
-        self.scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device) if spec.quantized else None)
+        self.scales = (quant.new_scales(num_blocks, spec.num_kv_heads, spec.block_size, device, (spec.num_layers,))
+                       if spec.quantized else None)
         kv_dtype = spec.dtype if spec.quantized else None
         # head_dim not a power of two (no Hadamard matrix; the Triton kernels refuse it anyway): no rotation
         pow2 = spec.head_dim & (spec.head_dim - 1) == 0
@@ -42,8 +44,7 @@ class KVPool:
         v_shape = quant.v_page_shape(shape[2:], spec.quantized)
         self.layers = [
             LayerCache(self.kv[i, 0], self.kv[i, 1].view(v_shape),
-                       None if self.scales is None else self.scales[i, 0],
-                       None if self.scales is None else self.scales[i, 1], kv_dtype, self.rotation)
+                       *(quant.scale_views(self.scales[i]) if spec.quantized else (None, None)), kv_dtype, self.rotation)
             for i in range(spec.num_layers)
         ]
 

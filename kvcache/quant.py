@@ -37,7 +37,12 @@ Page layout: fp8/int8 caches store V pages transposed, [num_blocks, kv_heads, he
 block_size]: one dim's values of a page's tokens are contiguous. The tensor cores take the
 tokens of P @ V in pairs per register; with 8-bit values stored token-major the decode kernel
 assembled them byte by byte from shared memory (a third of its instructions on an H100,
-bench/KERNELS.md). K pages, scales and float caches keep [.., block_size, head_dim].
+bench/KERNELS.md). K pages and float caches keep [.., block_size, head_dim].
+
+Scales: K's and V's of a page and KV head sit side by side, one [num_blocks, kv_heads, 2,
+block_size] float32 tensor (new_scales); kernels take K's and V's as the two strided views
+[num_blocks, kv_heads, block_size]. At block size 16 a page's scales are then one 128-byte
+line instead of two 64-byte runs far apart (bench/KERNELS.md).
 """
 from __future__ import annotations
 
@@ -64,6 +69,17 @@ def v_page_view(v_cache: torch.Tensor) -> torch.Tensor:
     """A quantized cache's V pages [num_blocks, kv_heads, head_dim, block_size] seen as
     [num_blocks, kv_heads, block_size, head_dim] (a view: writes go to the pages)."""
     return v_cache.transpose(-1, -2)
+
+
+def new_scales(num_blocks: int, kv_heads: int, block_size: int, device: torch.device | str,
+               leading: tuple[int, ...] = ()) -> torch.Tensor:
+    """Scales [*leading, num_blocks, kv_heads, 2, block_size], all 1: split with scale_views."""
+    return torch.ones((*leading, num_blocks, kv_heads, 2, block_size), dtype=torch.float32, device=device)
+
+
+def scale_views(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's and V's scales [.., num_blocks, kv_heads, block_size] of a new_scales() tensor (views)."""
+    return scales[..., 0, :], scales[..., 1, :]
 
 
 def storage_dtype(kv_dtype: str) -> torch.dtype:

@@ -10,8 +10,9 @@ def _caches(nb, H, bs, D, dtype, kv, device):
     st = KV_STORAGE[kv] or dtype
     kc = torch.randn(nb, H, bs, D).to(st).to(device)
     vc = torch.randn(quant.v_page_shape((nb, H, bs, D), kv is not None)).to(st).to(device)
-    ks = torch.rand(nb, H, bs, device=device) if kv else None
-    vs = torch.rand(nb, H, bs, device=device) if kv else None
+    if not kv:
+        return kc, vc, None, None
+    ks, vs = quant.scale_views(quant.new_scales(nb, H, bs, device).uniform_())  # the pool's layout
     return kc, vc, ks, vs
 
 

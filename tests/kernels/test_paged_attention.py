@@ -67,6 +67,23 @@ def test_decode_short_sequences_in_a_wide_table(kv):
          seed=7, extra_cols=40)
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_decode_scale_layouts_agree(kv):
+    """The pool's paired scales (K's and V's of a page side by side) and two contiguous tensors of
+    the same values give the same output bit for bit; scales of different strides are refused."""
+    g = torch.Generator().manual_seed(11)
+    kc, vc, ks, vs = make_cache(12, 2, 16, 32, torch.bfloat16, kv, DEVICE, gen=g)
+    assert ks.stride() == (64, 32, 1)  # the views make_cache hands out by default
+    bt = make_block_tables([37, 70], 16, 12, gen=g)
+    sl = torch.tensor([37, 70], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 32, generator=g).to(torch.bfloat16).to(DEVICE)
+    paired = paged_decode_attention(q, kc, vc, bt, sl, 0.2, ks, vs)
+    separate = paged_decode_attention(q, kc, vc, bt, sl, 0.2, ks.contiguous(), vs.contiguous())
+    assert torch.equal(paired, separate)
+    with pytest.raises(AssertionError, match="same strides"):
+        paged_decode_attention(q, kc, vc, bt, sl, 0.2, ks, vs.contiguous())
+
+
 def test_decode_padded_graph_slot():
     """A padded CUDA-graph slot: seq_len 1 over block 0 beside real sequences."""
     g = torch.Generator().manual_seed(3)

@@ -155,6 +155,20 @@ def test_prefill_quantized_pages_ignore_new_kv(kv):
          config={"tma": True})
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_prefill_scale_layouts_agree(kv):
+    """Paired scale views (the pool's) and contiguous copies give the same output bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    kc, vc, ks, vs = make_cache(10, 2, 16, 32, torch.bfloat16, kv, DEVICE, gen=g)
+    bt = make_block_tables([40, 25], 16, 10, gen=g)
+    sl = torch.tensor([40, 25], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(14, 4, 32, generator=g).to(torch.bfloat16).to(DEVICE)
+    paired = paged_prefill_attention(q, kc, vc, bt, sl, qsl, 0.2, ks, vs)
+    separate = paged_prefill_attention(q, kc, vc, bt, sl, qsl, 0.2, ks.contiguous(), vs.contiguous())
+    assert ks.stride() != ks.contiguous().stride() and torch.equal(paired, separate)
+
+
 def test_prefill_new_kv_other_dtype_than_pages():
     # float16 pages for a bfloat16 model: the pages hold converted values, so they are read instead
     g = torch.Generator().manual_seed(9)
