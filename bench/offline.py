@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              **({} if args.block_size is None else {"block_size": args.block_size}),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching,
