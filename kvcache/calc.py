@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.config import DTYPE_BYTES, ModelConfig, ModelConfigError
 from kvcache.presets import GiB, MiB, PresetError, resolve_gpu_memory, resolve_model
-from kvcache.spec import KVCacheSpec, resolve_kv_dtype
+from kvcache.spec import KVCacheSpec, default_block_size, resolve_kv_dtype
 
 # EngineConfig's defaults (a test keeps them equal)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -248,9 +248,9 @@ class KVPlan:
         """Sequences of max_model_len tokens that fit at once (each holds whole blocks)."""
         return self.num_blocks // self.blocks_per_seq
 
-    def with_kv_dtype(self, kv_dtype: str) -> "KVPlan":
-        """The same budget with another KV storage dtype."""
-        return replace(self, spec=replace(self.spec, dtype=kv_dtype))
+    def with_kv_dtype(self, kv_dtype: str, block_size: int | None = None) -> "KVPlan":
+        """The same budget with another KV storage dtype (and block size, if given)."""
+        return replace(self, spec=replace(self.spec, dtype=kv_dtype, block_size=block_size or self.block_size))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -306,7 +306,7 @@ def _gib(n: int) -> str:
 
 
 def plan(model: ModelConfig, gpu_memory_bytes: int, memory_utilization: float = 0.9,
-         kv_cache_dtype: str = "auto", dtype: str = "auto", block_size: int = 16,
+         kv_cache_dtype: str = "auto", dtype: str = "auto", block_size: int | None = None,
          max_model_len: int | None = None, tensor_parallel_size: int = 1,
          activation_bytes: int | None = None, graph_bytes: int = 0, *,
          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -316,6 +316,8 @@ def plan(model: ModelConfig, gpu_memory_bytes: int, memory_utilization: float = 
     weight_dtype = resolve_model_dtype(dtype, model)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
     check_tensor_parallel(model, tensor_parallel_size)
+    if block_size is None:
+        block_size = default_block_size(kv_dtype)
     for name, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
         if value is not None and value < 1:
@@ -382,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="0.9", help="fraction of GPU memory the engine may use (default 0.9)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | fp8 | int8")
     parser.add_argument("--dtype", default="auto", help="weights: auto | bfloat16 | float16 | float32")
-    parser.add_argument("--block-size", default="16", help="tokens per KV block (default 16)")
+    parser.add_argument("--block-size", default=None, help="tokens per KV block (default: 16; 32 for fp8/int8)")
     parser.add_argument("--max-model-len", default=None,
                         help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
@@ -410,7 +412,7 @@ class CalcRequest:
     memory_utilization: float
     kv_cache_dtype: str
     dtype: str
-    block_size: int
+    block_size: int | None  # None: each KV dtype's default (kvcache/spec.py)
     max_model_len: int | None
     tensor_parallel_size: int
     max_num_batched_tokens: int
@@ -465,7 +467,8 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
         memory_utilization=_parse_fraction("--memory-utilization", args.memory_utilization),
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), dtype=str(args.dtype).lower(),
-        block_size=_parse_int("--block-size", args.block_size), max_model_len=max_len,
+        block_size=None if args.block_size in (None, "") else _parse_int("--block-size", args.block_size),
+        max_model_len=max_len,
         tensor_parallel_size=_parse_int("--tensor-parallel-size", args.tensor_parallel_size),
         max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
         max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
@@ -477,10 +480,11 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
 def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
     dtype = resolve_model_dtype(req.dtype, req.model)
     max_len = req.max_model_len or req.model.max_context_len
-    graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, req.block_size, req.tensor_parallel_size)
+    block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
+    graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
               + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size))
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
-                req.block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
+                block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
                 model_name=req.model_name)
 
@@ -497,8 +501,9 @@ def format_bytes(n: int) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
 
 
-def _table_rows(base: KVPlan) -> list[KVPlan]:
-    return [base.with_kv_dtype(d) for d in table_kv_dtypes(base)]
+def _table_rows(base: KVPlan, block_size: int | None) -> list[KVPlan]:
+    """The same budget in each KV dtype, at the given block size or else each dtype's default."""
+    return [base.with_kv_dtype(d, block_size or default_block_size(d)) for d in table_kv_dtypes(base)]
 
 
 def _line(label: str, value: str, note: str = "") -> str:
@@ -527,7 +532,7 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         f"  {'KV dtype':<10}{'per token':>11}{'per block':>11}{'blocks':>10}{'tokens':>12}"
         f"{'seqs @ ' + seq_len:>16}{'vs ' + base.dtype:>14}",
     ]
-    rows = _table_rows(base)
+    rows = _table_rows(base, req.block_size)
     for row in rows:
         mark = "*" if row.kv_dtype == base.kv_dtype else " "
         lines.append(f"{mark} {row.kv_dtype:<10}{format_bytes(row.bytes_per_token):>11}{format_bytes(row.bytes_per_block):>11}"
@@ -542,7 +547,7 @@ def format_json(req: CalcRequest, base: KVPlan) -> str:
     out["table"] = [{"kv_cache_dtype": r.kv_dtype, "bytes_per_token": r.bytes_per_token,
                      "bytes_per_block": r.bytes_per_block, "num_blocks": r.num_blocks,
                      "max_tokens": r.max_tokens, "max_concurrent_seqs": r.max_concurrent_seqs}
-                    for r in _table_rows(base)]
+                    for r in _table_rows(base, req.block_size)]
     return json.dumps(out, indent=2)
 
 

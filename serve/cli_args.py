@@ -20,7 +20,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache storage (fp8 = e4m3, int8: per-token scales)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: random weights with the config's shapes")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16; 32 for fp8/int8 KV caches)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size in blocks (default: sized from free memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")

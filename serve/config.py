@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.spec import default_block_size
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
@@ -16,7 +18,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: kvcache/spec.py default_block_size (16; 32 for fp8/int8)
     num_kv_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -48,6 +50,8 @@ class EngineConfig:
         if self.kv_cache_dtype in ("fp8_e4m3", "bf16", "fp16"):
             object.__setattr__(self, "kv_cache_dtype", {"fp8_e4m3": "fp8", "bf16": "bfloat16", "fp16": "float16"}[self.kv_cache_dtype])
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         choice("load_format", LOAD_FORMATS)
         choice("backend", BACKENDS)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -26,7 +26,7 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 kv_cache_dtype: str = "auto", block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_dtype: str = "auto", block_size: int | None = None, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, load_format: str = "auto",
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0, backend: str = "auto",

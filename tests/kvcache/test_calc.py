@@ -224,7 +224,11 @@ def test_defaults_match_the_engine():
     cfg = EngineConfig()
     assert (calc.DEFAULT_MAX_NUM_BATCHED_TOKENS, calc.DEFAULT_MAX_NUM_SEQS) == (cfg.max_num_batched_tokens, cfg.max_num_seqs)
     args = parse()
-    assert (int(args.block_size), float(args.memory_utilization)) == (cfg.block_size, cfg.gpu_memory_utilization)
+    assert args.block_size is None and float(args.memory_utilization) == cfg.gpu_memory_utilization
+    for kv, block_size in (("auto", 16), ("bfloat16", 16), ("fp8", 32), ("int8", 32)):
+        assert EngineConfig(kv_cache_dtype=kv).block_size == block_size
+        assert calc.plan(preset("llama3-8b"), 80 * GiB, kv_cache_dtype=kv).block_size == block_size
+        assert EngineConfig(kv_cache_dtype=kv, block_size=64).block_size == 64
 
 
 # ---------------------------------------------------------------- presets
