@@ -29,3 +29,12 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("models")
     return {arch: build_model(arch, root / arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+def pytest_runtest_logreport(report):
+    """PAGEDSERVE_FAILURES=PATH: each failure's report is appended to PATH as it happens, so a run
+    cut off by a time limit (the GPU machine's calls have one) still says what failed and why."""
+    path = os.environ.get("PAGEDSERVE_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
