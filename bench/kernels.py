@@ -62,8 +62,7 @@ def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, con
     if kv is not None:
         vc = quant.v_page_view(vc).contiguous()  # quantized V pages are [.., head_dim, block_size]
         if not separate_scales:
-            pk, pv = quant.scale_views(quant.new_scales(nb, Hkv, bs, "cuda"))
-            ks, vs = pk.copy_(ks), pv.copy_(vs)
+            ks, vs = quant.paired_scales(ks, vs)
     # fragmented pages: each sequence gets a random set of blocks (block 0 left for padding);
     # contiguous: each sequence's blocks in order, one after another
     if contiguous:

@@ -82,6 +82,13 @@ def scale_views(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales[..., 0, :], scales[..., 1, :]
 
 
+def paired_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of separate K and V scales [.., num_blocks, kv_heads, block_size] in new_scales' layout."""
+    *leading, nb, h, bs = k_scale.shape
+    k, v = scale_views(new_scales(nb, h, bs, k_scale.device, tuple(leading)))
+    return k.copy_(k_scale), v.copy_(v_scale)
+
+
 def storage_dtype(kv_dtype: str) -> torch.dtype:
     """torch dtype of the pages for a KV storage dtype name."""
     if kv_dtype in STORAGE_TORCH_DTYPE:

@@ -25,10 +25,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
-               kv: str | None, device=DEVICE, gen: torch.Generator | None = None, separate_scales: bool = False):
+               kv: str | None, device=DEVICE, gen: torch.Generator | None = None):
     """Random pages (never zeros). Float caches hold dtype values; quantized ones hold quantize()d
-    random data with its scales, per token and head: the pool's layout (K's and V's scales as views
-    of one tensor, kvcache/quant.py), or two contiguous tensors with separate_scales."""
+    random data with its scales, per token and head, in the pool's layout (K's and V's scales as
+    views of one tensor, kvcache/quant.py)."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     # mixed magnitudes across tokens so per-token scales differ
     mag = torch.rand(num_blocks, num_kv_heads, block_size, 1, generator=gen) * 3 + 0.05
@@ -39,10 +39,7 @@ def make_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: in
     kq, ks = quant.quantize(kf, kv)
     vq, vs = quant.quantize(vf, kv)
     vq = quant.v_page_view(vq).contiguous()  # V pages [.., head_dim, block_size]
-    if separate_scales:
-        return kq.to(device), vq.to(device), ks.to(device), vs.to(device)
-    paired_k, paired_v = quant.scale_views(quant.new_scales(num_blocks, num_kv_heads, block_size, device))
-    return kq.to(device), vq.to(device), paired_k.copy_(ks), paired_v.copy_(vs)
+    return (kq.to(device), vq.to(device), *quant.paired_scales(ks.to(device), vs.to(device)))
 
 
 def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, extra_cols: int = 1,
