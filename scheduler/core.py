@@ -87,6 +87,14 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
+    def hold_wait(self) -> float:
+        """Seconds the caller may sleep (waking for new requests) before the next step: nothing is
+        on the device and new prompts are held for the rest of their burst (scheduler/policy.py)."""
+        release = self.scheduler.hold_release
+        if release is None or self._in_flight is not None or self.scheduler.running:
+            return 0.0
+        return max(0.0, release - time.monotonic())
+
     @property
     def overlaps(self) -> bool:
         return bool(getattr(self.executor, "overlap", False))

@@ -112,7 +112,11 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
 
 def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
     while True:
-        pending = [] if core.has_unfinished() else [commands.recv()]  # idle: block until there is work
+        if not core.has_unfinished():
+            pending = [commands.recv()]  # idle: block until there is work
+        else:
+            wait = core.hold_wait()  # new prompts held for their burst: sleep until more come or it ends
+            pending = [commands.recv()] if wait > 0 and commands.poll(wait) else []
         deadline = time.perf_counter() + DRAIN_S
         while commands.poll() and time.perf_counter() < deadline:
             pending.append(commands.recv())

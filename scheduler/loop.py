@@ -76,6 +76,7 @@ class EngineSnapshot:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     has_unfinished: bool = False
+    hold_wait_s: float = 0.0  # EngineCore.hold_wait() after the step
 
     @property
     def kv_usage(self) -> float:
@@ -100,7 +101,7 @@ class EngineSnapshot:
         return cls(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
-                   core.has_unfinished())
+                   core.has_unfinished(), core.hold_wait())
 
 
 _snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))
@@ -289,6 +290,11 @@ class ThreadCore:
         while True:
             if not self.snapshot.has_unfinished:
                 await self._wake.wait()
+            elif self.snapshot.hold_wait_s > 0:  # new prompts held for their burst: until more come or it ends
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.snapshot.hold_wait_s)
+                except asyncio.TimeoutError:
+                    pass
             self._wake.clear()
             try:
                 outputs, self.snapshot = await self._on_worker(self._step_on_worker)

@@ -5,12 +5,15 @@ prefill the rest of its prompt up to the token budget); then waiting sequences i
 as chunked prefills for whatever budget is left. When the cache runs out, the newest running
 sequence is preempted (its blocks freed, recomputed later) and re-queued at the front.
 
-Prefill hold (prefill_hold_s > 0, off by default): while sequences decode, the new prompts of a
-burst that is still arriving (more came since the previous step) wait, at most prefill_hold_s
-after the first of them and only while they fit the step's budget, so the burst runs as one
-prefill instead of one per step. A sequence's time per output token includes every prefill step
-it sits through while decoding; in a closed loop of equal requests a burst split over several
-steps makes the earliest of it sit through the rest, which then keeps the waves staggered.
+Prefill hold (prefill_hold_s > 0, off by default): new prompts that arrive as a burst wait for
+the rest of it and start as one prefill. They wait until no new prompt has arrived for
+prefill_hold_s, at most HOLD_CAP times that after the first of them, and only while they would
+not fill the step (its token budget or max_num_seqs) anyway. A sequence's time per output token
+includes every prefill step it sits through while decoding. In a closed loop of equal requests,
+a burst split over several steps makes its earliest part sit through the rest. The parts then
+finish a step apart and split the next burst the same way, run after run. An engine with nothing
+to run also holds (hold_release says until when), because the first prompts of a burst reach an
+idle engine first.
 
 Async scheduling: schedule() may run while the previous step is still on the GPU. A sequence
 then has a pending token (sampled by that step, its value not yet known here): its next decode
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from kvcache.block_manager import BlockManager
 from scheduler.request import Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, StepOutput
 
+HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
+
 
 class RequestRejected(ValueError):
     """The request can never be served with this configuration; the message says why."""
@@ -38,7 +43,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
-    prefill_hold_s: float = 0.0  # the longest a new prompt waits for the rest of its burst (see above)
+    prefill_hold_s: float = 0.0  # the quiet time that ends a burst of new prompts (see above)
 
 
 class Scheduler:
@@ -51,9 +56,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found cached
-        self.num_added = 0
-        self._added_at_last_schedule = 0
-        self.num_held_steps = 0  # steps that left new prompts waiting for the rest of their burst
+        self.num_held_steps = 0  # schedules that left new prompts waiting for the rest of their burst
+        self.hold_release: float | None = None  # when the prompts held by the last schedule() start anyway
 
     @property
     def num_unfinished(self) -> int:
@@ -79,17 +83,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
-        self.num_added += 1
 
     def schedule(self, now: float | None = None) -> Batch | None:
         """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []
         budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, decodes, others)
-        arrived = self.num_added != self._added_at_last_schedule
-        self._added_at_last_schedule = self.num_added
+        self.hold_release = None
         # admitting new work right after a preemption would only thrash: wait for room
-        if not preempted and not (arrived and decodes and self._hold(budget, now)):
+        if not preempted and not self._hold(budget, now):
             self._admit_waiting(budget, decodes, others)
         items = decodes + others if others else decodes
         if not items:
@@ -132,14 +134,18 @@ class Scheduler:
 
     def _hold(self, budget: int, now: float | None) -> bool:
         """Whether the new prompts wait for the rest of their burst (the module's docstring)."""
-        hold_s = self.config.prefill_hold_s
-        if hold_s <= 0 or not self.waiting or self.waiting[0].num_preemptions:
+        quiet = self.config.prefill_hold_s
+        waiting = self.waiting
+        if quiet <= 0 or not waiting or waiting[0].num_preemptions:
             return False  # preempted sequences are not new: they go first, as before
-        if (time.monotonic() if now is None else now) - self.waiting[0].arrival_time >= hold_s:
+        release = min(waiting[0].arrival_time + HOLD_CAP * quiet, waiting[-1].arrival_time + quiet)
+        if (time.monotonic() if now is None else now) >= release:
             return False
-        if sum(s.num_prompt_tokens for s in self.waiting) >= budget:
+        if (len(self.running) + len(waiting) >= self.config.max_num_seqs
+                or sum(s.num_prompt_tokens for s in waiting) >= budget):
             return False  # a full step already: waiting for more would only delay it
         self.num_held_steps += 1
+        self.hold_release = release
         return True
 
     def _admit_waiting(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]) -> None:

@@ -36,8 +36,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch the Triton kernels with programmatic dependent launch (Hopper or newer): "
                         "each kernel starts, and prefetches its weights, while the previous one finishes")
     g.add_argument("--prefill-hold-ms", type=float, default=0.0,
-                   help="while sequences decode, new prompts wait up to this many ms for the rest of their "
-                        "burst, so that it runs as one prefill step (off: 0)")
+                   help="new prompts wait until none has arrived for this many ms (at most 4x that), so "
+                        "that a burst starts as one prefill step (off: 0)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--seed", type=int, default=0)

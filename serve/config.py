@@ -32,7 +32,7 @@ class EngineConfig:
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
     pdl: bool = False  # Triton kernels with programmatic dependent launch (compute capability >= 9.0)
-    prefill_hold_ms: float = 0.0  # new prompts wait up to this for the rest of their burst (scheduler/policy.py)
+    prefill_hold_ms: float = 0.0  # the quiet time that ends a burst of new prompts (scheduler/policy.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """Offline generation: LLM(...).generate(prompts, params) for scripts and tests."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
@@ -94,6 +95,7 @@ class LLM:
             raise
         pending = set(order)
         while pending:
+            time.sleep(core.hold_wait())  # --prefill-hold-ms: all prompts are in, so this is one quiet period
             for out in core.step():
                 r = results.get(out.seq_id)
                 if r is None:

@@ -2,7 +2,7 @@
 import pytest
 
 from kvcache.block_manager import BlockManager
-from scheduler.policy import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.policy import HOLD_CAP, RequestRejected, Scheduler, SchedulerConfig
 from scheduler.request import SampleOutput, SamplingParams, Sequence
 
 
@@ -163,7 +163,9 @@ def test_a_failed_step_leaves_nothing_cached_it_did_not_compute():
 def _decoding(s, n=2):
     """n sequences past their prefill, so the next step decodes them."""
     for i in range(n):
-        s.add(seq(100 + i, 3, max_tokens=50))
+        sq = seq(100 + i, 3, max_tokens=50)
+        sq.arrival_time = 0.0  # long ago: no prefill hold
+        s.add(sq)
     b = s.schedule()
     s.update(b, fake_execute(b))
     return s
@@ -173,48 +175,87 @@ def _new(s, b):
     return [it.seq.seq_id for it in b.items if it.start == 0]
 
 
+def _arrive(s, sid, n, t, **kw):
+    sq = seq(sid, n, **kw)
+    sq.arrival_time = t
+    s.add(sq)
+
+
 def test_prefill_hold_waits_for_the_rest_of_a_burst():
-    """While sequences decode, the prompts of a burst still arriving wait; the step after the
-    arrivals stop takes the whole burst in one prefill."""
-    s = _decoding(make(budget=64, hold_s=1.0))
-    s.add(seq(0, 5))
-    b = s.schedule(now=s.seqs[0].arrival_time + 0.01)
+    """While sequences decode, new prompts wait until none has arrived for the quiet time, then
+    start together in one prefill."""
+    s = _decoding(make(budget=64, hold_s=0.05))
+    _arrive(s, 0, 5, 10.0)
+    b = s.schedule(now=10.01)
     assert b.num_decode == 2 and _new(s, b) == []  # decodes only: the burst is arriving
+    assert s.hold_release == 10.05
     s.update(b, fake_execute(b))
-    s.add(seq(1, 5))
-    s.add(seq(2, 5))
-    b = s.schedule(now=s.seqs[0].arrival_time + 0.02)
-    assert _new(s, b) == []
+    _arrive(s, 1, 5, 10.03)
+    _arrive(s, 2, 5, 10.04)
+    b = s.schedule(now=10.08)  # 40 ms after the last one: still within its quiet time
+    assert _new(s, b) == [] and s.hold_release == 10.09
     s.update(b, fake_execute(b))
-    b = s.schedule(now=s.seqs[0].arrival_time + 0.03)  # nothing arrived since the last step
-    assert _new(s, b) == [0, 1, 2] and b.num_decode == 2
+    b = s.schedule(now=10.09)
+    assert _new(s, b) == [0, 1, 2] and b.num_decode == 2 and s.hold_release is None
     assert s.num_held_steps == 2
     s.update(b, fake_execute(b))
     s.check_integrity()
 
 
-def test_prefill_hold_is_bounded_by_time_and_budget():
-    s = _decoding(make(budget=16, hold_s=0.05))
-    s.add(seq(0, 5))
-    first = s.seqs[0].arrival_time
-    b = s.schedule(now=first + 0.06)  # waited longer than the hold
-    assert _new(s, b) == [0]
-    s.update(b, fake_execute(b))
-    s.add(seq(1, 7))
-    s.add(seq(2, 7))  # 14 prompt tokens: a full step with the 2 decodes (budget 16)
-    b = s.schedule(now=s.seqs[1].arrival_time)
-    assert _new(s, b) == [1, 2]
+def test_prefill_hold_is_bounded_by_time():
+    """A stream that never pauses waits at most HOLD_CAP quiet times after its first prompt."""
+    s = _decoding(make(budget=64, hold_s=0.05))
+    for i in range(HOLD_CAP + 1):
+        _arrive(s, i, 3, 10.0 + 0.04 * i)
+        b = s.schedule(now=10.0 + 0.04 * i + 0.001)
+        assert _new(s, b) == []
+        s.update(b, fake_execute(b))
+    assert s.hold_release == 10.0 + HOLD_CAP * 0.05
+    b = s.schedule(now=s.hold_release)
+    assert _new(s, b) == list(range(HOLD_CAP + 1))
     s.update(b, fake_execute(b))
     s.check_integrity()
 
 
-def test_prefill_hold_never_idles_the_step():
-    """With nothing decoding a new prompt starts at once (holding would leave the GPU idle), and
-    with the hold off (the default) nothing ever waits."""
-    s = make(budget=64, hold_s=1.0)
-    s.add(seq(0, 5))
-    assert _new(s, s.schedule(now=s.seqs[0].arrival_time)) == [0]
+def test_prefill_hold_ends_when_the_step_is_full():
+    s = _decoding(make(budget=16, hold_s=1.0))
+    _arrive(s, 0, 7, 10.0)
+    assert _new(s, s.schedule(now=10.0)) == []
+    _arrive(s, 1, 7, 10.0)  # 14 prompt tokens: a full step with the 2 decodes (budget 16)
+    assert _new(s, s.schedule(now=10.0)) == [0, 1]
+    s = _decoding(make(budget=64, max_num_seqs=4, hold_s=1.0))
+    _arrive(s, 0, 3, 10.0)
+    assert _new(s, s.schedule(now=10.0)) == []
+    _arrive(s, 1, 3, 10.0)  # 2 decoding + 2 new: max_num_seqs
+    assert _new(s, s.schedule(now=10.0)) == [0, 1]
+
+
+def test_prefill_hold_on_an_idle_engine():
+    """With nothing running the first prompts of a burst wait too (an idle engine sees them first);
+    schedule() then has nothing to run and says until when. With the hold off (the default) nothing
+    ever waits."""
+    s = make(budget=64, hold_s=0.05)
+    _arrive(s, 0, 5, 10.0)
+    assert s.schedule(now=10.01) is None and s.hold_release == 10.05
+    _arrive(s, 1, 5, 10.02)
+    assert s.schedule(now=10.03) is None and s.hold_release == 10.07
+    b = s.schedule(now=10.07)
+    assert _new(s, b) == [0, 1] and s.hold_release is None
     s = _decoding(make(budget=64))
     s.add(seq(0, 5))
     assert _new(s, s.schedule(now=s.seqs[0].arrival_time)) == [0]
-    assert s.num_held_steps == 0
+    assert s.num_held_steps == 0 and s.hold_release is None
+
+
+def test_prefill_hold_never_holds_preempted_sequences():
+    s = make(num_blocks=6, block_size=4, budget=64, hold_s=1.0)
+    _arrive(s, 0, 8, 0.0, max_tokens=12)
+    _arrive(s, 1, 8, 0.0, max_tokens=12)
+    while not s.num_preemptions:  # long after the arrivals: nothing held, both grow until one is preempted
+        b = s.schedule(now=100.0)
+        s.update(b, fake_execute(b))
+    assert s.waiting[0].num_preemptions
+    b = s.schedule(now=0.0)  # "just arrived", but it is not new
+    assert s.hold_release is None and s.num_held_steps == 0
+    s.update(b, fake_execute(b))
+    s.check_integrity()

@@ -133,3 +133,32 @@ def check_integrity(core: EngineCore) -> None:
 
 def num_detokenizers(core: EngineCore) -> int:
     return len(core.detok)
+
+
+class ScheduleRecorder:
+    """Wraps a scheduler's schedule(): the sequences each batch starts (prompt from token 0) and
+    how many calls found nothing to run."""
+
+    def __init__(self, schedule: Callable) -> None:
+        self.schedule = schedule
+        self.started: list[list[int]] = []
+        self.empty = 0
+
+    def __call__(self, now: float | None = None):
+        batch = self.schedule(now)
+        if batch is None:
+            self.empty += 1
+        else:
+            new = [it.seq.seq_id for it in batch.items if it.start == 0]
+            if new:
+                self.started.append(new)
+        return batch
+
+
+def record_schedules(core: EngineCore) -> None:
+    core.scheduler.schedule = ScheduleRecorder(core.scheduler.schedule)
+
+
+def recorded_schedules(core: EngineCore) -> tuple[list[list[int]], int]:
+    rec = core.scheduler.schedule
+    return rec.started, rec.empty

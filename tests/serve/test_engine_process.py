@@ -9,13 +9,15 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
 from scheduler.engine_proc import EngineStartError
 from serve.server_config import ServerConfig
-from tests.serve.helpers import ServerThread, build_process
+from tests.serve.helpers import ServerThread, build_process, record_schedules, recorded_schedules
 from tests.serve.test_errors import TRACE_HINTS
 from tests.serve.test_faults import FaultyExecutor
 
@@ -170,3 +172,18 @@ def test_the_engine_process_dying_fails_requests_and_health(model_dir):
         assert m["pagedserve:request_success_total{finished_reason=error}"] == 2
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 10  # the server stops without hanging on the dead engine
+
+
+def test_prefill_hold_across_the_pipe(model_dir):
+    """--prefill-hold-ms in the engine process: a burst on an idle engine starts as one prefill,
+    and the process sleeps until more come or the hold ends instead of stepping in a loop."""
+    with ServerThread(build_process(model_dir, prefill_hold_ms=300.0)) as srv:
+        srv.call(record_schedules)
+        bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in ("Hello", "The capital", "1 2 3", "a b")]
+        url = f"{srv.base_url}/v1/completions"
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: httpx.post(url, json=body, timeout=30), bodies))
+        assert [r.status_code for r in replies] == [200] * 4
+        started, empty = srv.call(recorded_schedules)
+        assert [len(s) for s in started] == [4] and empty < 50
+        srv.wait_idle()

@@ -11,7 +11,7 @@ from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
 from scheduler.policy import RequestRejected
 from scheduler.request import SamplingParams
 from serve.llm import LLM
-from tests.serve.helpers import build, engine_config
+from tests.serve.helpers import build, engine_config, recorded_schedules, record_schedules, used_blocks
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -176,17 +176,23 @@ def test_a_step_that_raises_fails_in_flight_requests_and_the_loop_goes_on(engine
     assert run(engine, body) == (1, "length")
 
 
-def test_prefill_hold_keeps_outputs_and_frees_everything(model_dir):
-    """With --prefill-hold-ms, prompts that arrive while others decode wait for the rest of their
-    burst; the tokens are the offline engine's, and no block stays taken."""
-    engine = build(model_dir, prefill_hold_ms=5000.0)
+def test_prefill_hold_starts_a_burst_together_and_keeps_outputs(model_dir):
+    """With --prefill-hold-ms, a prompt on an idle engine waits for the quiet time, and prompts that
+    arrive one by one while it decodes start as one prefill; the tokens are the offline engine's,
+    the loop sleeps (not spins) while it holds, and no block stays taken."""
+    engine = build(model_dir, prefill_hold_ms=300.0)
+    record_schedules(engine.core)
     prompts = [engine.tokenizer.encode(p) for p in ("Hello there", "The capital of France", "1 2 3", "a b", "xyz")]
     offline = LLM.from_config(engine_config(model_dir)).generate(prompts, GREEDY)
+    held = LLM.from_config(engine_config(model_dir, prefill_hold_ms=300.0)).generate(prompts, GREEDY)
+    assert [o.token_ids for o in held] == [o.token_ids for o in offline]  # offline: one quiet time, then as before
 
     async def body(loop):
+        t0 = time.monotonic()
         first = await loop.add_request(prompts[0], GREEDY)
         it = first.__aiter__()
-        got = list(await it.__anext__())  # decoding now
+        got = list(await it.__anext__())
+        waited = time.monotonic() - t0
         later = []
         for p in prompts[1:]:  # a burst, one by one while the first decodes
             later.append(await loop.add_request(p, GREEDY))
@@ -194,9 +200,11 @@ def test_prefill_hold_keeps_outputs_and_frees_everything(model_dir):
         async for batch in it:
             got += batch
         rest = [await drain_stream(s) for s in later]
-        return [out for _, out in got], rest
+        return [out for _, out in got], rest, waited
 
-    outs, rest = run(engine, body)
+    outs, rest, waited = run(engine, body)
     assert [sum((o.new_token_ids for o in outs), [])] + [ids for _, ids, _ in rest] == [o.token_ids for o in offline]
-    assert engine.core.scheduler.num_held_steps > 0
-    assert engine.core.block_manager.num_used_blocks == 0
+    started, empty = recorded_schedules(engine.core)
+    assert [len(s) for s in started] == [1, 4]
+    assert waited >= 0.3 and empty < 50
+    assert engine.core.scheduler.num_held_steps > 0 and used_blocks(engine.core) == 0
