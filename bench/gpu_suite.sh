@@ -87,7 +87,7 @@ for stage in "$@"; do
       # REPS > 1 repeats the pairs (files hold-MODEL-MS-REP.json; the comparison is against rep 1's 0 ms)
       for m in ${MODELS:-llama3-8b}; do
         for r in $(seq 1 ${REPS:-1}); do
-          for h in ${HOLDS:-0 50}; do
+          for h in ${HOLDS:-0 25}; do
             f=$m-$h; [ ${REPS:-1} = 1 ] || f=$m-$h-$r
             log "serve bench $m, max-num-batched-tokens 32768, prefill hold $h ms (rep $r)"
             rm -f "$OUT/trace-hold-$f.jsonl"
@@ -100,6 +100,7 @@ for stage in "$@"; do
           done
         done
         base=$m-0; [ ${REPS:-1} = 1 ] || base=$m-0-1
+        [ -f "$OUT/hold-$base.json" ] || continue  # no 0 ms run to compare with
         python3 -m bench.compare --key median_tpot_ms --lower-is-better --baseline "$OUT/hold-$base.json" \
           --out "$OUT/prefill-hold-$m.json" $(ls "$OUT"/hold-$m-*.json | grep -v "hold-$base.json")
       done
