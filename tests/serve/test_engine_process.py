@@ -177,7 +177,7 @@ def test_the_engine_process_dying_fails_requests_and_health(model_dir):
 def test_prefill_hold_across_the_pipe(model_dir):
     """--prefill-hold-ms in the engine process: a burst on an idle engine starts as one prefill,
     and the process sleeps until more come or the hold ends instead of stepping in a loop."""
-    with ServerThread(build_process(model_dir, prefill_hold_ms=300.0)) as srv:
+    with ServerThread(build_process(model_dir, prefill_hold_ms=1000.0)) as srv:  # long: a slow CI host must not split the burst
         srv.call(record_schedules)
         bodies = [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in ("Hello", "The capital", "1 2 3", "a b")]
         url = f"{srv.base_url}/v1/completions"
