@@ -43,8 +43,9 @@ def make_inputs(B, Hq, Hkv, D, bs, width, lo, hi, kv=None, seed=0):
     dt = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     kc = torch.randn(nb, Hkv, bs, D, device="cuda").to(dt)
     vc = torch.randn(quant.v_page_shape((nb, Hkv, bs, D), kv is not None), device="cuda").to(dt)
-    ks = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
-    vs = torch.rand(nb, Hkv, bs, device="cuda") if kv else None
+    ks = vs = None
+    if kv:  # the pool's layout: K's and V's scales of a page side by side (kvcache/quant.py)
+        ks, vs = quant.scale_views(quant.new_scales(nb, Hkv, bs, "cuda").uniform_())
     perm = torch.randperm(nb - 1, generator=g) + 1
     bt = torch.zeros(B, width, dtype=torch.int32)
     o = 0
