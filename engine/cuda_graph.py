@@ -1,6 +1,13 @@
 """Decode CUDA graphs: one graph per batch-size bucket, captured largest first into one shared
-memory pool, replayed with static input buffers that the runner fills. A batch is padded up to
-its bucket; padded slots write nowhere (slot -1) and attend to one token of block 0."""
+memory pool. A batch is padded up to its bucket; padded slots write nowhere (slot -1) and attend
+to one token of block 0.
+
+A replay costs the host two calls: one copy of the step's inputs, which the runner wrote into a
+pinned buffer (kernels/graph_inputs.py has the layout), and the graph's launch. Inside the graph,
+the first kernel spreads that buffer into the static inputs (taking pending input tokens from
+`tokens`), and the last one writes each row's greedy token into `tokens`, where the host's copy
+and the next step's pending rows read it.
+"""
 from __future__ import annotations
 
 import bisect
@@ -8,6 +15,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+import numpy as np
 
 from engine.attention import AttnMetadata, Ops
 from engine.models.llama import LlamaForCausalLM
@@ -21,6 +30,11 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 1025, 32))
     out = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
     return sorted(set(out))
+
+
+def head_words(n: int) -> int:
+    """int64 words of an upload for n rows before its block tables (kernels/graph_inputs.py)."""
+    return 2 + 3 * n
 
 
 def smallest_bucket(buckets: list[int], n: int) -> int | None:
@@ -54,20 +68,36 @@ class StaticInputs:
 
 
 class DecodeGraphs:
+    HOST_SLOTS = 2  # pinned upload buffers, used in turn; a slot is rewritten once its copy is done
+
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_num_seqs: int,
-                 max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
         self.model, self.ops, self.caches = model, ops, caches
         self.buckets = graph_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
+        self.block_size = block_size
         self.inputs = StaticInputs.allocate(self.max_bs, max_blocks_per_seq, device)
+        words = head_words(self.max_bs) + -(-self.max_bs * max_blocks_per_seq // 2)
+        self.stage = torch.zeros(words, dtype=torch.int64, device=device)  # n = 0: every row is padding
+        self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self._host = [torch.zeros(words, dtype=torch.int64, pin_memory=True) for _ in range(self.HOST_SLOTS)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._uploaded = [torch.cuda.Event() for _ in range(self.HOST_SLOTS)]
+        self._slot = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.device = device
         self.pool_bytes = 0
 
     def _forward(self, bs: int) -> torch.Tensor:
+        from kernels import graph_inputs  # Triton: only where graphs are captured
+
         s = self.inputs
-        return self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs])
+        graph_inputs.unpack(self.stage, self.tokens, s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs],
+                            s.seq_lens[:bs], s.block_tables, self.block_size)
+        logits = self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs])
+        torch.argmax(logits, dim=-1, out=self.tokens[:bs])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,18 +123,20 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)
 
-    def replay(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Run n decode rows (device tensors) through the graph of their bucket -> logits [n, V]."""
+    def host_inputs(self) -> np.ndarray:
+        """The pinned buffer (int64 words) to write the next replay's inputs into."""
+        i = self._slot
+        self._uploaded[i].synchronize()  # its last upload has left (at once, unless the host ran ahead)
+        return self._host_np[i]
+
+    def replay(self, n: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upload the first `words` of host_inputs() and run the graph of n rows' bucket ->
+        (logits [n, V], greedy tokens [n]), both views of static buffers that the next replay
+        overwrites."""
+        i = self._slot
+        self._slot = (i + 1) % self.HOST_SLOTS
+        self.stage[:words].copy_(self._host[i][:words], non_blocking=True)
+        self._uploaded[i].record()
         bs = self.bucket_for(n)
-        s = self.inputs
-        s.input_ids[:n].copy_(input_ids)
-        s.positions[:n].copy_(positions)
-        s.slot_mapping[:n].copy_(slot_mapping)
-        s.seq_lens[:n].copy_(seq_lens)
-        s.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
-        if bs > n:
-            s.slot_mapping[n:bs].fill_(-1)
-            s.seq_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n], self.tokens[:n]

@@ -13,11 +13,11 @@ import torch
 
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import ModelConfig
-from engine.cuda_graph import DecodeGraphs
+from engine.cuda_graph import DecodeGraphs, head_words
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.piecewise import PiecewiseGraphs
-from engine.sampler import DeviceSamples, SamplingBatch, sample_on_device
+from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
@@ -126,12 +126,13 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
-                                       self.max_blocks_per_seq, self.device)
+                                       self.max_blocks_per_seq, cfg.block_size, self.device)
             self.graphs.capture()
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
                                                  self.device)
                 self.piecewise.capture()
+        self.host_slots = HostSlots(cfg.max_num_seqs) if self.device.type == "cuda" else None
         if self.device.type == "cuda":
             self.warmup()
 
@@ -371,20 +372,73 @@ class ModelRunner:
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Queue one step on the device (inputs, forward, sampling, the copy of the token ids back)
         without waiting for it. A pending input token is read from prev's samples on the device."""
-        input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
         n = len(batch.items)
-        if self.graphs is not None and batch.is_decode_only and n <= self.graphs.max_bs:
-            logits = self.graphs.replay(n, input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
-        elif self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
+        g = self.graphs
+        if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
+            return self._launch_graph(batch, prev)
+        input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
+        if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
             logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
         if not sbatch.params:
             return Launched(None, {}, [], n)
         samples = sample_on_device(logits, sbatch, self.generator)
-        samples.start_copy()
+        if g is not None:  # where a decode graph that follows reads its pending input tokens
+            g.tokens[:len(sampled)].copy_(samples.tokens)
+        samples.start_copy(self.host_slots)
         rows = {batch.items[i].seq.seq_id: j for j, i in enumerate(sampled)}
         return Launched(samples, rows, sampled, n)
+
+    def _launch_graph(self, batch: Batch, prev: Launched | None) -> Launched:
+        """launch() for a decode step in which every row samples, replayed from a decode graph: its
+        inputs go up in one copy and the graph samples greedy rows itself (engine/cuda_graph.py)."""
+        items = batch.items
+        n = len(items)
+        g = self.graphs
+        assert g is not None
+        words = self._graph_inputs(items, prev, g.host_inputs())
+        logits, tokens = g.replay(n, words)
+        params = [it.seq.params for it in items]
+        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            samples = DeviceSamples(tokens, params)
+        else:
+            sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
+            samples = sample_on_device(logits, sbatch, self.generator)
+            tokens.copy_(samples.tokens)
+        samples.start_copy(self.host_slots)
+        return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
+
+    def _graph_inputs(self, items: list[ScheduledSeq], prev: Launched | None, buf: np.ndarray) -> int:
+        """A decode step's inputs in kernels/graph_inputs.py's layout, into buf (int64 words) ->
+        the words used. A pending input token is read on the device from its row of prev's samples."""
+        n = len(items)
+        self._reserve_rows(n)
+        ids: list[int] = []
+        starts: list[int] = []
+        pend: list[int] = []
+        rows: list[int] = []
+        width = 0
+        for it in items:
+            seq = it.seq
+            start, toks, table = it.start, seq.token_ids, seq.block_table
+            if start < len(toks):
+                ids.append(toks[start])
+                pend.append(-1)
+            else:
+                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
+                ids.append(0)
+                pend.append(prev.rows[seq.seq_id])
+            starts.append(start)
+            rows.append(self._table_row(seq.seq_id, table))
+            if len(table) > width:
+                width = len(table)
+        head = head_words(n)
+        buf[0], buf[1] = n, width
+        buf[2:head] = ids + starts + pend
+        tables = buf.view(np.int32)[2 * head:2 * head + n * width].reshape(n, width)
+        np.take(self._row_store[:, :width], rows, axis=0, out=tables, mode="clip")
+        return head + -(-n * width // 2)
 
     def collect(self, launched: Launched) -> list[SampleOutput | None]:
         """Wait for a launched step's tokens: one SampleOutput per batch item that samples."""

@@ -55,6 +55,29 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+class HostSlots:
+    """Pinned host buffers for the sampled tokens' copies to the host, with their events, reused in
+    turn: a new pinned tensor and event every step cost the host more than the copy itself. A slot
+    is busy from start_copy() until to_host() has read it; when the next one is still busy (a
+    step launched but never collected), a copy takes a fresh buffer instead."""
+
+    def __init__(self, rows: int, slots: int = 4) -> None:
+        self.rows = rows
+        self.bufs = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.busy = [False] * slots
+        self.next = 0
+
+    def take(self, n: int) -> int | None:
+        """A free slot for n tokens (marked busy), or None."""
+        i = self.next
+        if n > self.rows or self.busy[i]:
+            return None
+        self.busy[i] = True
+        self.next = (i + 1) % len(self.bufs)
+        return i
+
+
 @dataclass
 class DeviceSamples:
     """Sampled token ids [N] int64 on the device (the next step may read them there), plus what
@@ -64,20 +87,31 @@ class DeviceSamples:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chosen [N], top values/ids [N, k]
     _host: torch.Tensor | None = None
     _ready: torch.cuda.Event | None = None
+    _slot: tuple[HostSlots, int] | None = None
 
-    def start_copy(self) -> None:
-        """Begin the device-to-host copy of the token ids behind the work already queued."""
+    def start_copy(self, slots: HostSlots | None = None) -> None:
+        """Begin the device-to-host copy of the token ids behind the work already queued (into one
+        of `slots` when one is free)."""
         if self.tokens.device.type != "cuda":
             return
-        self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        n = self.tokens.shape[0]
+        i = slots.take(n) if slots is not None else None
+        if i is None:
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._ready = torch.cuda.Event()
+        else:
+            self._host, self._ready, self._slot = slots.bufs[i][:n], slots.events[i], (slots, i)
         self._host.copy_(self.tokens, non_blocking=True)
-        self._ready = torch.cuda.Event()
         self._ready.record()
 
     def to_host(self) -> tuple[list[int], list[TokenLogprob | None]]:
         if self._ready is not None:
             self._ready.synchronize()
             token_list = self._host.tolist()
+            if self._slot is not None:
+                slots, i = self._slot
+                slots.busy[i] = False
+                self._slot = None
         else:
             token_list = self.tokens.tolist()
         if self.logprobs is None:

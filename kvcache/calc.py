@@ -149,14 +149,15 @@ def estimate_graph_bytes(model: ModelConfig, dtype: str, max_num_seqs: int, max_
                          block_size: int, tensor_parallel_size: int = 1) -> int:
     """GPU memory the engine sets aside, before sizing the KV pool, for the decode CUDA graphs it
     captures afterwards: the activations of the largest batch bucket (all graphs share one pool),
-    the logits in the model dtype and float32, the static inputs, and a 64 MiB margin. The engine
+    the logits in the model dtype and float32, the static inputs (block tables twice: the graphs'
+    own and the uploaded inputs they are unpacked from, engine/cuda_graph.py), and a 64 MiB margin. The engine
     calls this same function; a GPU test checks it covers the pool really captured."""
     tp = tensor_parallel_size
     e = DTYPE_BYTES[dtype]
     q, kv = model.q_size // tp, max(1, model.num_kv_heads // tp) * model.head_dim
     per_token = (6 * model.hidden_size + 2 * (q + 2 * kv) + 3 * -(-model.intermediate_size // tp)) * e
     logits = model.vocab_size * (e + 4)
-    static = max_num_seqs * (5 * 8 + 4 * -(-max_model_len // block_size))
+    static = max_num_seqs * (9 * 8 + 2 * 4 * -(-max_model_len // block_size))
     return max_num_seqs * (per_token + logits) + static + 64 * 2**20
 
 

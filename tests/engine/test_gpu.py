@@ -90,20 +90,45 @@ def test_graphs_equal_eager_at_odd_batch_sizes(tiny_models):
 
 
 def test_padded_graph_slots_write_nowhere(tiny_models):
+    import numpy as np
+
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", num_kv_blocks=64, max_num_seqs=8)
     runner = llm.engine.runner
     g = runner.graphs
     assert g.bucket_for(3) == 4
     before = runner.pool.kv.clone()
-    dev = runner.device
-    slots = torch.tensor([5, 40, 77], device=dev)
-    tables = torch.tensor([[0, 1, 2, 3, 4, 5]] * 3, dtype=torch.int32, device=dev)
-    g.replay(3, torch.tensor([7, 8, 9], device=dev), torch.tensor([5, 40, 77], device=dev), slots, tables,
-             torch.tensor([6, 41, 78], dtype=torch.int32, device=dev))
+    buf = g.host_inputs()  # the upload layout of kernels/graph_inputs.py: 3 rows, 6 table columns
+    buf[:11] = [3, 6, 7, 8, 9, 5, 40, 77, -1, -1, -1]
+    buf.view(np.int32)[22:22 + 18] = list(range(6)) * 3
+    logits, tokens = g.replay(3, 11 + 9)
     torch.cuda.synchronize()
+    assert logits.shape[0] == 3 and torch.equal(tokens, logits.argmax(-1))
     changed = (runner.pool.kv != before).any(-1).any(0).any(0).any(1)  # [blocks, block_size]
     written = changed.nonzero().tolist()
     assert sorted((b * 16 + o) for b, o in written) == [5, 40, 77]
+
+
+def test_graph_steps_equal_eager_steps_with_sampling_and_logprobs(tiny_models):
+    """Decode graphs sample greedy rows inside the graph and take pending input tokens from the
+    previous step's samples on the device, whether that step was a graph or a mixed step: float32
+    tokens and logprobs equal those of eager steps, with greedy, seeded and logprob rows and a
+    small budget, so mixed steps and decode graphs alternate."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=N, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=N - 3, temperature=0, ignore_eos=True)] * 2
+
+    def run(eager):
+        llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=48,
+                  enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs = llm.generate(ps, params)
+        greedy_only = llm.generate(ps[:5], GREEDY)  # every row greedy: tokens come from the graph itself
+        return ([(o.token_ids, [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs or []]) for o in outs],
+                [o.token_ids for o in greedy_only])
+
+    assert run(False) == run(True)
 
 
 def test_graph_memory_is_accounted_before_sizing_the_pool(tiny_models):
