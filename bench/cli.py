@@ -235,9 +235,14 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         request_rate=setup.request_rate, ignore_eos=args.ignore_eos, kv_cache_dtype=args.kv_cache_dtype,
         server_args=None if setup.url else shlex.join(setup.server_args))
     print(format_report(info, metrics, roofline))
+    busy = load.client_cpu_s / load.duration_s if load.duration_s > 0 else 0.0
+    if busy > 0.8:
+        print(f"{PROG}: warning: the load generator was busy {busy:.0%} of the run; the figures may measure "
+              "the client, not the server", file=sys.stderr)
     if args.result_json:
-        Path(args.result_json).write_text(json.dumps(result_dict(info, metrics, load.results, roofline, setup.slo),
-                                                     indent=1) + "\n")
+        result = result_dict(info, metrics, load.results, roofline, setup.slo)
+        result["client_cpu_fraction"] = round(busy, 4)
+        Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         title = (f"{info.model or name} on {info.gpu or 'unknown GPU'}: {setup.workload.num_prompts} x "
                  f"({setup.workload.input_len} in, {setup.workload.output_len} out), concurrency "

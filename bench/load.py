@@ -24,6 +24,7 @@ class LoadPlan:
 class LoadResult:
     results: list[RequestResult]
     duration_s: float  # first request sent -> last response finished
+    client_cpu_s: float = 0.0  # this process's CPU time meanwhile: near duration_s, the client is the bottleneck
 
 
 def _session(limit: int, timeout_s: float) -> aiohttp.ClientSession:
@@ -42,6 +43,7 @@ async def run_load(target: CompletionTarget, requests: list[BenchRequest], plan:
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=None if plan.progress else True)
     async with _session(limit, plan.request_timeout_s) as session:
         start = time.perf_counter()
+        cpu_start = time.process_time()
 
         async def one(request: BenchRequest) -> RequestResult:
             try:
@@ -61,8 +63,9 @@ async def run_load(target: CompletionTarget, requests: list[BenchRequest], plan:
             tasks.append(asyncio.create_task(one(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
     bar.close()
-    return LoadResult(results=list(results), duration_s=duration)
+    return LoadResult(results=list(results), duration_s=duration, client_cpu_s=cpu)
 
 
 async def probe(target: CompletionTarget, request: BenchRequest, timeout_s: float = 600.0) -> RequestResult:

@@ -39,6 +39,7 @@ def test_counts_and_latencies(fake_server, bench):
     assert 12.5 - 3 <= res["median_tpot_ms"] < 12.5 + 25  # (e2e - ttft) / 8
     assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration_s"])
     assert res["roofline_output_throughput"] is None  # no --model: no roofline
+    assert 0 < res["client_cpu_fraction"] < 0.8  # the client mostly waits for this slow server
     # what the server was sent
     body = srv.behaviour.seen[-1]
     assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0
