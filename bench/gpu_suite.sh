@@ -147,11 +147,11 @@ for stage in "$@"; do
       tail -c 600 "$OUT/kvcalc-measure.json"; tail -3 "$OUT/kvcalc-measure.err"
       ;;
     pdl)
-      # programmatic dependent launch (--pdl, kernels/pdl.py) against plain launches, decode only;
-      # serve: MODELS=qwen2.5-0.5b TAG=pdl SERVER_ARGS=--pdl bench/gpu_suite.sh trace (and TAG=plain)
+      # programmatic dependent launch (kernels/pdl.py, the default on Hopper) against plain launches
+      # (--no-pdl), decode only; serve: MODELS=qwen2.5-0.5b TAG=plain SERVER_ARGS=--no-pdl bench/gpu_suite.sh trace
       for m in ${MODELS:-qwen2.5-0.5b llama3-8b}; do
         for side in plain pdl plain2; do
-          args=""; [ $side = pdl ] && args="--pdl"
+          args="--no-pdl"; [ $side = pdl ] && args="--pdl"
           log "decode only $m ($side)"
           python3 -m bench.offline --model $m --num-prompts 64 --input-len 512 --output-len 128 --decode-only \
             --repeat 3 $args --result-json "$OUT/pdl-decode-$m-$side.json" 2>&1 | tail -1 | cut -c1-200

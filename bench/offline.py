@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="wait for each step before scheduling the next")
-    p.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="programmatic dependent launch (kernels/pdl.py; default: where the GPU can)")
     p.add_argument("--decode-only", action="store_true",
                    help="time only the steps in which every sequence decodes (all prefills done): "
                         "the decode throughput at batch --num-prompts and context --input-len")
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = llm.engine.core.stats.num_steps
     result = dict(decode_only=args.decode_only, repeat_throughputs=repeats if args.decode_only else None, model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
                   input_len=args.input_len, output_len=args.output_len, enforce_eager=args.enforce_eager,
-                  async_scheduling=llm.engine.runner.overlap, pdl=args.pdl, kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
+                  async_scheduling=llm.engine.runner.overlap, pdl=llm.engine.runner.pdl, kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
                   output_throughput=n_out / elapsed, steps=steps,
                   date=time.strftime("%Y-%m-%d"))
     rates = hw.rates()

@@ -44,20 +44,21 @@ def resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> s
     return model_cfg.torch_dtype if device.type == "cuda" else "float32"
 
 
-def select_ops(device: torch.device, backend: str, pdl: bool = False) -> Ops:
-    """Triton kernels on a GPU, the torch reference on the CPU (or wherever asked for).
-    pdl: the Triton kernels launch with programmatic dependent launch (kernels/pdl.py)."""
+def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> tuple[Ops, bool]:
+    """Triton kernels on a GPU, the torch reference on the CPU (or wherever asked for) -> (ops,
+    whether they use PDL). pdl: the Triton kernels launch with programmatic dependent launch
+    (kernels/pdl.py); None: where the device can (measured faster on an H100, bench/NOTES.md)."""
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         if pdl:
             raise ValueError("pdl (programmatic dependent launch) needs the Triton kernels on a CUDA GPU")
-        return reference_ops()
+        return reference_ops(), False
     from engine.triton_ops import triton_ops
-    if pdl:
-        from kernels.pdl import supported
-        why = supported(device)
-        if why is not None:
-            raise ValueError(why)
-    return triton_ops(pdl)
+    from kernels.pdl import supported
+    why = supported(device)
+    if pdl and why is not None:
+        raise ValueError(why)
+    pdl = why is None if pdl is None else pdl
+    return triton_ops(pdl), pdl
 
 
 @dataclass
@@ -96,7 +97,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
         self._rows: dict[int, list] = {}  # seq_id -> [block table list, its row index in _row_store, entries filled]
-        self.ops = select_ops(self.device, cfg.backend, cfg.pdl)
+        self.ops, self.pdl = select_ops(self.device, cfg.backend, cfg.pdl)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling

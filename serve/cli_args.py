@@ -32,9 +32,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch steps with prefill tokens eagerly (default: CUDA graphs around attention)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                    help="wait for each step before scheduling the next (default: overlap them on a GPU)")
-    g.add_argument("--pdl", action="store_true",
-                   help="launch the Triton kernels with programmatic dependent launch (Hopper or newer): "
-                        "each kernel starts, and prefetches its weights, while the previous one finishes")
+    g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the Triton kernels with programmatic dependent launch: each kernel starts, and "
+                        "prefetches its weights, while the previous one finishes (default: on where the GPU "
+                        "can, Hopper or newer)")
     g.add_argument("--prefill-hold-ms", type=float, default=0.0,
                    help="new prompts wait until none has arrived for this many ms (at most 4x that), so "
                         "that a burst starts as one prefill step (off: 0)")

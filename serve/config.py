@@ -31,7 +31,8 @@ class EngineConfig:
     piecewise_graphs: bool = True  # CUDA graphs around attention for steps with prefill tokens
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
-    pdl: bool = False  # Triton kernels with programmatic dependent launch (compute capability >= 9.0)
+    # Triton kernels with programmatic dependent launch; None: where the GPU can (compute capability >= 9.0)
+    pdl: bool | None = None
     prefill_hold_ms: float = 0.0  # the quiet time that ends a burst of new prompts (scheduler/policy.py)
     seed: int = 0
 

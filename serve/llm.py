@@ -31,7 +31,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, load_format: str = "auto",
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0, backend: str = "auto",
-                 async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool = False,
+                 async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool | None = None,
                  show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,

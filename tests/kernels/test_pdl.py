@@ -41,6 +41,16 @@ def test_pdl_needs_the_triton_kernels_on_a_gpu():
         select_ops(torch.device("cuda"), "torch", pdl=True)
 
 
+def test_pdl_by_default_only_where_the_device_can():
+    assert select_ops(torch.device("cpu"), "auto")[1] is False  # the torch reference
+    assert select_ops(torch.device("cpu"), "triton")[1] is False  # the interpreter has no PDL
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        select_ops(torch.device("cpu"), "triton", pdl=True)
+    if HAS_CUDA:
+        major, _ = torch.cuda.get_device_capability()
+        assert select_ops(torch.device("cuda"), "auto")[1] is (major >= 9)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="CPU tensors run under the interpreter only")
 def test_pdl_is_ignored_for_cpu_tensors():
     """Under the interpreter (CPU tensors) the wrappers launch without PDL: same results."""
