@@ -14,9 +14,8 @@ import bisect
 import logging
 from dataclasses import dataclass
 
-import torch
-
 import numpy as np
+import torch
 
 from engine.attention import AttnMetadata, Ops
 from engine.models.llama import LlamaForCausalLM

@@ -5,7 +5,7 @@ one transfer; inside the graph this kernel spreads it into the graph's static in
 every replay cost the host a torch call per input (copies, fills, the pending tokens' gather):
 ~0.2-0.4 ms of a Qwen2.5-0.5B decode step's host time on the H100 machine (bench/NOTES.md).
 
-The uploaded buffer (int64 words, then int32 words from word `head64` on):
+The uploaded buffer, int64 words and then, from int64 word 2 + 3n on, int32 words:
     int64 [n, width, ids (n), positions (n), pending rows (n)] then int32 [tables (n x width)]
 A row whose pending row p >= 0 takes its input token from `tokens[p]`, the previous step's sampled
 tokens, still on the device. Rows n.. of the graph's bucket are padding: position 0, slot -1
