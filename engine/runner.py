@@ -261,36 +261,45 @@ class ModelRunner:
         start, so plain lists and one conversion do (no cumulative sums, no repeats)."""
         bs = self.kv_spec.block_size
         n = len(items)
-        ids: list[int] = []
-        starts: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        pend_at: list[int] = []
-        pend_rows: list[int] = []
-        width = 0
-        for i, it in enumerate(items):
-            seq = it.seq
-            start, toks, table = it.start, seq.token_ids, seq.block_table
-            if start < len(toks):
-                ids.append(toks[start])
-            else:
-                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
-                ids.append(0)
-                pend_at.append(i)
-                pend_rows.append(prev.rows[seq.seq_id])
-            starts.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-            rows.append(self._table_row(seq.seq_id, table))
-            if len(table) > width:
-                width = len(table)
+        ids, starts, pend, rows, width = self._decode_rows(items, prev)
+        pend_at = [i for i, p in enumerate(pend) if p >= 0]
+        pending_rows = [pend[i] for i in pend_at]
         sampled = [i for i, it in enumerate(items) if it.samples]
-        i64 = np.array(ids + starts + slots + sampled + pend_at + pend_rows, dtype=np.int64)
+        i64 = np.array(ids + starts + starts + sampled + pend_at + pending_rows, dtype=np.int64)
+        pos = i64[n:2 * n]
+        i64[2 * n:3 * n] = self._row_store[rows, pos // bs].astype(np.int64) * bs + pos % bs  # slots
         head = 2 * n + 1
         i32 = np.empty(head + n * width, dtype=np.int32)
         np.add(i64[n:2 * n], 1, out=i32[:n], casting="unsafe")  # seq_lens: start + 1
         i32[n:head] = np.arange(n + 1)
         i32[head:].reshape(n, width)[:] = self._row_store[rows, :width]
         return _HostInputs(i64, i32, n, head, width, 1, sampled, len(pend_at))
+
+    def _decode_rows(self, items: list[ScheduledSeq], prev: Launched | None
+                     ) -> tuple[list[int], list[int], list[int], list[int], int]:
+        """A decode step's rows: (input ids, 0 where pending; positions; pending rows of prev's
+        samples, -1 where the id is known; rows of _row_store holding the block tables; the widest
+        table). _reserve_rows() must have made room first."""
+        ids: list[int] = []
+        starts: list[int] = []
+        pend: list[int] = []
+        rows: list[int] = []
+        width = 0
+        for it in items:
+            seq = it.seq
+            start, toks, table = it.start, seq.token_ids, seq.block_table
+            if start < len(toks):
+                ids.append(toks[start])
+                pend.append(-1)
+            else:
+                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
+                ids.append(0)
+                pend.append(prev.rows[seq.seq_id])
+            starts.append(start)
+            rows.append(self._table_row(seq.seq_id, table))
+            if len(table) > width:
+                width = len(table)
+        return ids, starts, pend, rows, width
 
     def _mixed_inputs(self, batch: Batch, prev: Launched | None) -> _HostInputs:
         """prepare() for a step with prefill chunks (several tokens per item), after any decodes."""
@@ -415,25 +424,7 @@ class ModelRunner:
         the words used. A pending input token is read on the device from its row of prev's samples."""
         n = len(items)
         self._reserve_rows(n)
-        ids: list[int] = []
-        starts: list[int] = []
-        pend: list[int] = []
-        rows: list[int] = []
-        width = 0
-        for it in items:
-            seq = it.seq
-            start, toks, table = it.start, seq.token_ids, seq.block_table
-            if start < len(toks):
-                ids.append(toks[start])
-                pend.append(-1)
-            else:
-                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
-                ids.append(0)
-                pend.append(prev.rows[seq.seq_id])
-            starts.append(start)
-            rows.append(self._table_row(seq.seq_id, table))
-            if len(table) > width:
-                width = len(table)
+        ids, starts, pend, rows, width = self._decode_rows(items, prev)
         head = head_words(n)
         buf[0], buf[1] = n, width
         buf[2:head] = ids + starts + pend
