@@ -1,4 +1,4 @@
-"""The load generator splits server-sent events itself: events cut across reads, several events
+"""The load generator splits the stream into lines itself: events cut across reads, several events
 in one read, CRLF line endings and comment lines all count the same tokens."""
 import asyncio
 import json
