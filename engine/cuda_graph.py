@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import AttnMetadata, Ops
 from engine.models.llama import LlamaForCausalLM
+from engine.upload import UploadRing
 from kvcache.pool import LayerCache
 
 log = logging.getLogger("pagedserve")
@@ -67,8 +68,6 @@ class StaticInputs:
 
 
 class DecodeGraphs:
-    HOST_SLOTS = 2  # pinned upload buffers, used in turn; a slot is rewritten once its copy is done
-
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
         self.model, self.ops, self.caches = model, ops, caches
@@ -79,10 +78,7 @@ class DecodeGraphs:
         words = head_words(self.max_bs) + -(-self.max_bs * max_blocks_per_seq // 2)
         self.stage = torch.zeros(words, dtype=torch.int64, device=device)  # n = 0: every row is padding
         self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self._host = [torch.zeros(words, dtype=torch.int64, pin_memory=True) for _ in range(self.HOST_SLOTS)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._uploaded = [torch.cuda.Event() for _ in range(self.HOST_SLOTS)]
-        self._slot = 0
+        self._uploads = UploadRing(words * 8)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.device = device
@@ -124,18 +120,13 @@ class DecodeGraphs:
 
     def host_inputs(self) -> np.ndarray:
         """The pinned buffer (int64 words) to write the next replay's inputs into."""
-        i = self._slot
-        self._uploaded[i].synchronize()  # its last upload has left (at once, unless the host ran ahead)
-        return self._host_np[i]
+        return self._uploads.buffer().view(np.int64)
 
     def replay(self, n: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Upload the first `words` of host_inputs() and run the graph of n rows' bucket ->
         (logits [n, V], greedy tokens [n]), both views of static buffers that the next replay
         overwrites."""
-        i = self._slot
-        self._slot = (i + 1) % self.HOST_SLOTS
-        self.stage[:words].copy_(self._host[i][:words], non_blocking=True)
-        self._uploaded[i].record()
+        self._uploads.send(self.stage.view(torch.uint8), words * 8)
         bs = self.bucket_for(n)
         self.graphs[bs].replay()
         return self.logits[bs][:n], self.tokens[:n]

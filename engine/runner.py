@@ -18,6 +18,7 @@ from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
+from engine.upload import UploadRing
 from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
@@ -134,6 +135,12 @@ class ModelRunner:
                                                  self.device)
                 self.piecewise.capture()
         self.host_slots = HostSlots(cfg.max_num_seqs) if self.device.type == "cuda" else None
+        self.uploads: UploadRing | None = None
+        if self.device.type == "cuda":
+            # prepare()'s largest upload: int64 ids, positions, slots per token and 3 words per
+            # sequence; int32 3 words per sequence, 2 more and the block tables
+            tokens, seqs = max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs
+            self.uploads = UploadRing(8 * (3 * tokens + 3 * seqs) + 4 * (3 * seqs + 2 + seqs * self.max_blocks_per_seq))
         if self.device.type == "cuda":
             self.warmup()
 
@@ -227,10 +234,7 @@ class ModelRunner:
         self._reserve_rows(n_seqs)
         host = self._decode_inputs(items, prev) if batch.is_decode_only else self._mixed_inputs(batch, prev)
         n_tok, head, width = host.num_tokens, host.head, host.width
-        # one buffer, so one pinned staging copy and one transfer (each costs the host more than its bytes)
-        both = torch.from_numpy(np.concatenate([host.i64.view(np.uint8), host.i32.view(np.uint8)]))
-        if self.device.type == "cuda":
-            both = both.pin_memory().to(self.device, non_blocking=True)
+        both = self._upload(host.i64.view(np.uint8), host.i32.view(np.uint8))
         d64, d32 = both[:host.i64.nbytes].view(torch.int64), both[host.i64.nbytes:].view(torch.int32)
         full = self.block_tables[:n_seqs]
         full[:, :width].copy_(d32[head:].view(n_seqs, width))
@@ -255,6 +259,20 @@ class ModelRunner:
             assert prev is not None and prev.samples is not None
             input_ids.index_copy_(0, d64[at:at + k], prev.samples.tokens.index_select(0, d64[at + k:at + 2 * k]))
         return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
+
+    def _upload(self, a: np.ndarray, b: np.ndarray) -> torch.Tensor:
+        """a then b (bytes) on the device, in one transfer (each costs the host more than its bytes)
+        from a pinned buffer of the ring."""
+        n = a.nbytes + b.nbytes
+        if self.uploads is None or n > self.uploads.nbytes:
+            both = torch.from_numpy(np.concatenate([a, b]))
+            return both.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else both
+        buf = self.uploads.buffer()
+        buf[:a.nbytes] = a
+        buf[a.nbytes:n] = b
+        both = torch.empty(n, dtype=torch.uint8, device=self.device)
+        self.uploads.send(both, n)
+        return both
 
     def _decode_inputs(self, items: list[ScheduledSeq], prev: Launched | None) -> _HostInputs:
         """prepare() for a decode-only step, the common one: one token per item, at position

@@ -139,7 +139,10 @@ class Bound:
         args = self.args.copy()
         state = self.state
         for i, new in changes:
-            if state.arg_key(i, new) != state.arg_key(i, args[i]):
+            old = args[i]
+            if new is old:  # the same object: nothing to check (a step's q, out, ... for every layer)
+                continue
+            if state.arg_key(i, new) != state.arg_key(i, old):
                 for j, v in changes:
                     args[j] = v
                 launch(self.fn, self.grid, *args, **self.options)

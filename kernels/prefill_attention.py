@@ -297,6 +297,11 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     return cfg
 
 
+def _tensors_key(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor | None) -> tuple:
+    return (q.shape, q.stride(), q.dtype, None if k is None else (k.shape, k.stride(), v.stride()),
+            None if out is None else out.stride())
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             softmax_scale: float, k_scale: torch.Tensor | None = None,
@@ -315,14 +320,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `reuse`: as for paged_decode_attention: one step's dict, passed with the same block_tables,
     seq_lens and query_start_loc each time; later calls of the same shapes relaunch the first's plan.
     """
-    plan_key = None
     if reuse is not None:
-        plan_key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, max_query_len,
-                    None if k is None else (k.shape, k.stride(), v.stride()), None if out is None else out.stride(),
-                    None if k_scale is None else k_scale.stride())
+        caller = (q, k, v, out)
+        short = (k_cache.shape, k_cache.dtype, max_query_len, None if k_scale is None else k_scale.stride())
         hit = reuse.get("prefill")
-        if hit is not None and hit[0] == plan_key:
-            _, main, src, block_n, k0 = hit
+        # the plan's own q, k, v, out objects (every layer of a piecewise step): their shapes need no check
+        if hit is not None and hit[1] == short and (
+                (out is not None and hit[2][0] is q and hit[2][1] is k and hit[2][2] is v and hit[2][3] is out)
+                or hit[0] == _tensors_key(*caller)):
+            _, _, _, main, src, block_n, k0 = hit
             new_desc = src == SRC_TMA.value and k.data_ptr() != k0
             if not new_desc or (_tma_ok(k) and _tma_ok(v)):
                 if out is None:
@@ -399,5 +405,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         LAZY=plan["lazy_rescale"], num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )
     if main is not None:
-        reuse["prefill"] = (plan_key, main, src, plan["block_n"], k.data_ptr() if k is not None else 0)
+        reuse["prefill"] = (_tensors_key(*caller), short, caller, main, src, plan["block_n"],
+                            k.data_ptr() if k is not None else 0)
     return out

@@ -27,9 +27,12 @@ def _count_calls(monkeypatch, module, name: str) -> list[int]:
 
 
 @gpu
+@pytest.mark.parametrize("same_q", [False, True])
 @pytest.mark.parametrize("kv", [None, "fp8", "int8"])
 @pytest.mark.parametrize("B", [3, 64])
-def test_decode_reuse_equals_a_full_call_per_layer(monkeypatch, kv, B):
+def test_decode_reuse_equals_a_full_call_per_layer(monkeypatch, kv, B, same_q):
+    """same_q: every layer passes one q object, refilled (a piecewise step's buffer): the relaunch
+    then checks only the caches."""
     g = torch.Generator().manual_seed(B)
     Hq, Hkv, D, bs = 32, 8, 128, 16
     seq_lens = torch.randint(1, 700, (B,), generator=g).tolist()
@@ -43,7 +46,10 @@ def test_decode_reuse_equals_a_full_call_per_layer(monkeypatch, kv, B):
     plans = _count_calls(monkeypatch, paged_attention, "decode_config")
     reuse: dict = {}
     out = torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    shared = torch.empty_like(qs[0])
     for q, c, s, w in zip(qs, caches, scales, want):
+        if same_q:
+            q = shared.copy_(q)
         got = paged_decode_attention(q, c[0], c[1], bt, sl, s, c[2], c[3], out=out, reuse=reuse)
         assert got is out and torch.equal(got, w)
     assert plans[0] == 1 and "decode" in reuse
@@ -74,8 +80,9 @@ def _prefill_layer(q_lens, prefixes, Hq, Hkv, D, bs, kv, nb, bt, g, qkv):
 @pytest.mark.parametrize("kv,tma,shared_qkv", [(None, True, True), (None, True, False), (None, False, False),
                                                ("fp8", True, True)])
 def test_prefill_reuse_equals_a_full_call_per_layer(monkeypatch, kv, tma, shared_qkv):
-    """shared_qkv: every layer's q/k/v live in one buffer (the piecewise graphs' static buffer),
-    so the TMA descriptors are reused; otherwise each layer has its own (eager steps)."""
+    """shared_qkv: every layer passes the same q/k/v views of one buffer (the piecewise graphs'
+    static buffer), so the TMA descriptors are reused and only the caches are checked; otherwise
+    each layer has its own (eager steps)."""
     g = torch.Generator().manual_seed(7)
     Hq, Hkv, D, bs = 32, 8, 128, 16
     q_lens, prefixes = [300, 1, 77, 128], [0, 500, 40, 1024]
@@ -94,6 +101,9 @@ def test_prefill_reuse_equals_a_full_call_per_layer(monkeypatch, kv, tma, shared
     for i in range(LAYERS):
         qkv = buf if shared_qkv else torch.empty_like(buf)
         q, k, v, (kc, vc, ks, vs) = _prefill_layer(q_lens, prefixes, Hq, Hkv, D, bs, kv, nb, bt, g, qkv)
+        if shared_qkv and i:
+            q, k, v = first
+        first = (q, k, v)
         scale = D ** -0.5 * (1 + 0.1 * i)
         want = paged_prefill_attention(q, kc, vc, bt, sl, qsl, scale, ks, vs, max(q_lens), config=config, k=k, v=v)
         before = plans[0]
@@ -101,7 +111,7 @@ def test_prefill_reuse_equals_a_full_call_per_layer(monkeypatch, kv, tma, shared
                                       out=out, reuse=reuse)
         assert got is out and torch.equal(got, want)
         assert plans[0] == before + (1 if i == 0 else 0)  # only the first layer plans
-        srcs.add(reuse["prefill"][2])
+        srcs.add(reuse["prefill"][4])
     assert srcs == {SRC_PAGES.value if kv else (SRC_TMA if tma else SRC_PTR).value}
 
 
