@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.profiling import write_top
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
               "mixed": summary(mixed), "decode_only": summary([r for r in records if not r["mixed"]])}
     print(json.dumps(result, indent=1))
     if prof is not None:
-        buf = io.StringIO()
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(40)
-        Path(args.cprofile).write_text(buf.getvalue())
+        write_top(prof, args.cprofile, 40)
     if args.out:
         Path(args.out).write_text(json.dumps(result | {"records": records}, indent=1))
     if args.torch_profile:

@@ -22,7 +22,12 @@ def cprofile_to(path: str | None, limit: int = 45) -> Iterator[None]:
         yield
     finally:
         prof.disable()
-        buf = io.StringIO()
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(limit)
-        Path(path).write_text(buf.getvalue())
+        write_top(prof, path, limit)
+
+
+def write_top(prof: cProfile.Profile, path: str, limit: int = 45) -> None:
+    """prof's top `limit` functions by own and by cumulative time, into path."""
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(limit)
+    Path(path).write_text(buf.getvalue())

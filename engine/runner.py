@@ -134,14 +134,14 @@ class ModelRunner:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
                                                  self.device)
                 self.piecewise.capture()
-        self.host_slots = HostSlots(cfg.max_num_seqs) if self.device.type == "cuda" else None
+        self.host_slots: HostSlots | None = None
         self.uploads: UploadRing | None = None
         if self.device.type == "cuda":
+            self.host_slots = HostSlots(cfg.max_num_seqs)
             # prepare()'s largest upload: int64 ids, positions, slots per token and 3 words per
             # sequence; int32 3 words per sequence, 2 more and the block tables
             tokens, seqs = max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs
             self.uploads = UploadRing(8 * (3 * tokens + 3 * seqs) + 4 * (3 * seqs + 2 + seqs * self.max_blocks_per_seq))
-        if self.device.type == "cuda":
             self.warmup()
 
     def _auto_num_blocks(self) -> int:
