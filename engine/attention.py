@@ -34,7 +34,7 @@ class AttnMetadata:
 class Ops:
     rms_norm: Callable
     apply_rotary: Callable
-    silu_and_mul: Callable
+    gate_up_silu: Callable  # (x, gate_up weight [2I, K]) -> silu(x @ gate.T) * (x @ up.T)
     write_kv_cache: Callable
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=)
     # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len,
@@ -54,7 +54,7 @@ def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_
 
 
 def reference_ops() -> Ops:
-    return Ops(reference.rms_norm, reference.apply_rotary, reference.silu_and_mul,
+    return Ops(reference.rms_norm, reference.apply_rotary, reference.gate_up_silu,
                reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill,
                reference.linear)
 

@@ -94,8 +94,8 @@ def _decode_kernel(
     # (loop-carried), so the K/V loads depend on no load of their own iteration and Triton's
     # pipeliner keeps num_stages - 1 tiles of them in flight; with the lookup inline it waits for
     # each tile before computing on it. That matters where few programs share an SM (quantized
-    # pages: ~255 registers); with bf16 pages many programs per SM hide the latency instead, and
-    # the inline lookup measured faster at small batches (bench/KERNELS.md).
+    # pages: ~255 registers; bf16 grids of <= ~2 programs an SM); with many bf16 programs an SM
+    # they hide the latency instead and the inline lookup measured faster (decode_config).
     pos0 = start + tl.arange(0, TILE_N)
     blk_next = tl.load(bt_row + pos0 // BLOCK_SIZE, mask=pos0 < end, other=0)  # unused unless PREFETCH
     # quantized V pages are [HEAD_DIM, BLOCK_SIZE] (kvcache/quant.py); a tile of whole pages (tiles
@@ -212,8 +212,8 @@ TARGET_PROGRAMS = 256
 def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int, fp32: bool,
                   quant: bool = False) -> dict:
     """Launch parameters from shapes alone (never from seq_lens). Tuned on an H100 for Llama-3-8B
-    heads (bench/KERNELS.md): bf16 pages 64-token tiles, inline block-table lookup; fp8/int8 pages
-    128-token tiles with the lookup prefetched (fewer, fatter programs: the conversion to fp16
+    heads (bench/KERNELS.md): bf16 pages 64-token tiles, the block-table lookup prefetched only
+    where programs are few; fp8/int8 pages 128-token tiles with the lookup prefetched (fewer, fatter programs: the conversion to fp16
     needs registers)."""
     stages, maxnreg = (2 if fp32 else 3), None
     if fp32:  # float32 products run on the FMA units: 16-token tiles keep them out of local memory
@@ -232,6 +232,12 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     # steps (any number of decodes) then reuse the variants compiled for the decode graphs.
     want = max(1, math.ceil(TARGET_PROGRAMS / (next_pow2(batch) * num_kv_heads)))
     splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
+    if not fp32 and not quant:
+        # bf16 pages: the lookup one tile ahead pays where programs are few (<= 256, about two
+        # an SM) and costs where they are many. Cold L2, 2-24 layers in a CUDA graph (bench/NOTES.md,
+        # thirteenth session): Qwen heads B64 x 512-640 14.2 -> 12.6 us, B64 x 4,096 60.0 -> 51.5,
+        # B16 1.03x, Llama heads B8 x 4,096 1.03x; at 512 programs Llama B64 0.91-0.94x, Qwen B256 0.99x.
+        prefetch = next_pow2(batch) * num_kv_heads * splits <= TARGET_PROGRAMS
     return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": stages, "maxnreg": maxnreg,
             "prefetch": prefetch, "min_tiles": MIN_TILES_PER_SPLIT}
 

@@ -137,6 +137,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: x @ weight.T holding gate then up -> silu(gate) * up."""
+    return silu_and_mul(linear(x, weight))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, into `out` when given."""

@@ -94,7 +94,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
