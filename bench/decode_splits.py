@@ -1,10 +1,16 @@
-"""Decode attention split planning sweep on the GPU: `python -m bench.decode_splits [--kv fp8] [--out DIR]`.
+"""Decode attention split planning sweep on the GPU: `python -m bench.decode_splits [--kv fp8] [--cold] [--out DIR]`.
 
 Times paged_decode_attention (CUDA-graph replays, triton.testing.do_bench_cudagraph) at the
 default launch plan and at other split counts, minimum tiles per split, tile sizes and block-table
 prefetch, for Llama-3-8B and Qwen2.5-0.5B heads at serving-like contexts (random lengths in a
 range, block tables as wide as the model's context). It is the evidence for
 kernels/paged_attention.py's TARGET_PROGRAMS. Writes decode-splits-<kv>-<gpu>.json.
+
+One layer's pages (up to ~20 MB at these shapes) stay in the H100's 50 MB L2 between replays,
+which a decode step never sees: each layer's pages are read once a step. --cold times instead
+several layers' caches (~600 MB together) attended in turn inside one graph, per layer, for a few
+plan candidates (the block-table prefetch on and off, one split of 128-token tiles); it is the
+evidence for decode_config's prefetch rule. Writes decode-cold-<kv>-<gpu>.json.
 """
 from __future__ import annotations
 
@@ -101,18 +107,60 @@ def sweep(kv: str | None) -> list[dict]:
     return rows
 
 
+COLD_CASES = ("qwen B64 512-640 w2048", "qwen B16 100-700 w2048", "qwen B256 512-640 w2048", "qwen B64 4096 w2048",
+              "llama B64 512-640 w512", "llama B8 4096 w512", "llama B64 4096 w512")
+
+
+def cold_sweep(kv: str | None) -> list[dict]:
+    import torch
+    import triton
+
+    from kernels.paged_attention import decode_config, paged_decode_attention
+
+    rows = []
+    for name in COLD_CASES:
+        c = CASES[name]
+        layer_bytes = c["B"] * (c["lo"] + c["hi"]) / 2 * c["Hkv"] * c["D"] * 2 * (1 if kv else 2)
+        n = int(max(2, min(24, 600e6 // layer_bytes)))
+        layers = [make_inputs(**c, kv=kv, seed=i) for i in range(n)]
+        outs = [torch.empty_like(x[0]) for x in layers]
+
+        def run(cfg: dict) -> None:
+            for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
+                paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
+
+        def per_layer_us(cfg: dict) -> float:
+            run(cfg)
+            torch.cuda.synchronize()
+            return triton.testing.do_bench_cudagraph(lambda: run(cfg), rep=200) * 1e3 / n
+
+        default = decode_config(c["B"], c["Hkv"], c["width"] * c["bs"], c["D"], False, kv is not None)
+        cands = {"default": {}, "prefetch": {"prefetch": True}, "no prefetch": {"prefetch": False},
+                 "1 split, 128-token tiles, prefetch": {"num_splits": 1, "tile_n": 128, "min_tiles": 1, "prefetch": True}}
+        times = {k: per_layer_us(v) for k, v in cands.items()}
+        rows.append(dict(case=name, layers=n, layer_mb=layer_bytes / 1e6, default=default, us_per_layer=times))
+        print(f"{name} ({n} layers, default splits {default['num_splits']}, prefetch {default['prefetch']}): " +
+              ", ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)
+        del layers, outs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    import time
+
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="page dtype")
+    ap.add_argument("--cold", action="store_true", help="per layer over many layers' caches (cold L2)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name()
-    rows = sweep(None if args.kv == "bf16" else "fp8")
+    kv = None if args.kv == "bf16" else "fp8"
+    rows = cold_sweep(kv) if args.cold else sweep(kv)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-splits-{args.kv}-{slug(gpu)}.json"
-    import time
+    path = args.out / f"decode-{'cold' if args.cold else 'splits'}-{args.kv}-{slug(gpu)}.json"
     path.write_text(json.dumps(dict(gpu=gpu, date=time.strftime("%Y-%m-%d"), kv=args.kv, results=rows), indent=1))
     print(f"wrote {path}")
     return 0

@@ -6,7 +6,9 @@ batch), times in one run: cuBLAS's gate_up GEMM alone, cuBLAS + kernels/fused.py
 warmed up; L2 not flushed, so decode-sized rows here are not what a decode step sees: time
 those in a CUDA graph over many layers' weights). Reports each plan's time, TFLOP/s and speed-up
 over the unfused path, which plan kernels/gate_up.plan() picks (none: the engine keeps the unfused
-path), and checks every plan's result against the unfused path's. Writes gate-up-<gpu>.json.
+path), and checks every plan's result against the unfused path's. Decode batches are also timed
+as a decode step sees them: one CUDA graph over several layers' weights in turn (cold L2), the
+unfused path (its SiLU kernel with PDL, as in the engine) against plan()'s. Writes gate-up-<gpu>.json.
 """
 from __future__ import annotations
 
@@ -23,7 +25,42 @@ SHAPES = [("qwen2.5-0.5b", m) for m in (64, 512, 1024, 2048, 3328, 8192)] + \
 # (block_m, block_n, block_k, num_warps, num_stages, group_m)
 PLANS = [(128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 3, 16), (128, 64, 64, 8, 4, 8), (128, 128, 64, 8, 4, 8),
          (128, 128, 64, 8, 3, 16), (64, 128, 64, 4, 4, 8), (128, 64, 64, 4, 3, 8), (256, 64, 64, 8, 3, 8)]
+GRAPH_CASES = [("qwen2.5-0.5b", 24, (16, 64)), ("llama3-8b", 6, (64,))]  # model, layers, rows
 SMALL_PLANS = [(64, 32, 128, 4, 3, 8), (64, 16, 128, 4, 4, 8), (64, 32, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8)]
+
+
+def decode_graphs() -> list[dict]:
+    """Per layer, in a CUDA graph over `layers` layers' weights: cuBLAS + SiLU kernel vs the fused kernel."""
+    import torch
+    import triton
+
+    from kernels import fused
+    from kernels import gate_up as gu
+
+    rows = []
+    for model, layers, ms in GRAPH_CASES:
+        K, I = MODELS[model]
+        ws = [(torch.randn(2 * I, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(layers)]
+        for M in ms:
+            xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(layers)]
+            mm = torch.empty(M, 2 * I, device="cuda", dtype=torch.bfloat16)
+            p = gu.plan(M, I, K)
+
+            def per_layer_us(fn) -> float:
+                fn()
+                torch.cuda.synchronize()
+                return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3 / layers
+
+            unfused = per_layer_us(lambda: [fused.silu_and_mul(torch.mm(x, w.t(), out=mm), pdl=True)
+                                            for x, w in zip(xs, ws)])
+            fused_us = per_layer_us(lambda: [gu.gate_up_silu(x, w, p) for x, w in zip(xs, ws)])
+            rows.append({"model": model, "M": M, "layers": layers, "plan": str(p), "unfused_us": unfused,
+                         "fused_us": fused_us, "speedup": unfused / fused_us})
+            print(f"graph {model:13s} M={M:3d} ({layers} layers): cuBLAS+silu {unfused:6.2f} us/layer, "
+                  f"fused {fused_us:6.2f} ({unfused / fused_us:.2f}x)", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
               f"+silu {t_unfused * 1e3:7.1f}; plan() picks {picked}; best {best['us']:7.1f} "
               f"({best['speedup_vs_unfused']:.2f}x) {best['plan']} err {best['max_rel_err']:.1e}", flush=True)
         rows.append(row)
+    graphs = decode_graphs()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gate-up-{slug(gpu)}.json"
     path.write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                "triton": triton.__version__, "rows": rows}, indent=1))
+                                "triton": triton.__version__, "rows": rows, "decode_graphs": graphs}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -42,6 +42,7 @@ class Ops:
     #  read instead of the pages for the new-token part; out= a view to write the result into
     prefill_attention: Callable
     linear: Callable  # (x, weight, bias=None, out=None) -> x @ weight.T + bias
+    argmax_rows: Callable  # (logits [N, V], out=None) -> int64 [N]: greedy tokens, the first max of a row
     # the attention ops take reuse= (kernels/paged_attention.py): one step's layers share a launch plan
     reuse: bool = False
 
@@ -56,7 +57,7 @@ def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_
 def reference_ops() -> Ops:
     return Ops(reference.rms_norm, reference.apply_rotary, reference.gate_up_silu,
                reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill,
-               reference.linear)
+               reference.linear, reference.argmax_rows)
 
 
 def rotate_and_store(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -91,7 +91,7 @@ class DecodeGraphs:
         graph_inputs.unpack(self.stage, self.tokens, s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs],
                             s.seq_lens[:bs], s.block_tables, self.block_size)
         logits = self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs])
-        torch.argmax(logits, dim=-1, out=self.tokens[:bs])
+        self.ops.argmax_rows(logits, self.tokens[:bs])
         return logits
 
     @torch.inference_mode()

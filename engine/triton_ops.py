@@ -8,6 +8,7 @@ from engine.attention import Ops
 
 def triton_ops(pdl: bool = False) -> Ops:
     """pdl: the kernels of a decode layer launch with programmatic dependent launch (kernels/pdl.py)."""
+    from kernels.argmax import argmax_rows
     from kernels.cache_write import write_kv_cache
     from kernels.fused import apply_rotary, rms_norm
     from kernels.gate_up import mlp_gate_up
@@ -19,4 +20,5 @@ def triton_ops(pdl: bool = False) -> Ops:
                write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention, linear=linear)
     if pdl:  # prefill attention (compute bound, long) launches the usual way
         fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
-    return Ops(prefill_attention=paged_prefill_attention, reuse=True, **fns)
+    # argmax_rows launches without PDL: it follows the lm_head's cuBLAS GEMM
+    return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, **fns)

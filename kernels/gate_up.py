@@ -85,15 +85,16 @@ class Plan:
 def plan(M: int, I: int, K: int) -> Plan | None:
     """The fused kernel's tiles for M rows, or None where the unfused path (cuBLAS, then the SiLU
     kernel) measured as fast or faster. H100 sweep (bench/gate_up.py, bench/NOTES.md thirteenth
-    session): decode batches 1.08-1.12x in CUDA graphs (Qwen2.5-0.5B and Llama-3-8B shapes, cold
-    L2); prefills with a short K (Qwen2.5-0.5B, K = 896) 1.13-1.27x from 1,024 rows; with K = 4,096
-    (Llama-3-8B) even from 2,048 rows (1.02-1.05x: the GEMM dominates) and slower at 512."""
+    session): decode batches 1.08-1.17x in CUDA graphs (Qwen2.5-0.5B and Llama-3-8B shapes, cold
+    L2); prefills with a short K (Qwen2.5-0.5B, K = 896) 1.12-1.17x from 1,024 rows; with K = 4,096
+    (Llama-3-8B) about even from 2,048 rows (0.99-1.05x: the GEMM dominates; the [M, 2I] product
+    is never stored) and slower at 512."""
     if M <= 64:
         return Plan(max(16, next_pow2(M)), 32, 128, 4, 3)
     if M >= 1024 and K <= 2048:
-        return Plan(128, 64, 64, 8, 3)
+        return Plan(128, 64, 64, 8, 3, 16)
     if M >= 2048:
-        return Plan(128, 128, 64, 8, 4)
+        return Plan(128, 128, 64, 8, 3, 16)
     return None
 
 

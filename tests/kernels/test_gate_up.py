@@ -56,9 +56,9 @@ def test_plan_from_shapes():
     assert gu.plan(64, 4864, 896) == gu.Plan(64, 32, 128, 4, 3)
     assert gu.plan(5, 4864, 896) == gu.Plan(16, 32, 128, 4, 3)
     assert gu.plan(512, 4864, 896) is None  # measured slower than cuBLAS + the SiLU kernel
-    assert gu.plan(1024, 4864, 896) == gu.Plan(128, 64, 64, 8, 3)
+    assert gu.plan(1024, 4864, 896) == gu.Plan(128, 64, 64, 8, 3, 16)
     assert gu.plan(1024, 14336, 4096) is None
-    assert gu.plan(8192, 14336, 4096) == gu.Plan(128, 128, 64, 8, 4)
+    assert gu.plan(8192, 14336, 4096) == gu.Plan(128, 128, 64, 8, 3, 16)
 
 
 @pytest.mark.parametrize("M", [3, 100])  # the fused kernel, the unfused path
@@ -90,5 +90,5 @@ def test_mlp_gate_up_falls_back():
 def test_gate_up_real_shapes(model, K, I, M, pdl):
     x, w = _inputs(M, I, K, torch.bfloat16, seed=M)
     _check(gu.mlp_gate_up(x, w, pdl=pdl), x, w)
-    p = gu.plan(M, I, K) or gu.Plan(128, 64, 64, 8, 3)
+    p = gu.plan(M, I, K) or gu.Plan(128, 64, 64, 8, 3, 16)
     _check(gu.gate_up_silu(x, w, p), x, w)
