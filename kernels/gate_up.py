@@ -10,7 +10,8 @@ prefill of a few thousand tokens that is most of the time the activation costs (
 The epilogue rounds gate and up to x's dtype first, as the unfused GEMM's output is, then computes
 the SiLU in float32, rounds it, and multiplies, as kernels/fused.py's silu_and_mul does.
 x and w go through TMA descriptors (Hopper; the interpreter emulates them); rows past M, columns
-past K and the up rows past 2I come back zero-filled, and the store masks them.
+past K and up rows past 2I come back zero-filled; a last gate tile that runs past I reads up rows,
+and the store masks those columns.
 """
 from __future__ import annotations
 

@@ -213,8 +213,8 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
                   quant: bool = False) -> dict:
     """Launch parameters from shapes alone (never from seq_lens). Tuned on an H100 for Llama-3-8B
     heads (bench/KERNELS.md): bf16 pages 64-token tiles, the block-table lookup prefetched only
-    where programs are few; fp8/int8 pages 128-token tiles with the lookup prefetched (fewer, fatter programs: the conversion to fp16
-    needs registers)."""
+    where programs are few; fp8/int8 pages 128-token tiles with the lookup prefetched (fewer,
+    fatter programs: the conversion to fp16 needs registers)."""
     stages, maxnreg = (2 if fp32 else 3), None
     if fp32:  # float32 products run on the FMA units: 16-token tiles keep them out of local memory
         tile_n, prefetch = 16, quant

@@ -31,6 +31,15 @@ def test_argmax_ties_and_infinities():
     assert all(not c.any() for c in launch._COUNTERS[x.device])  # counters back at zero
 
 
+def test_argmax_nan_is_largest():
+    """As torch.argmax: the first NaN of a row wins over any value, inf included."""
+    x = _rows(3, 300, torch.float32)
+    x[0, [100, 280]] = float("nan")
+    x[0, 5] = float("inf")
+    x[1, 299] = float("nan")
+    assert argmax_rows(x, chunk=64).tolist() == [100, 299, int(torch.argmax(x[2]))] == torch.argmax(x, dim=-1).tolist()
+
+
 def test_argmax_no_rows():
     assert argmax_rows(_rows(0, 100, torch.float32)).shape == (0,)
 
