@@ -19,7 +19,7 @@ import itertools
 import json
 from pathlib import Path
 
-from bench.kernels import RESULTS, slug
+from bench.kernels import RESULTS, graph_us, slug
 
 CASES = {
     "qwen B64 512-640 w2048": dict(B=64, Hq=14, Hkv=2, D=64, bs=16, width=2048, lo=512, hi=640),
@@ -64,16 +64,12 @@ def make_inputs(B, Hq, Hkv, D, bs, width, lo, hi, kv=None, seed=0):
 
 def time_us(inputs, cfg: dict) -> float:
     import torch
-    import triton
 
     from kernels.paged_attention import paged_decode_attention
 
     q, kc, vc, bt, sl, ks, vs = inputs
     out = torch.empty_like(q)
-    fn = lambda: paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out, config=cfg)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+    return graph_us(lambda: paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=out, config=cfg), rep=100)
 
 
 def sweep(kv: str | None) -> list[dict]:
@@ -113,7 +109,6 @@ COLD_CASES = ("qwen B64 512-640 w2048", "qwen B16 100-700 w2048", "qwen B256 512
 
 def cold_sweep(kv: str | None) -> list[dict]:
     import torch
-    import triton
 
     from kernels.paged_attention import decode_config, paged_decode_attention
 
@@ -129,15 +124,10 @@ def cold_sweep(kv: str | None) -> list[dict]:
             for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
                 paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
 
-        def per_layer_us(cfg: dict) -> float:
-            run(cfg)
-            torch.cuda.synchronize()
-            return triton.testing.do_bench_cudagraph(lambda: run(cfg), rep=200) * 1e3 / n
-
         default = decode_config(c["B"], c["Hkv"], c["width"] * c["bs"], c["D"], False, kv is not None)
         cands = {"default": {}, "prefetch": {"prefetch": True}, "no prefetch": {"prefetch": False},
                  "1 split, 128-token tiles, prefetch": {"num_splits": 1, "tile_n": 128, "min_tiles": 1, "prefetch": True}}
-        times = {k: per_layer_us(v) for k, v in cands.items()}
+        times = {k: graph_us(lambda: run(v), per=n) for k, v in cands.items()}
         rows.append(dict(case=name, layers=n, layer_mb=layer_bytes / 1e6, default=default, us_per_layer=times))
         print(f"{name} ({n} layers, default splits {default['num_splits']}, prefetch {default['prefetch']}): " +
               ", ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)

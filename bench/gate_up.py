@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.kernels import RESULTS, slug
+from bench.kernels import RESULTS, graph_us, slug
 
 MODELS = {"qwen2.5-0.5b": (896, 4864), "llama3-8b": (4096, 14336)}  # hidden (K), intermediate (I)
 SHAPES = [("qwen2.5-0.5b", m) for m in (64, 512, 1024, 2048, 3328, 8192)] + \
@@ -32,7 +32,6 @@ SMALL_PLANS = [(64, 32, 128, 4, 3, 8), (64, 16, 128, 4, 4, 8), (64, 32, 64, 4, 4
 def decode_graphs() -> list[dict]:
     """Per layer, in a CUDA graph over `layers` layers' weights: cuBLAS + SiLU kernel vs the fused kernel."""
     import torch
-    import triton
 
     from kernels import fused
     from kernels import gate_up as gu
@@ -45,15 +44,9 @@ def decode_graphs() -> list[dict]:
             xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(layers)]
             mm = torch.empty(M, 2 * I, device="cuda", dtype=torch.bfloat16)
             p = gu.plan(M, I, K)
-
-            def per_layer_us(fn) -> float:
-                fn()
-                torch.cuda.synchronize()
-                return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3 / layers
-
-            unfused = per_layer_us(lambda: [fused.silu_and_mul(torch.mm(x, w.t(), out=mm), pdl=True)
-                                            for x, w in zip(xs, ws)])
-            fused_us = per_layer_us(lambda: [gu.gate_up_silu(x, w, p) for x, w in zip(xs, ws)])
+            unfused = graph_us(lambda: [fused.silu_and_mul(torch.mm(x, w.t(), out=mm), pdl=True)
+                                        for x, w in zip(xs, ws)], per=layers)
+            fused_us = graph_us(lambda: [gu.gate_up_silu(x, w, p) for x, w in zip(xs, ws)], per=layers)
             rows.append({"model": model, "M": M, "layers": layers, "plan": str(p), "unfused_us": unfused,
                          "fused_us": fused_us, "speedup": unfused / fused_us})
             print(f"graph {model:13s} M={M:3d} ({layers} layers): cuBLAS+silu {unfused:6.2f} us/layer, "

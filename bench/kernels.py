@@ -90,6 +90,16 @@ def bench(fn, warmup=25, rep=200):
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3  # seconds
 
 
+def graph_us(fn, rep=200, per=1):
+    """fn once eagerly (compiles, allocations), then the median of its CUDA-graph replays in
+    microseconds, divided by `per` (the layers or calls inside one fn)."""
+    import torch
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3 / per
+
+
 def copy_bandwidth():
     import torch
     src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import arrival_counters, cdiv, launch
+from kernels.launch import arrival_counters, cdiv, launch, next_pow2
 
 CHUNK = 4096
 
@@ -63,5 +63,5 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, chunk: int = C
     pmax = torch.empty((N, chunks), dtype=torch.float32, device=x.device)
     pidx = torch.empty((N, chunks), dtype=torch.int32, device=x.device)
     launch(_argmax_kernel, (N, chunks), x, out, pmax, pidx, arrival_counters(x.device, N), V, x.stride(0), chunks,
-           CHUNK=chunk, BLOCK_C=max(2, 1 << (chunks - 1).bit_length()), num_warps=8)
+           CHUNK=chunk, BLOCK_C=max(2, next_pow2(chunks)), num_warps=8)
     return out

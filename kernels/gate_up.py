@@ -23,13 +23,8 @@ import triton.language as tl
 
 from kernels.attn_common import mma
 from kernels.fused import silu_and_mul
-from kernels.launch import cdiv, launch, next_pow2
+from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2
 from kernels.linear import linear
-
-try:  # triton >= 3.4 (host-side TMA descriptors)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 
 # M is each step's token count: no specialization on it (no compiles mid-serving)

@@ -25,7 +25,7 @@ try:  # triton >= 3.4
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover
     _knobs = None
-try:
+try:  # triton >= 3.4 (host-side TMA descriptors); the kernels' wrappers import it from here
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None

@@ -27,13 +27,8 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
-from kernels.launch import bind, cdiv, launch, next_pow2
+from kernels.launch import TensorDescriptor, bind, cdiv, launch, next_pow2
 from kvcache.quant import v_page_shape
-
-try:  # triton >= 3.4 (host-side TMA descriptors)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 # where the new keys are read: the pages, k/v with strided loads, k/v through TMA descriptors
 SRC_PAGES, SRC_PTR, SRC_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)

@@ -139,7 +139,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, V] -> int64 [N], the first index of each row's maximum (greedy tokens)."""
-    return torch.argmax(x, dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
+    return torch.argmax(x, dim=-1, out=out)
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
