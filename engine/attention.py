@@ -37,6 +37,9 @@ class Ops:
     gate_up_silu: Callable  # (x, gate_up weight [2I, K]) -> silu(x @ gate.T) * (x @ up.T)
     write_kv_cache: Callable
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=)
+    # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, out=):
+    # apply_rotary, the KV write and decode_attention at once (unquantized pages, decode-only steps)
+    rotary_decode_attention: Callable
     # (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, max_query_len,
     #  k=, v=, out=): k, v are this step's new keys/values (already in the pages), which the kernel may
     #  read instead of the pages for the new-token part; out= a view to write the result into
@@ -56,8 +59,8 @@ def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_
 
 def reference_ops() -> Ops:
     return Ops(reference.rms_norm, reference.apply_rotary, reference.gate_up_silu,
-               reference.write_kv_cache, reference.paged_decode_attention, _reference_prefill,
-               reference.linear, reference.argmax_rows)
+               reference.write_kv_cache, reference.paged_decode_attention, reference.rotary_decode_attention,
+               _reference_prefill, reference.linear, reference.argmax_rows)
 
 
 def rotate_and_store(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -136,5 +139,10 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, layer_cache: LayerCache, meta: AttnMetadata,
                     scale: float) -> torch.Tensor:
     """Rotary embedding, this step's k, v into the pages, then attention: q [T, H, D] -> [T, H, D]."""
+    c = layer_cache
+    if meta.num_decode == meta.seq_lens.shape[0] and c.kv_dtype is None and c.rotation is None:
+        kw = {"reuse": meta.launches} if ops.reuse else {}
+        return ops.rotary_decode_attention(q, k, v, positions, cos_sin, c.k, c.v, meta.slot_mapping,
+                                           meta.block_tables, meta.seq_lens, scale, **kw)
     q, k = rotate_and_store(ops, q, k, v, positions, cos_sin, layer_cache, meta.slot_mapping)
     return attend(ops, q, k, v, layer_cache, meta, scale)

@@ -197,30 +197,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile, before the first request, the kernel variants that eager steps use: a mixed step
-        (decodes + one prefill chunk) per prefill tile height, writing nowhere. The decode variants
-        come with the graphs; with --enforce-eager, one step per power-of-two decode count here."""
-        decodes = [1]
-        if self.graphs is None:
-            decodes = [1 << i for i in range(self.cfg.max_num_seqs.bit_length()) if 1 << i <= self.cfg.max_num_seqs]
-        width = self.max_blocks_per_seq
-        for nd in decodes:
-            for chunk in (16, 32, 64):
-                if chunk >= self.max_model_len:
-                    continue
-                n = nd + chunk
-                seq_lens = [1] * nd + [chunk]
-                i32 = torch.tensor(seq_lens + list(range(nd + 1)) + [n], dtype=torch.int32, device=self.device)
-                meta = AttnMetadata(
-                    slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                    block_tables=torch.zeros((nd + 1, width), dtype=torch.int32, device=self.device),
-                    seq_lens=i32[:nd + 1], query_start_loc=i32[nd + 1:], num_decode=nd, max_query_len=chunk)
-                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-                pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
-                logits = self.model(self.ops, ids, pos, self.pool.layers, meta,
-                                    torch.arange(nd + 1, device=self.device) + torch.tensor([0] * nd + [chunk - 1], device=self.device))
-                sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * (nd + 1),
-                                                       [0] * (nd + 1)), self.generator).to_host()
+        """Compile, before the first request, the kernel variants that eager steps use, in steps that
+        write nowhere: mixed steps (decodes + one prefill chunk) with one decode per prefill tile
+        height, and with each power-of-two decode count (decode attention's variant follows the count
+        rounded up to one) and the smallest chunk; with --enforce-eager also a decode-only step per
+        count (those fuse rotary into attention: other variants). The decode graphs' own variants
+        come with their capture."""
+        top = self.cfg.max_num_seqs
+        counts = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
+        for nd in counts:
+            for chunk in (16, 32, 64) if nd == 1 else (16,):
+                if chunk < self.max_model_len:
+                    self._warmup_step(nd, chunk)
+            if self.graphs is None:
+                self._warmup_step(nd, 0)
+
+    def _warmup_step(self, nd: int, chunk: int) -> None:
+        """nd decodes of length 1 and a prefill chunk of `chunk` tokens (0: none), slots -1."""
+        nseq, n = nd + (1 if chunk else 0), nd + chunk
+        seq_lens = [1] * nd + ([chunk] if chunk else [])
+        starts = list(range(nd + 1)) + ([n] if chunk else [])
+        i32 = torch.tensor(seq_lens + starts, dtype=torch.int32, device=self.device)
+        meta = AttnMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((nseq, self.max_blocks_per_seq), dtype=torch.int32, device=self.device),
+            seq_lens=i32[:nseq], query_start_loc=i32[nseq:], num_decode=nd, max_query_len=max(chunk, 1))
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
+        last = torch.tensor([0] * nd + ([chunk - 1] if chunk else []), device=self.device)
+        logits = self.model(self.ops, ids, pos, self.pool.layers, meta, torch.arange(nseq, device=self.device) + last)
+        sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * nseq, [0] * nseq),
+                         self.generator).to_host()
 
     def prepare(self, batch: Batch, prev: Launched | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:

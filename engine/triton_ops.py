@@ -13,11 +13,12 @@ def triton_ops(pdl: bool = False) -> Ops:
     from kernels.fused import apply_rotary, rms_norm
     from kernels.gate_up import mlp_gate_up
     from kernels.linear import linear
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_attention import paged_decode_attention, rotary_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
 
     fns = dict(rms_norm=rms_norm, apply_rotary=apply_rotary, gate_up_silu=mlp_gate_up,
-               write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention, linear=linear)
+               write_kv_cache=write_kv_cache, decode_attention=paged_decode_attention,
+               rotary_decode_attention=rotary_decode_attention, linear=linear)
     if pdl:  # prefill attention (compute bound, long) launches the usual way
         fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
     # argmax_rows launches without PDL: it follows the lm_head's cuBLAS GEMM

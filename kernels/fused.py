@@ -89,6 +89,26 @@ def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c1, s1, c2, s2,
     return o1.to(dt), o2.to(dt)
 
 
+@triton.jit
+def rotary_row(cs_ptr, pos, stride_cs, dt: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(cos, sin) [HEAD_DIM] float32 for position pos, rounded to dt as torch rounds them, sin's
+    first half negated: x rotated = x * cos + x[(d + HEAD_DIM / 2) % HEAD_DIM] * sin (rotate_half)."""
+    d = tl.arange(0, HEAD_DIM)
+    cs = cs_ptr + pos * stride_cs
+    c = tl.load(cs + d).to(dt).to(tl.float32)
+    s = tl.load(cs + HEAD_DIM + d).to(dt).to(tl.float32)
+    return c, tl.where(d < HEAD_DIM // 2, -s, s)
+
+
+@triton.jit
+def rotate_rows(x, x_swapped, c, s):
+    """Neox rotation of full heads [..., HEAD_DIM] with (cos, sin) from rotary_row, x_swapped the
+    same heads with their halves swapped; each product and the sum rounded to x's dtype, as torch
+    rounds q * cos + rotate_half(q) * sin."""
+    dt = x.dtype
+    return ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (x_swapped.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+
+
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # views at offsets of the step's inputs
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
+from kernels.fused import rotary_row, rotate_rows
 from kernels.launch import arrival_counters, bind, launch, next_pow2
 from kernels.pdl import wait_for_prior
 from kvcache.quant import v_page_shape
@@ -45,7 +46,7 @@ def _partition(seq_len, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, NUM_SPLIT
 # seq_lens is a view into each step's upload buffer at an offset that varies with the step's shape
 # (decode graphs read an aligned static copy): specializing on its alignment made eager mixed steps
 # compile new variants mid-serving, ~0.6 s each (bench/first_use.py). It is read one scalar at a time.
-@triton.jit(do_not_specialize_on_alignment=["sl_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["sl_ptr", "pos_ptr", "slot_ptr"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr,
     out_ptr, po_ptr, plse_ptr, count_ptr,
@@ -54,10 +55,12 @@ def _decode_kernel(
     stride_cb, stride_ch, stride_ct,
     stride_sb, stride_sh, stride_btb,
     stride_pb, stride_ph,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
     b = tl.program_id(0)
@@ -72,8 +75,19 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     gmask = g < GROUP
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if ROTARY:
+        # q, k, v are this step's projections, not yet rotated, and the pages lack the new token
+        q, m_i, l_i, acc, end = _rotate_and_store_new(
+            q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr, b, kvh, heads, gmask,
+            seq_len, start, end, qk_scale, m_i, l_i, acc, stride_qb, stride_qh, stride_kt, stride_kh,
+            stride_vt, stride_vh, stride_cs, stride_cb, stride_ch, stride_ct,
+            BLOCK_G, HEAD_DIM, BLOCK_SIZE)
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
     if QUANT and q.dtype == tl.bfloat16:
         # float16 products: scale each row into [-1, 1] first, put the max back into the scores
         qf = q.to(tl.float32)
@@ -85,9 +99,6 @@ def _decode_kernel(
         row_scale = tl.full([BLOCK_G], 1.0, tl.float32) * qk_scale
     dot_ty: tl.constexpr = q.dtype
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     head_off = kvh.to(tl.int64) * stride_ch
     # PREFETCH: the block-table entries of the next tile are loaded one iteration ahead
@@ -173,6 +184,42 @@ def _decode_kernel(
 
 
 @triton.jit
+def _rotate_and_store_new(
+    q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr, b, kvh, heads, gmask,
+    seq_len, start, end, qk_scale, m_i, l_i, acc, stride_qb, stride_qh, stride_kt, stride_kh,
+    stride_vt, stride_vh, stride_cs, stride_cb, stride_ch, stride_ct,
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Rotary embedding and the KV write inside decode attention (unquantized pages): every program
+    rotates its group's q rows; the one whose part holds the new token (position seq_len - 1)
+    rotates that token's k, stores k and v into their slot, and takes the token's score from
+    registers as the online softmax's first entry, so its loop stops before it and never reads
+    the slot it has just written. -> (q rotated, m_i, l_i, acc, end)."""
+    d = tl.arange(0, HEAD_DIM)
+    dsw = (d + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each element
+    c, s = rotary_row(cs_ptr, tl.load(pos_ptr + b).to(tl.int64), stride_cs, q_ptr.dtype.element_ty, HEAD_DIM)
+    qrow = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q = rotate_rows(tl.load(qrow + d[None, :], mask=gmask[:, None], other=0.0),
+                    tl.load(qrow + dsw[None, :], mask=gmask[:, None], other=0.0), c[None, :], s[None, :])
+    last = seq_len - 1
+    if (start <= last) & (last < end):  # this program's part holds the new token
+        krow = kn_ptr + b.to(tl.int64) * stride_kt + kvh * stride_kh
+        cdt = kc_ptr.dtype.element_ty
+        k = rotate_rows(tl.load(krow + d), tl.load(krow + dsw), c, s).to(cdt)
+        v = tl.load(vn_ptr + b.to(tl.int64) * stride_vt + kvh * stride_vh + d).to(cdt)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if slot >= 0:  # -1: a padded graph row, written nowhere
+            page = (slot // BLOCK_SIZE) * stride_cb + kvh * stride_ch + (slot % BLOCK_SIZE) * stride_ct + d
+            tl.store(kc_ptr + page, k)
+            tl.store(vc_ptr + page, v)
+        m_i = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v.to(tl.float32)[None, :]
+        end = last
+    return q, m_i, l_i, acc, end
+
+
+@triton.jit
 def _merge_splits(
     out_ptr, po_ptr, plse_ptr, sl_ptr, b, heads, gmask,
     stride_ob, stride_oh, stride_pb, stride_ph,
@@ -246,6 +293,11 @@ def _q_out_key(q: torch.Tensor, out: torch.Tensor | None) -> tuple:
     return q.shape, q.stride(), q.dtype, None if out is None else out.stride()
 
 
+# positions of the arguments a reused launch replaces (kernel parameter order)
+_ARG_Q, _ARG_KC, _ARG_VC, _ARG_KS, _ARG_VS, _ARG_OUT, _ARG_SCALE = 0, 1, 2, 3, 4, 7, 11
+_ARG_KN, _ARG_VN, _ARG_POS, _ARG_CS, _ARG_SLOT = 24, 25, 26, 27, 28
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -260,17 +312,59 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     shapes and dtypes only relaunch it on their own q, caches, scales and out (an eager step pays
     the wrapper's host time once instead of once per layer).
     """
+    quant = QUANT_CODE.get(k_cache.dtype, 0)
+    ks, vs = (k_scale, v_scale) if quant else (k_cache, k_cache)
+    changes = ((_ARG_Q, q), (_ARG_KC, k_cache), (_ARG_VC, v_cache), (_ARG_KS, ks), (_ARG_VS, vs))
+    return _decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale, out, config,
+                   reuse, pdl, None, changes)
+
+
+def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            softmax_scale: float, out: torch.Tensor | None = None, config: dict | None = None,
+                            reuse: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    """A decode step's attention from its unrotated projections, over unquantized pages: the
+    rotary embedding of q [B, Hq, D] and k [B, Hkv, D] (kernels/fused.py apply_rotary), the new
+    k and v into their slots (-1: written nowhere) and paged_decode_attention, in one kernel: one
+    launch less per layer. q and k are not modified. seq_lens count the new token; positions and
+    cos_sin as for apply_rotary; config, reuse and pdl as for paged_decode_attention."""
+    changes = ((_ARG_Q, q), (_ARG_KC, k_cache), (_ARG_VC, v_cache), (_ARG_KS, k_cache), (_ARG_VS, k_cache),
+               (_ARG_KN, k), (_ARG_VN, v), (_ARG_POS, positions), (_ARG_CS, cos_sin), (_ARG_SLOT, slot_mapping))
+    return _decode(q, k_cache, v_cache, None, None, block_tables, seq_lens, softmax_scale, out, config, reuse,
+                   pdl, (k, v, positions, cos_sin, slot_mapping), changes)
+
+
+def _check_rotary(q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    assert QUANT_CODE.get(k_cache.dtype, 0) == 0 and k_cache.dtype == q.dtype, "pages in q's dtype only"
+    B, Hkv, D = k.shape
+    assert q.shape[0] == B and q.shape[2] == D and k.dtype == q.dtype and v.dtype == q.dtype
+    assert v.shape == k.shape and k.stride(2) == 1 and v.stride(2) == 1, "k/v last dim must be contiguous"
+    assert k_cache.shape[1] == Hkv, f"k {tuple(k.shape)} does not fit cache {tuple(k_cache.shape)}"
+    assert positions.shape == (B,) and not positions.dtype.is_floating_point
+    assert slot_mapping.shape == (B,) and not slot_mapping.dtype.is_floating_point
+    assert cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, D) and cos_sin.dtype == torch.float32
+    assert cos_sin.stride(2) == 1 and cos_sin.stride(1) == D
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+            out: torch.Tensor | None, config: dict | None, reuse: dict | None, pdl: bool,
+            rotary: tuple | None, changes: tuple) -> torch.Tensor:
+    """Both entry points: the reused launch when the step planned one, else check, plan, launch.
+    changes: (position, value) of the arguments a reused launch replaces, out and scale aside."""
+    name = "decode" if rotary is None else "decode_rotary"
     if reuse is not None:
         caller_out = out
         short = (k_cache.shape, k_cache.dtype, None if k_scale is None else k_scale.stride(), pdl)
-        hit = reuse.get("decode")
+        hit = reuse.get(name)
         # the plan's own q and out objects (every layer of a piecewise step): their shapes need no check
         if hit is not None and hit[1] == short and (
                 (out is not None and hit[2] is q and hit[3] is out) or hit[0] == _q_out_key(q, out)):
             if out is None:
                 out = torch.empty_like(q)
-            ks, vs = (k_scale, v_scale) if QUANT_CODE.get(k_cache.dtype, 0) else (k_cache, k_cache)
-            hit[4](((0, q), (1, k_cache), (2, v_cache), (3, ks), (4, vs), (7, out), (11, softmax_scale * LOG2E)))
+            hit[4](changes + ((_ARG_OUT, out), (_ARG_SCALE, softmax_scale * LOG2E)))
             return out
     B, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
@@ -291,6 +385,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         assert k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
         ks = vs = k_cache  # unused
+    if rotary is not None:
+        _check_rotary(q, k_cache, *rotary)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
@@ -312,6 +408,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         po = plse = counters = out  # unused
     pdl = pdl and q.is_cuda
+    if rotary is None:
+        kn = vn = pos = cs = slot = q  # unused
+    else:
+        kn, vn, pos, cs, slot = rotary
     main = (bind if reuse is not None else launch)(_decode_kernel, (B, Hkv, splits),
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, po, plse, counters,
         softmax_scale * LOG2E,
@@ -319,12 +419,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0), ks.stride(1), block_tables.stride(0),
         Hq * splits, splits,
+        kn, vn, pos, cs, slot, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
         BLOCK_SIZE=bs, TILE_N=tile_n, MIN_TILES=min_tiles, NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)),
-        QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]), PDL=pdl,
+        QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]), ROTARY=rotary is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     if reuse is not None and main is not None:  # None: launched the normal way (interpreter, profiler hooks)
-        reuse["decode"] = (_q_out_key(q, caller_out), short, q, caller_out, main)
+        reuse[name] = (_q_out_key(q, caller_out), short, q, caller_out, main)
     return out

@@ -96,6 +96,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, softmax_scale, k_scale, v_scale, out)
 
 
+def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            softmax_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode from unrotated q, k: rotary embedding, the new k, v into the (unquantized) pages,
+    then paged_decode_attention."""
+    q, _ = apply_rotary(q, k, positions, cos_sin, v, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out=out)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm as Hugging Face's Llama computes it; with residual, first x += residual and

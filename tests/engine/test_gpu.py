@@ -251,6 +251,8 @@ def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
     shared = [rng.randrange(3, VOCAB) for _ in range(40)]
     ps = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 150))] for _ in range(30)]
     ps += [shared + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
+    # short ones: mixed steps with more than 64 decodes (decode attention's next launch plan)
+    ps += [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(60)]
     knobs.runtime.jit_cache_hook = hook
     try:
         llm.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

@@ -26,7 +26,7 @@ def test_warmup_writes_nowhere(tiny_models):
     runner = llm.engine.runner
     runner.pool.kv.normal_()
     before = runner.pool.kv.clone()
-    runner.warmup()  # decode counts 1 and 2 (no graphs) x chunks of 16, 32, 64
+    runner.warmup()  # 1 decode x chunks of 16, 32, 64; 2 decodes x 16; decode-only steps of 1 and 2 (no graphs)
     assert runner.pool.kv.equal(before)
     runner.pool.kv.zero_()
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]

@@ -108,6 +108,8 @@ def cases() -> list[tuple]:
     fp8 = torch.float8_e4m3fn
     for kc_, vc_, scales in ((kc, kc.clone(), (None, None)), (kc.to(fp8), vt.to(fp8), (ks, ks))):
         paged_attention.paged_decode_attention(q, kc_, vc_, bt, sl, 0.125, *scales, config={"num_splits": 2})
+    paged_attention.rotary_decode_attention(q, k, k.clone(), torch.arange(64), torch.randn(128, 2, 64, generator=g),
+                                            kc, kc.clone(), slots, bt, sl, 0.125, config={"num_splits": 2})
     return calls
 
 
