@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench.client import CompletionTarget
 from bench.hardware import Measurement, gpu_name, measure_in_subprocess
-from bench.load import LoadPlan, discover_model, probe, run_load
+from bench.load import (LoadError, LoadPlan, auto_client_processes, client_process_count, discover_model,
+                        probe, run_load)
 from bench.metrics import SLO, compute_metrics
 from serve.cli_args import OneLineErrorParser
 from bench.plot import check_available, write_plot
@@ -71,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="first send N unmeasured requests of the same shape (other tokens, another shared "
                            "prefix), at the same concurrency: compiles and warms the server (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (default: %(default)s)")
+    load.add_argument("--client-processes", type=int, metavar="N",
+                      help="send the requests from N processes sharing the concurrency cap and the arrival "
+                           "schedule, so that the client's CPU does not cap the figures (default: one per 32 "
+                           "requests in flight, at most 4 and half the CPUs; 1: this process alone)")
 
     out = parser.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
@@ -97,6 +102,7 @@ class _Setup:
     server_args: list[str]
     url: str | None
     request_rate: float | None
+    client_processes: int
 
 
 def _validate(args: argparse.Namespace) -> _Setup:
@@ -117,6 +123,8 @@ def _validate(args: argparse.Namespace) -> _Setup:
         rate = None
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.client_processes is not None and args.client_processes < 1:
+        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.server_timeout <= 0:
         raise ValueError("--server-timeout must be > 0")
     for flag, value in (("--copy-bandwidth", args.copy_bandwidth), ("--matmul-tflops", args.matmul_tflops)):
@@ -153,7 +161,8 @@ def _validate(args: argparse.Namespace) -> _Setup:
         workload=workload, slo=slo, model_dir=model_dir, model=model,
         server_command=None if args.url else resolve_command(args.server_command),
         server_args=server_args, url=args.url.rstrip("/").removesuffix("/v1") if args.url else None,
-        request_rate=rate)
+        request_rate=rate,
+        client_processes=args.client_processes or auto_client_processes(args.concurrency, workload.num_prompts))
 
 
 def _hardware(args: argparse.Namespace, setup: _Setup) -> Measurement:
@@ -220,7 +229,15 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
             _error(f"{len(failed)} of {len(warmups)} warm-up requests failed: {failed[0].error}")
             return 1
     arrivals = arrival_offsets(len(requests), setup.request_rate, setup.workload.seed)
-    load = asyncio.run(run_load(target, requests, LoadPlan(arrivals=arrivals, concurrency=args.concurrency)))
+    plan = LoadPlan(arrivals=arrivals, concurrency=args.concurrency, processes=setup.client_processes)
+    processes = client_process_count(plan.processes, plan.concurrency, len(requests))
+    if processes > 1:
+        print(f"{PROG}: {processes} client processes", file=sys.stderr)
+    try:
+        load = asyncio.run(run_load(target, requests, plan))
+    except LoadError as e:
+        _error(str(e))
+        return 1
     metrics = compute_metrics(load.results, load.duration_s, setup.slo)
 
     rates = hw.rates()
@@ -235,13 +252,17 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         request_rate=setup.request_rate, ignore_eos=args.ignore_eos, kv_cache_dtype=args.kv_cache_dtype,
         server_args=None if setup.url else shlex.join(setup.server_args))
     print(format_report(info, metrics, roofline))
-    busy = load.client_cpu_s / load.duration_s if load.duration_s > 0 else 0.0
+    busy = load.client_cpu_fraction
     if busy > 0.8:
-        print(f"{PROG}: warning: the load generator was busy {busy:.0%} of the run; the figures may measure "
-              "the client, not the server", file=sys.stderr)
+        which = "the load generator" if load.client_processes == 1 else \
+            f"the busiest of the {load.client_processes} client processes"
+        print(f"{PROG}: warning: {which} was busy {busy:.0%} of the run; the figures may measure "
+              "the client, not the server (more --client-processes?)", file=sys.stderr)
     if args.result_json:
         result = result_dict(info, metrics, load.results, roofline, setup.slo)
-        result["client_cpu_fraction"] = round(busy, 4)
+        result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
+        result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
+        result["client_processes"] = load.client_processes
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         title = (f"{info.model or name} on {info.gpu or 'unknown GPU'}: {setup.workload.num_prompts} x "

@@ -2,8 +2,8 @@
 
 Each completion streams its tokens in chunks of `tokens_per_chunk` (cycled) after `ttft_s`, one
 chunk every `chunk_interval_s`, each chunk naming its token ids; the last chunk carries usage.
-Request number n (0 = the first one the server sees) fails with HTTP 500 when fail_every > 0 and
-n % fail_every == 0 and n > 0.
+It records the request bodies and the most streams open at once. Request number n (0 = the first
+one the server sees) fails with HTTP 500 when fail_every > 0 and n % fail_every == 0 and n > 0.
 
 Run as a script it stands in for `serve run`:
   python tests/bench/fake_server.py --model DIR --host H --port P [--served-model-name N] [...]
@@ -31,6 +31,8 @@ class FakeBehaviour:
     fail_every: int = 0
     model_name: str = "fake-model"
     seen: list[dict] = field(default_factory=list)  # request bodies, with their arrival time "t"
+    streaming: int = 0  # streams open now
+    max_streaming: int = 0  # the most streams open at once
 
 
 def create_app(b: FakeBehaviour) -> FastAPI:
@@ -54,9 +56,19 @@ def create_app(b: FakeBehaviour) -> FastAPI:
             return JSONResponse({"error": {"message": f"no model {body.get('model')!r}"}}, status_code=404)
         if b.fail_every and n > 0 and n % b.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
-        return StreamingResponse(_stream(b, body), media_type="text/event-stream")
+        b.streaming += 1  # the app runs on one event loop: no lock needed
+        b.max_streaming = max(b.max_streaming, b.streaming)
+        return StreamingResponse(_counted(b, _stream(b, body)), media_type="text/event-stream")
 
     return app
+
+
+async def _counted(b: FakeBehaviour, events):
+    try:
+        async for event in events:
+            yield event
+    finally:
+        b.streaming -= 1
 
 
 async def _stream(b: FakeBehaviour, body: dict):

@@ -12,6 +12,8 @@ BAD = [
     ["--url", "http://127.0.0.1:9", "--goodput", "latency:5"],
     ["--url", "http://127.0.0.1:9", "--concurrency", "0"],
     ["--url", "http://127.0.0.1:9", "--request-rate", "-1"],
+    ["--url", "http://127.0.0.1:9", "--client-processes", "0"],
+    ["--url", "http://127.0.0.1:9", "--client-processes", "-2"],
     ["--url", "http://127.0.0.1:9", "--range-ratio", "1.5"],
     ["--url", "http://127.0.0.1:9", "--input-len", "16", "--shared-prefix-len", "17"],
     ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],
@@ -39,3 +41,11 @@ def test_bad_number_is_one_line_too(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--concurrency" in err[0]
+
+
+def test_bad_client_processes_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--url", "http://127.0.0.1:9", "--client-processes", "two"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--client-processes" in err[0]
