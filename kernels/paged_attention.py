@@ -425,6 +425,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
         QUANT=quant, NATIVE=not fp32 and q.is_cuda, PREFETCH=bool(cfg["prefetch"]), ROTARY=rotary is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        **({} if rotary is None else {"enable_fp_fusion": False}),  # rounds like torch (fused.rotate_rows)
     )
     if reuse is not None and main is not None:  # None: launched the normal way (interpreter, profiler hooks)
         reuse[name] = (_q_out_key(q, caller_out), short, q, caller_out, main)

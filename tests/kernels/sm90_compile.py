@@ -28,7 +28,7 @@ from kernels import cache_write, fused, linear, paged_attention  # noqa: E402
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
           torch.float8_e4m3fn: "fp8e4nv"}
-_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg", "enable_fp_fusion")
 GPU_SETTINGS = {"PDL": True, "NATIVE": True, "LINES": 16}
 
 

@@ -9,8 +9,7 @@ from kernels import reference as ref
 from kernels.paged_attention import rotary_decode_attention
 from tests.kernels.util import DEVICE, REL_TOL, gpu, make_block_tables, make_cache, rel_err
 
-# the rotated k in the pages: within one rounding of the dtype, as for kernels/fused.py apply_rotary
-# (on an H100 both kernels' bf16 results differ from torch's by one unit in ~1 of 5 elements)
+# the rotated k in the pages: as torch rounds it on the GPU; the interpreter's casts may differ by one unit
 PAGE_TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -52,6 +51,8 @@ def _check(seq_lens, Hq, Hkv, D, bs, dtype, config=None, pad=(), device=DEVICE, 
     assert got is out and torch.equal(q, q0) and torch.equal(k, k0), "q and k must stay as they were"
     torch.testing.assert_close(kc.float(), ekc.float(), atol=PAGE_TOL[dtype], rtol=PAGE_TOL[dtype])
     assert torch.equal(vc, evc)
+    if device == "cuda":
+        assert torch.equal(kc, ekc)
     # a padded row's new token is written nowhere, so the reference reads the old slot: not compared
     keep = [i for i in range(len(seq_lens)) if i not in pad]
     assert not torch.isnan(got[keep]).any(), "unwritten or NaN output"
@@ -133,8 +134,7 @@ def test_rotary_decode_gpu_cuda_graph_replays():
         expect = ref.rotary_decode_attention(q, k, v, pos, cs, ekc, evc, slots, bt, sl, 0.125)
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(kc.float(), ekc.float(), atol=PAGE_TOL[torch.bfloat16], rtol=PAGE_TOL[torch.bfloat16])
-        assert torch.equal(vc, evc)
+        assert torch.equal(kc, ekc) and torch.equal(vc, evc)
         err = rel_err(out[:-1], expect[:-1])
         assert err < REL_TOL[torch.bfloat16], f"replay {trial}: relative error {err:.2e}"
 
