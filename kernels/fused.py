@@ -69,27 +69,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c1, s1, c2, s2,
-                  BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Rotate n_heads heads of token t in place (neox: halves [x1, x2] -> [x1 c - x2 s, x2 c + x1 s])."""
-    hh = tl.arange(0, BLOCK_H)
-    j = tl.arange(0, HALF)
-    hmask = hh[:, None] < n_heads
-    p1 = ptr + t * stride_t + hh[:, None] * stride_h + j[None, :]
-    x1 = tl.load(p1, mask=hmask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=hmask, other=0.0)
-    dt = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    # torch computes q * cos + rotate_half(q) * sin in q's dtype: round each product and the sum
-    o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
-    o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
-    tl.store(p1, o1.to(dt), mask=hmask)
-    tl.store(p1 + HALF, o2.to(dt), mask=hmask)
-    return o1.to(dt), o2.to(dt)
-
-
-@triton.jit
 def rotary_row(cs_ptr, pos, stride_cs, dt: tl.constexpr, HEAD_DIM: tl.constexpr):
     """(cos, sin) [HEAD_DIM] float32 for position pos, rounded to dt as torch rounds them, sin's
     first half negated: x rotated = x * cos + x[(d + HEAD_DIM / 2) % HEAD_DIM] * sin (rotate_half)."""
@@ -111,37 +90,43 @@ def rotate_rows(x, x_swapped, c, s):
     return ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (x_swapped.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
 
 
+@triton.jit
+def _rotate_heads(ptr, t, stride_t, stride_h, n_heads, c, s, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rotate n_heads heads of token t in place -> the rotated heads [BLOCK_H, HEAD_DIM]."""
+    hh = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    hmask = hh[:, None] < n_heads
+    row = ptr + t * stride_t + hh[:, None] * stride_h
+    x = tl.load(row + d[None, :], mask=hmask, other=0.0)
+    xs = tl.load(row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=hmask, other=0.0)
+    tl.debug_barrier()  # in place: every thread has read both halves before any of them is overwritten
+    o = rotate_rows(x, xs, c[None, :], s[None, :])
+    tl.store(row + d[None, :], o, mask=hmask)
+    return o
+
+
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # views at offsets of the step's inputs
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK,
                    stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HEAD_DIM: tl.constexpr,
                    WRITE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, HALF)
-    cs = cs_ptr + pos * stride_cs
-    dt = q_ptr.dtype.element_ty
-    # cos then sin, each duplicated over both halves; torch casts them to q's dtype first
-    c1 = tl.load(cs + j).to(dt).to(tl.float32)
-    c2 = tl.load(cs + HALF + j).to(dt).to(tl.float32)
-    s1 = tl.load(cs + 2 * HALF + j).to(dt).to(tl.float32)
-    s2 = tl.load(cs + 3 * HALF + j).to(dt).to(tl.float32)
-    _rotate_heads(q_ptr, t, stride_qt, stride_qh, HQ, c1, s1, c2, s2, BLOCK_HQ, HALF)
-    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, HK, c1, s1, c2, s2, BLOCK_HK, HALF)
+    c, s = rotary_row(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, q_ptr.dtype.element_ty, HEAD_DIM)
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, HQ, c, s, BLOCK_HQ, HEAD_DIM)
+    k = _rotate_heads(k_ptr, t, stride_kt, stride_kh, HK, c, s, BLOCK_HK, HEAD_DIM)
     if WRITE:  # the rotated k and v into the pages (slot -1: a padded row, written nowhere)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             hh = tl.arange(0, BLOCK_HK)
+            d = tl.arange(0, HEAD_DIM)
             hmask = hh[:, None] < HK
             cdt = kc_ptr.dtype.element_ty
-            page = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + hh[:, None] * stride_ch + j[None, :]
-            tl.store(kc_ptr + page, k1.to(cdt), mask=hmask)
-            tl.store(kc_ptr + page + HALF, k2.to(cdt), mask=hmask)
-            pv = v_ptr + t * stride_vt + hh[:, None] * stride_vh + j[None, :]
+            page = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + hh[:, None] * stride_ch + d[None, :]
+            tl.store(kc_ptr + page, k.to(cdt), mask=hmask)
+            pv = v_ptr + t * stride_vt + hh[:, None] * stride_vh + d[None, :]
             tl.store(vc_ptr + page, tl.load(pv, mask=hmask, other=0.0).to(cdt), mask=hmask)
-            tl.store(vc_ptr + page + HALF, tl.load(pv + HALF, mask=hmask, other=0.0).to(cdt), mask=hmask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -177,7 +162,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
             q, k, positions, cos_sin, v, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), Hq, Hk,
             v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HALF=D // 2,
+            BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(Hk), HEAD_DIM=D,
             WRITE=write, BLOCK_SIZE=k_cache.shape[2] if write else 1, PDL=pdl, num_warps=4, launch_pdl=pdl,
             enable_fp_fusion=False,  # see rotate_rows
         )
