@@ -77,10 +77,6 @@ class LoadResult:
         """The busiest client process's CPU time over its span: near 1, that process is the bottleneck."""
         return max((u.busy for u in self.usage), default=0.0)
 
-    @property
-    def client_cpu_s(self) -> float:
-        return max(self.usage, key=lambda u: u.busy).cpu_s if self.usage else 0.0
-
 
 class LoadError(RuntimeError):
     """A client process failed or died; the message is one line."""
