@@ -69,7 +69,7 @@ def rotate_and_store(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Rotary embedding on q, k, then this step's k, v into the pages -> (q, k) as attention must
     see them. Unquantized pages take both in one kernel."""
     c = layer_cache
-    if c.kv_dtype is None and c.rotation is None:
+    if c.plain:
         return ops.apply_rotary(q, k, positions, cos_sin, v, c.k, c.v, slot_mapping)
     q, k = ops.apply_rotary(q, k, positions, cos_sin)
     return store_kv(ops, q, k, v, c, slot_mapping)
@@ -140,7 +140,7 @@ def paged_attention(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Rotary embedding, this step's k, v into the pages, then attention: q [T, H, D] -> [T, H, D]."""
     c = layer_cache
-    if meta.num_decode == meta.seq_lens.shape[0] and c.kv_dtype is None and c.rotation is None:
+    if c.plain and meta.num_decode == meta.seq_lens.shape[0]:
         kw = {"reuse": meta.launches} if ops.reuse else {}
         return ops.rotary_decode_attention(q, k, v, positions, cos_sin, c.k, c.v, meta.slot_mapping,
                                            meta.block_tables, meta.seq_lens, scale, **kw)

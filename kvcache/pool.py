@@ -20,6 +20,11 @@ class LayerCache:
     kv_dtype: str | None  # "fp8" | "int8", or None for an unquantized cache
     rotation: QKRotation | None = None  # fp8/int8: q and k are rotated before attention (kvcache/rotation.py)
 
+    @property
+    def plain(self) -> bool:
+        """Pages in the model's dtype, no q/k rotation: the rotary kernels may write k, v directly."""
+        return self.kv_dtype is None and self.rotation is None
+
 
 class KVPool:
     """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype (fp8/int8:
