@@ -1,8 +1,13 @@
 """Summarize a PAGEDSERVE_STEP_TRACE file (scheduler/trace.py): per kind of step, how the engine
 loop's wall time splits into scheduling, launching, waiting for the previous step's tokens,
-processing them and sending the outputs.
+processing them and sending the outputs; on a GPU also each step's time on the device (gpu, from
+CUDA events around the step) and how long the device sat idle before it (idle).
 
-    python -m bench.trace_summary trace.jsonl [--json out.json]
+    python -m bench.trace_summary trace.jsonl [--json out.json] [--after-idle MS]
+
+--after-idle MS keeps only the steps after the last time the device sat idle for more than MS
+(a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
+fit of their device time against their prompt tokens (fixed ms per step + us per token).
 """
 from __future__ import annotations
 
@@ -22,10 +27,49 @@ def kind(row: dict) -> str:
     return "decode" if row["decodes"] == row["seqs"] else "prefill" if row["decodes"] == 0 else "mixed"
 
 
-def summarize(rows: list[dict]) -> dict:
+def _device_times(rows: list[dict]) -> list[dict]:
+    """Rows with gpu_ms / idle_ms: a row's prev_* fields belong to the row before it (the step it
+    collected, which that row launched)."""
+    rows = [dict(r) for r in rows]
+    for prev, row in zip(rows, rows[1:]):
+        if "prev_gpu_ms" in row:
+            prev["gpu_ms"], prev["idle_ms"] = row.pop("prev_gpu_ms"), row.pop("prev_idle_ms")
+    return rows
+
+
+def after_idle(rows: list[dict], ms: float) -> list[dict]:
+    """The rows from the last one that had been idle for more than ms on the device (all if none);
+    that wait, before the window, does not count."""
+    starts = [i for i, r in enumerate(rows) if r.get("idle_ms", 0.0) > ms]
+    if not starts:
+        return rows
+    return [{**rows[starts[-1]], "idle_ms": 0.0}] + rows[starts[-1] + 1:]
+
+
+def _fit(rs: list[dict]) -> dict | None:
+    """gpu_ms = fixed + per_token * prompt tokens (the step's tokens beyond its decodes)."""
+    pts = [(r["tokens"] - r["decodes"], r["gpu_ms"]) for r in rs if "gpu_ms" in r]
+    if len(pts) < 3:
+        return None
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return {"fixed_ms": my - b * mx, "us_per_prompt_token": b * 1e3}
+
+
+def summarize(rows: list[dict], idle_ms: float | None = None) -> dict:
+    rows = _device_times(rows)
+    if idle_ms is not None:
+        rows = after_idle(rows, idle_ms)
     out: dict = {"steps": len(rows), "held_steps": sum(r.get("held", 0) for r in rows)}
     if len(rows) > 1:
         out["wall_ms"] = rows[-1]["t_end"] - rows[0]["t0"]
+    if any("gpu_ms" in r for r in rows):
+        out["gpu_ms"] = sum(r.get("gpu_ms", 0.0) for r in rows)
+        out["idle_ms"] = sum(r.get("idle_ms", 0.0) for r in rows)
     for k in ("decode", "mixed", "prefill", "drain"):
         rs = [r for r in rows if kind(r) == k]
         if not rs:
@@ -37,6 +81,14 @@ def summarize(rows: list[dict]) -> dict:
             if vals:
                 s[name + "_ms"] = {"mean": statistics.fmean(vals), "median": statistics.median(vals),
                                    "sum": sum(vals)}
+        for name in ("gpu", "idle"):
+            vals = [r[name + "_ms"] for r in rs if name + "_ms" in r]
+            if vals:
+                s[name + "_ms"] = {"mean": statistics.fmean(vals), "median": statistics.median(vals),
+                                   "sum": sum(vals)}
+        fit = _fit(rs) if k in ("mixed", "prefill") else None
+        if fit is not None:
+            s["gpu_fit"] = fit
         out[k] = s
     nxt = {id(r): n for r, n in zip(rows, rows[1:])}
     for k in ("decode", "mixed", "prefill"):
@@ -50,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--json", default=None)
+    p.add_argument("--after-idle", type=float, default=None, metavar="MS")
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
-    res = summarize(rows)
+    res = summarize(rows, args.after_idle)
     print(json.dumps(res, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -85,6 +85,7 @@ class Launched:
     rows: dict[int, int]  # seq_id -> row of samples.tokens
     sampled: list[int]  # indices of the batch items that sample
     num_items: int
+    events: tuple | None = None  # CUDA timing events around the step (enable_step_timing)
 
 
 class ModelRunner:
@@ -124,6 +125,8 @@ class ModelRunner:
         # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
         # depends on the width); each step uploads only the columns its sequences use.
         self.block_tables = torch.zeros((cfg.max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
+        self._step_timing = False  # enable_step_timing()
+        self._last_end: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
@@ -403,8 +406,35 @@ class ModelRunner:
         hit[2] = len(table)
         return index
 
-    @torch.inference_mode()
+    def enable_step_timing(self) -> None:
+        """CUDA events around every step (step traces only): gpu_times() then says how long the
+        GPU spent on each step and how long it sat idle before it."""
+        self._step_timing = self.device.type == "cuda"
+
+    def gpu_times(self, launched: Launched) -> tuple[float, float] | None:
+        """(ms from the step's first queued work to its last on the GPU, ms the GPU was idle between
+        the previous timed step's end and this step's start, which counts time with nothing to
+        run), once collect() has returned."""
+        if launched.events is None:
+            return None
+        start, end = launched.events
+        end.synchronize()
+        idle = self._last_end.elapsed_time(start) if self._last_end is not None else 0.0
+        self._last_end = end
+        return start.elapsed_time(end), idle
+
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        if not self._step_timing:
+            return self._launch(batch, prev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launched = self._launch(batch, prev)
+        end.record()
+        launched.events = (start, end)
+        return launched
+
+    @torch.inference_mode()
+    def _launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Queue one step on the device (inputs, forward, sampling, the copy of the token ids back)
         without waiting for it. A pending input token is read from prev's samples on the device."""
         n = len(batch.items)

@@ -65,6 +65,8 @@ class EngineCore:
         self.stats = EngineStats()
         self._in_flight: _InFlight | None = None
         self.trace = StepTrace.from_env()
+        if self.trace is not None and hasattr(executor, "enable_step_timing"):
+            executor.enable_step_timing()
 
     @property
     def max_model_len(self) -> int:
@@ -141,7 +143,9 @@ class EngineCore:
             except Exception as e:
                 return outputs + self._step_failed(prev.batch, e)
             if trace is not None:
-                trace.mark("t_collect")
+                # the collected step was launched by the previous row: trace_summary moves these there
+                times = self.executor.gpu_times(prev.handle) if hasattr(self.executor, "gpu_times") else None
+                trace.mark("t_collect", **({} if times is None else {"prev_gpu_ms": times[0], "prev_idle_ms": times[1]}))
             outputs += self._process(prev.batch, samples)
         return outputs
 

@@ -29,7 +29,7 @@ class StepTrace:
             self.flush()
         self.row = {"t0": time.perf_counter() * 1e3}
 
-    def mark(self, name: str, **fields: int) -> None:
+    def mark(self, name: str, **fields: float) -> None:
         if self.row is not None:
             self.row[name] = time.perf_counter() * 1e3
             self.row.update(fields)
