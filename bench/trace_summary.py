@@ -60,10 +60,10 @@ def _fit(rs: list[dict]) -> dict | None:
     return {"fixed_ms": my - b * mx, "us_per_prompt_token": b * 1e3}
 
 
-def summarize(rows: list[dict], idle_ms: float | None = None) -> dict:
+def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
     rows = _device_times(rows)
-    if idle_ms is not None:
-        rows = after_idle(rows, idle_ms)
+    if after_idle_ms is not None:
+        rows = after_idle(rows, after_idle_ms)
     out: dict = {"steps": len(rows), "held_steps": sum(r.get("held", 0) for r in rows)}
     if len(rows) > 1:
         out["wall_ms"] = rows[-1]["t_end"] - rows[0]["t0"]

@@ -53,7 +53,7 @@ def test_after_idle_and_the_mixed_steps_fit():
     times = [(1.0, 0.0), (2.512, 900.0), (3.024, 0.0), (4.048, 0.0)]
     for row, (gpu, idle) in zip(rows[1:], times):
         row["prev_gpu_ms"], row["prev_idle_ms"] = gpu, idle
-    res = trace_summary.summarize(rows, idle_ms=100.0)
+    res = trace_summary.summarize(rows, after_idle_ms=100.0)
     assert res["steps"] == 4 and "prefill" not in res  # the warm-up step is dropped
     assert res["idle_ms"] == 0.0  # and so is the wait after it
     fit = res["mixed"]["gpu_fit"]
