@@ -46,18 +46,18 @@ def after_idle(rows: list[dict], ms: float) -> list[dict]:
     return [{**rows[starts[-1]], "idle_ms": 0.0}] + rows[starts[-1] + 1:]
 
 
+def _stats(vals: list[float]) -> dict:
+    return {"mean": statistics.fmean(vals), "median": statistics.median(vals), "sum": sum(vals)}
+
+
 def _fit(rs: list[dict]) -> dict | None:
     """gpu_ms = fixed + per_token * prompt tokens (the step's tokens beyond its decodes)."""
-    pts = [(r["tokens"] - r["decodes"], r["gpu_ms"]) for r in rs if "gpu_ms" in r]
-    if len(pts) < 3:
+    rs = [r for r in rs if "gpu_ms" in r]
+    tokens = [r["tokens"] - r["decodes"] for r in rs]
+    if len(rs) < 3 or len(set(tokens)) < 2:
         return None
-    mx = statistics.fmean(x for x, _ in pts)
-    my = statistics.fmean(y for _, y in pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx == 0:
-        return None
-    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    return {"fixed_ms": my - b * mx, "us_per_prompt_token": b * 1e3}
+    slope, intercept = statistics.linear_regression(tokens, [r["gpu_ms"] for r in rs])
+    return {"fixed_ms": intercept, "us_per_prompt_token": slope * 1e3}
 
 
 def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
@@ -79,13 +79,11 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
         for name, a, b in PHASES:
             vals = [r[b] - r[a] for r in rs if a in r and b in r]
             if vals:
-                s[name + "_ms"] = {"mean": statistics.fmean(vals), "median": statistics.median(vals),
-                                   "sum": sum(vals)}
+                s[name + "_ms"] = _stats(vals)
         for name in ("gpu", "idle"):
             vals = [r[name + "_ms"] for r in rs if name + "_ms" in r]
             if vals:
-                s[name + "_ms"] = {"mean": statistics.fmean(vals), "median": statistics.median(vals),
-                                   "sum": sum(vals)}
+                s[name + "_ms"] = _stats(vals)
         fit = _fit(rs) if k in ("mixed", "prefill") else None
         if fit is not None:
             s["gpu_fit"] = fit
@@ -94,7 +92,7 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
     for k in ("decode", "mixed", "prefill"):
         iv = [nxt[id(r)]["t0"] - r["t0"] for r in rows if kind(r) == k and id(r) in nxt]
         if iv and k in out:
-            out[k]["interval_ms"] = {"mean": statistics.fmean(iv), "median": statistics.median(iv), "sum": sum(iv)}
+            out[k]["interval_ms"] = _stats(iv)
     return out
 
 
