@@ -15,13 +15,17 @@ tiles with an online softmax and float32 accumulation, in two parts:
   (SRC_TMA, Hopper) instead of block-table gathers; otherwise from the pages (SRC_PAGES).
 
 Grid (batch * heads, query tiles), the last query tiles (the longest rows) first; neighbouring
-heads share a KV head in L2. PACK_GQA: a program takes the GROUP query heads of one KV head for
+heads share a KV head in L2. With a work list (`work`, int32 items (b << 16) | query tile, the
+caller's order) the grid is (heads, len(work)) instead, fixed for a CUDA graph whatever the step's
+chunks: an item whose tile starts past its chunk (e.g. WORK_PAD) does nothing, and b indexes
+seq_lens, query starts and block tables directly, so the query starts are rows of q itself. PACK_GQA: a program takes the GROUP query heads of one KV head for
 BLOCK_M // GROUP tokens, so each K/V tile serves all of them (short chunks fill the tile; the
 diagonal is narrower). Quantized pages are handled as in paged_attention.py (float16 products,
 scales folded in).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -133,12 +137,17 @@ def _attend(acc, l_i, m_i, q, row_scale, qk_scale, q_idx, k_src, v_src, ks_ptr, 
     return acc, l_i, m_i
 
 
+# a work item that does nothing: query tile 0xFFFF of sequence 0 starts past any chunk
+WORK_PAD = 0xFFFF
+
+
 # Per-step values are not specialized on (==1, divisible by 16, 16-byte aligned), so a step with an
 # unusual number of tiles or of decodes ahead of it (mixed batches pass seq_lens[num_decode:])
 # reuses a compiled kernel instead of stalling for a compile in the middle of serving.
-@triton.jit(do_not_specialize=["num_m_tiles"], do_not_specialize_on_alignment=["bt_ptr", "sl_ptr", "qsl_ptr"])
+@triton.jit(do_not_specialize=["num_m_tiles"],
+            do_not_specialize_on_alignment=["bt_ptr", "sl_ptr", "qsl_ptr", "work_ptr"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_new, v_new, bt_ptr, sl_ptr, qsl_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_new, v_new, bt_ptr, sl_ptr, qsl_ptr, work_ptr, out_ptr,
     qk_scale, num_m_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct,
@@ -147,12 +156,18 @@ def _prefill_kernel(
     PROG_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_PREFIX: tl.constexpr,
     NEW_SRC: tl.constexpr, PACK_GQA: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
-    LAZY: tl.constexpr,
+    LAZY: tl.constexpr, WORK: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    m_tile = num_m_tiles - 1 - tl.program_id(1)  # longest rows first
-    b = pid_bh // PROG_HEADS
-    hp = pid_bh % PROG_HEADS
+    if WORK:
+        item = tl.load(work_ptr + tl.program_id(1))
+        b = item >> 16
+        m_tile = item & 0xFFFF
+        hp = tl.program_id(0)
+    else:
+        pid_bh = tl.program_id(0)
+        m_tile = num_m_tiles - 1 - tl.program_id(1)  # longest rows first
+        b = pid_bh // PROG_HEADS
+        hp = pid_bh % PROG_HEADS
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
@@ -292,6 +307,18 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     return cfg
 
 
+def work_list(seqs: list[int], q_lens: list[int], tok_m: int, size: int) -> np.ndarray | None:
+    """The `work` items of chunks of q_lens[i] tokens of sequences seqs[i] (indices into seq_lens),
+    in tiles of tok_m tokens: the last tiles (the longest rows) first, as the plain grid runs them,
+    padded to `size` with WORK_PAD items; None when there are more than `size`."""
+    items = sorted(((m, s) for s, n in zip(seqs, q_lens) for m in range(cdiv(n, tok_m))), key=lambda it: -it[0])
+    if len(items) > size:
+        return None
+    out = np.full(size, WORK_PAD, dtype=np.int32)
+    out[:len(items)] = [(s << 16) | m for m, s in items]
+    return out
+
+
 def _tensors_key(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor | None) -> tuple:
     return (q.shape, q.stride(), q.dtype, None if k is None else (k.shape, k.stride(), v.stride()),
             None if out is None else out.stride())
@@ -303,7 +330,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: torch.Tensor | None = None, max_query_len: int | None = None,
                             config: dict | None = None, k: torch.Tensor | None = None,
                             v: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                            reuse: dict | None = None) -> torch.Tensor:
+                            reuse: dict | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
 
     k, v [T, num_kv_heads, head_dim] (optional): this step's new keys/values, row for row with q,
@@ -314,6 +341,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     result (a [T, num_heads, head_dim] view with contiguous rows), instead of a new tensor.
     `reuse`: as for paged_decode_attention: one step's dict, passed with the same block_tables,
     seq_lens and query_start_loc each time; later calls of the same shapes relaunch the first's plan.
+    `work`: int32 [N] work items (module docstring), one program per item and head, planned for
+    max_query_len (prefill_plan()'s tok_m is the tile the items count in); no reuse with it.
     """
     if reuse is not None:
         caller = (q, k, v, out)
@@ -329,7 +358,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 if out is None:
                     out = torch.empty_like(q)
                 ks, vs = (k_scale, v_scale) if QUANT_CODE.get(k_cache.dtype, 0) else (k_cache, k_cache)
-                changes = [(0, q), (1, k_cache), (2, v_cache), (3, ks), (4, vs), (10, out), (11, softmax_scale * LOG2E)]
+                changes = [(0, q), (1, k_cache), (2, v_cache), (3, ks), (4, vs), (11, out), (12, softmax_scale * LOG2E)]
                 if src == SRC_PTR.value:
                     changes += [(5, k), (6, v)]
                 elif new_desc:
@@ -354,6 +383,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
     assert query_start_loc.shape == (B + 1,)
     assert (k is None) == (v is None), "pass both k and v or neither"
+    if work is not None:
+        assert reuse is None and max_query_len is not None, "a work list takes max_query_len and no reuse"
+        assert work.dtype == torch.int32 and work.dim() == 1 and work.stride(0) == 1
     quant = QUANT_CODE.get(k_cache.dtype, 0)
     if quant:
         check_scales(k_scale, v_scale, (nb, Hkv, bs))
@@ -385,10 +417,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_arg = TensorDescriptor(v, [T, Hkv * D], [v.stride(0), 1], box)
     num_m_tiles = cdiv(max_query_len, tok_m)
     prog_heads = Hkv if pack else Hq
+    grid = (B * prog_heads, num_m_tiles) if work is None else (prog_heads, work.shape[0])
     sk = k.stride() if src != SRC_PAGES.value else (0, 0, 1)
     sv = v.stride() if src != SRC_PAGES.value else (0, 0, 1)
-    main = (bind if reuse is not None else launch)(_prefill_kernel, (B * prog_heads, num_m_tiles),
-        q, k_cache, v_cache, ks, vs, k_arg, v_arg, block_tables, seq_lens, query_start_loc, out,
+    main = (bind if reuse is not None else launch)(_prefill_kernel, grid,
+        q, k_cache, v_cache, ks, vs, k_arg, v_arg, block_tables, seq_lens, query_start_loc,
+        query_start_loc if work is None else work, out,
         softmax_scale * LOG2E, num_m_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -397,7 +431,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         PROG_HEADS=prog_heads, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_SIZE=bs,
         BLOCK_M=block_m, TOK_M=tok_m, BLOCK_N=plan["block_n"], BLOCK_N_PREFIX=plan["block_n_prefix"],
         NEW_SRC=src, PACK_GQA=pack, QUANT=quant, NATIVE=q.dtype != torch.float32 and q.is_cuda,
-        LAZY=plan["lazy_rescale"], num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        LAZY=plan["lazy_rescale"], WORK=work is not None, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )
     if main is not None:
         reuse["prefill"] = (_tensors_key(*caller), short, caller, main, src, plan["block_n"],

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.prefill_attention import SRC_PAGES, SRC_PTR, SRC_TMA, paged_prefill_attention, prefill_plan
+from kernels.prefill_attention import (SRC_PAGES, SRC_PTR, SRC_TMA, WORK_PAD, paged_prefill_attention, prefill_plan,
+                                       work_list)
 from tests.kernels.util import DEVICE, REL_TOL, gpu, make_block_tables, make_cache, rel_err
 
 PAGES, PTR, TMA = SRC_PAGES.value, SRC_PTR.value, SRC_TMA.value
@@ -217,7 +218,74 @@ def test_prefill_query_longer_than_sequence_stays_in_bounds(new_kv):
     assert torch.isfinite(out.float()).all()
 
 
+def _work_list_case(new_kv, kv=None, dtype=torch.bfloat16, D=32, bs=16, Hq=4, Hkv=2, device=DEVICE,
+                    cfg=(("block_m", 16), ("block_n", 16), ("block_n_prefix", 16)), q_lens=(5, 19, 1)):
+    """A whole-step graph's layout (engine/mixed_graph.py): 3 decode rows first, then chunks of
+    5 / 19 / 1 tokens after prefixes of 0 / 7 / 30, the chunks' sequences at indices 4.. of
+    seq_lens, block tables and query starts (absolute rows of q), and 2 rows of padding. The work
+    list's launch must give the plain launch's rows bit for bit and leave the other rows alone."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, prefixes, nd, first = list(q_lens), [0, 7, 30], 3, 4
+    seq_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    nb = sum(-(-n // bs) for n in seq_lens) + 2
+    kc, vc, ks, vs = make_cache(nb, Hkv, bs, D, dtype, kv, device, gen=g)
+    bt = make_block_tables(seq_lens, bs, nb, gen=g, device=device)
+    T = nd + sum(q_lens) + 2
+    q = torch.randn(T, Hq, D, generator=g).to(dtype).to(device)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
+    v = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
+    rows = slice(nd, nd + sum(q_lens))
+    ref.write_kv_cache(k[rows], v[rows], kc, vc, _slots(q_lens, prefixes, bt, bs, device), ks, vs, kv)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    kw = {"k": k[rows], "v": v[rows]} if new_kv else {}
+    cfg = dict(cfg) if cfg else None
+    plain = paged_prefill_attention(q[rows], kc, vc, bt, sl, qsl, 0.3, ks, vs, max(q_lens), config=cfg, **kw)
+    # the graph's arrays: sequence index first + i, padding entries elsewhere
+    n_all = first + len(q_lens) + 1
+    sl_all = torch.ones(n_all, dtype=torch.int32, device=device)
+    sl_all[first:first + len(q_lens)] = sl
+    bt_all = torch.zeros((n_all, bt.shape[1]), dtype=torch.int32, device=device)
+    bt_all[first:first + len(q_lens)] = bt
+    qsl_all = torch.zeros(n_all + 1, dtype=torch.int32, device=device)
+    qsl_all[first:first + len(q_lens) + 1] = qsl + nd
+    tok_m = prefill_plan(q, kc, T, cfg, k if new_kv else None, v if new_kv else None)["tok_m"]
+    seqs = list(range(first, first + len(q_lens)))
+    work = torch.from_numpy(work_list(seqs, q_lens, tok_m, 40)).to(device)
+    items = sum(-(-n // tok_m) for n in q_lens)
+    assert work_list(seqs, q_lens, tok_m, items - 1) is None
+    out = torch.full_like(q, 7.0)
+    kw = {"k": k, "v": v} if new_kv else {}
+    paged_prefill_attention(q, kc, vc, bt_all, sl_all, qsl_all, 0.3, ks, vs, T, config=cfg, out=out, work=work, **kw)
+    assert torch.equal(out[rows], plain)
+    assert (out[:nd] == 7).all() and (out[rows.stop:] == 7).all()
+
+
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_work_list_equals_plain_grid(new_kv):
+    _work_list_case(new_kv)
+
+
+def test_prefill_work_list_quantized_pages():
+    _work_list_case(False, kv="fp8")
+
+
+def test_work_list_order_and_padding():
+    items = work_list([4, 5], [65, 10], 64, 4)
+    assert items.tolist() == [(4 << 16) | 1, 4 << 16, 5 << 16, WORK_PAD]
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
+
+@gpu
+@pytest.mark.parametrize("new_kv", [False, True])
+@pytest.mark.parametrize("kv", [None, "fp8"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (14, 2, 64)])
+def test_prefill_gpu_work_list(Hq, Hkv, D, kv, new_kv):
+    # the engine's plan (TMA loads of the new keys for bf16 pages) over a whole-step graph's layout
+    _work_list_case(new_kv, kv, torch.bfloat16, D, 16 if kv is None else 32, Hq, Hkv, "cuda", cfg=None,
+                    q_lens=(300, 77, 1))
+
 
 @gpu
 @pytest.mark.parametrize("new_kv", [False, True])
