@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=2, help="decode-only steps between mixed steps")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-piecewise-graphs", action="store_true")
+    p.add_argument("--step-graph-max-tokens", type=int, default=None,
+                   help="the engine's option (engine/step_graph.py); 0: piecewise graphs only")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--cprofile", default=None)
     p.add_argument("--out", default=None)
@@ -48,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.request import SamplingParams
     from serve.llm import LLM
 
+    steps = {} if args.step_graph_max_tokens is None else {"step_graph_max_tokens": args.step_graph_max_tokens}
     llm = LLM(args.model, load_format=args.load_format, max_num_batched_tokens=args.max_num_batched_tokens,
-              piecewise_graphs=not args.no_piecewise_graphs)
+              piecewise_graphs=not args.no_piecewise_graphs, **steps)
     core, runner = llm.engine.core, llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     mixed = [r for r in records if r["mixed"] and r["decodes"] == args.decodes]
     result = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "model": llm.engine.model_name,
               "decodes": args.decodes, "prompts": args.prompts, "input_len": args.input_len,
-              "sync": args.sync, "piecewise_graphs": runner.piecewise is not None, "wall_s": wall,
+              "sync": args.sync, "piecewise_graphs": runner.piecewise is not None,
+              "step_graphs": runner.steps is not None, "wall_s": wall,
               "mixed": summary(mixed), "decode_only": summary([r for r in records if not r["mixed"]])}
     print(json.dumps(result, indent=1))
     if prof is not None:

@@ -48,6 +48,8 @@ class Ops:
     argmax_rows: Callable  # (logits [N, V], out=None) -> int64 [N]: greedy tokens, the first max of a row
     # the attention ops take reuse= (kernels/paged_attention.py): one step's layers share a launch plan
     reuse: bool = False
+    # prefill_attention takes work= (a fixed grid over a work list): whole-step graphs (engine/step_graph.py)
+    work_lists: bool = False
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -114,6 +116,22 @@ def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
     ops.prefill_attention(p[0], c.k, c.v, p[1], p[2], p[3], scale, c.k_scale, c.v_scale, meta.max_query_len,
                           k=p[4], v=p[5], out=p[6], **kw)
     return out
+
+
+def attend_fixed(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: LayerCache, scale: float,
+                 rows: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor,
+                 work: torch.Tensor, out: torch.Tensor) -> None:
+    """attend() on grids fixed by shapes alone, for a whole-step CUDA graph (engine/step_graph.py):
+    decode attention over the first `rows` rows of q (entries 0.. of seq_lens and block_tables),
+    then prefill attention over the work list's items, whose sequence entries hold query starts
+    that are rows of q itself; it overwrites whatever decode attention wrote to its rows."""
+    c = layer_cache
+    if c.rotation is not None:
+        scale = scale * c.rotation.score_scale
+    ops.decode_attention(q[:rows], c.k, c.v, block_tables[:rows], seq_lens[:rows], scale, c.k_scale, c.v_scale,
+                         out=out[:rows])
+    ops.prefill_attention(q, c.k, c.v, block_tables, seq_lens, query_starts, scale, c.k_scale, c.v_scale,
+                          q.shape[0], k=k, v=v, out=out, work=work)
 
 
 def _mixed_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

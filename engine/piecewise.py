@@ -79,6 +79,7 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.device = device
         self.pool_bytes = 0
+        self.pool = None  # the graphs' memory pool, once captured (engine/step_graph.py captures into it too)
         self.num_runs = 0
 
     @property
@@ -112,7 +113,7 @@ class PiecewiseGraphs:
         # pool's growth (a tiny model's pool then measured 0 bytes)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         n_pieces = len(self.model.layers) + 1
         for t in reversed(self.buckets):  # largest first: the others reuse its temporaries
             for i in range(n_pieces):  # warm-up: compiles kernels, picks cuBLAS algorithms

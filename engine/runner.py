@@ -18,8 +18,10 @@ from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
+from engine.step_graph import StepGraphs
 from engine.upload import UploadRing
-from kvcache.calc import estimate_graph_bytes, estimate_piecewise_graph_bytes, kv_cache_bytes
+from kvcache.calc import (estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
+                          kv_cache_bytes)
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq
@@ -60,6 +62,13 @@ def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> t
         raise ValueError(why)
     pdl = why is None if pdl is None else pdl
     return triton_ops(pdl), pdl
+
+
+def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBatch:
+    """The sampling parameters of the items that sample, with the output position of the token
+    each samples (which counts pending tokens, unlike num_output_tokens)."""
+    return SamplingBatch([items[i].seq.params for i in sampled],
+                         [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
 
 
 @dataclass
@@ -129,6 +138,7 @@ class ModelRunner:
         self._last_end: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.steps: StepGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
                                        self.max_blocks_per_seq, cfg.block_size, self.device)
@@ -137,6 +147,10 @@ class ModelRunner:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
                                                  self.device)
                 self.piecewise.capture()
+                if cfg.step_graph_max_tokens and self.ops.work_lists:
+                    self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
+                                            self.max_blocks_per_seq, cfg.step_graph_max_tokens, self.device)
+                    self.steps.capture(self.piecewise.pool)
         self.host_slots: HostSlots | None = None
         self.uploads: UploadRing | None = None
         if self.device.type == "cuda":
@@ -174,6 +188,9 @@ class ModelRunner:
                                       self.cfg.block_size)
         if self.cfg.piecewise_graphs:
             graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_batched_tokens)
+            if self.cfg.step_graph_max_tokens:
+                graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
+                                                    self.cfg.step_graph_max_tokens)
         return graphs
 
     @torch.inference_mode()
@@ -259,9 +276,7 @@ class ModelRunner:
             prefill_query_start_loc=d32[2 * n_seqs + 1:head] if has_pq else None,
         )
         sampled = host.sampled
-        # output position of the token each row samples (counts pending tokens, unlike num_output_tokens)
-        sbatch = SamplingBatch([items[i].seq.params for i in sampled],
-                               [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
+        sbatch = _sampling_batch(items, sampled)
         input_ids = d64[:n_tok]
         n_logits = len(sampled)
         if host.num_pending:
@@ -441,19 +456,44 @@ class ModelRunner:
         g = self.graphs
         if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
             return self._launch_graph(batch, prev)
+        if self.steps is not None and not batch.is_decode_only:
+            key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
+            if key is not None:
+                return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
         if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
             logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
-        if not sbatch.params:
+        return self._sample(batch, logits, sbatch, sampled)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
+        """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
+        n = len(batch.items)
+        if not sampled:
             return Launched(None, {}, [], n)
         samples = sample_on_device(logits, sbatch, self.generator)
-        if g is not None:  # where a decode graph that follows reads its pending input tokens
-            g.tokens[:len(sampled)].copy_(samples.tokens)
+        if self.graphs is not None:  # where a decode graph that follows reads its pending input tokens
+            self.graphs.tokens[:len(sampled)].copy_(samples.tokens)
         samples.start_copy(self.host_slots)
         rows = {batch.items[i].seq.seq_id: j for j, i in enumerate(sampled)}
         return Launched(samples, rows, sampled, n)
+
+    def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int]) -> Launched:
+        """launch() for a step with prefill tokens that a whole-step graph takes (engine/step_graph.py):
+        the host inputs as for an eager step, uploaded in the graph's layout, then one replay."""
+        items = batch.items
+        self._reserve_rows(len(items))
+        host = self._mixed_inputs(batch, prev)
+        assert self.steps is not None
+        pending = None
+        if host.num_pending:
+            assert prev is not None and prev.samples is not None
+            pending = prev.samples.tokens
+        hidden, logit_rows = self.steps.run(key, batch.num_decode, host.i64, host.i32, host.num_tokens, len(items),
+                                            host.width, len(host.sampled), host.num_pending, pending)
+        logits = self.model.compute_logits(hidden[logit_rows])
+        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
 
     def _launch_graph(self, batch: Batch, prev: Launched | None) -> Launched:
         """launch() for a decode step in which every row samples, replayed from a decode graph: its

@@ -22,4 +22,4 @@ def triton_ops(pdl: bool = False) -> Ops:
     if pdl:  # prefill attention (compute bound, long) launches the usual way
         fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
     # argmax_rows launches without PDL: it follows the lm_head's cuBLAS GEMM
-    return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, **fns)
+    return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, work_lists=True, **fns)

@@ -30,6 +30,7 @@ from kvcache.spec import KVCacheSpec, default_block_size, resolve_kv_dtype
 # EngineConfig's defaults (a test keeps them equal)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_STEP_GRAPH_MAX_TOKENS = 2304
 # Memory outside torch's allocator once CUDA, cuBLAS and the kernels are loaded: 685 MiB measured
 # on an H100 80GB HBM3 with torch 2.11 + CUDA 13; rounded up.
 RUNTIME_OVERHEAD_BYTES = 768 * MiB
@@ -178,6 +179,17 @@ def estimate_piecewise_graph_bytes(model: ModelConfig, dtype: str, max_num_batch
     static = t * (3 * 8 + (2 * q + 2 * kv + 2 * h) * e)
     pool = t * (5 * h + 3 * inter + q + kv) * e
     return static + pool + 64 * 2**20
+
+
+def estimate_step_graph_bytes(max_num_seqs: int, max_model_len: int, block_size: int, max_tokens: int) -> int:
+    """GPU memory for the whole-step graphs (engine/step_graph.py) beyond the piecewise graphs'
+    pool, which they share: their static inputs for the next power of two above max_num_seqs
+    plus 16 sequences (block tables twice: uploaded and at full width; lengths, query starts,
+    three int64 words) and max_tokens tokens (ids, positions, slots, a work item each), and
+    2 MiB for the graphs themselves (~100-120 of ~24 x 9 kernels for a 24-layer model)."""
+    seqs = (1 << (max_num_seqs - 1).bit_length()) + 16
+    blocks = -(-max_model_len // block_size)
+    return seqs * (2 * 4 * blocks + 2 * 4 + 3 * 8) + max_tokens * (3 * 8 + 4) + 2 * 2**20
 
 
 def kv_cache_bytes(total_gpu_bytes: int, memory_utilization: float, weight_bytes: int,
@@ -483,7 +495,8 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     max_len = req.max_model_len or req.model.max_context_len
     block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
     graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
-              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size))
+              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size)
+              + estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS))
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
@@ -521,7 +534,7 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         f" = {format_bytes(base.budget_bytes)}{tp}",
         _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
         _line("activations", format_bytes(base.activation_bytes), act),
-        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode + piecewise graphs, reserved as the engine does"),
+        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode, piecewise and step graphs, reserved as the engine does"),
         _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
         _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
         _line("KV bytes per block", f"{base.bytes_per_block:,}",
@@ -602,6 +615,8 @@ def _run_measure(args: argparse.Namespace) -> int:
     graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
     if runner.piecewise is not None:
         graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
+    if runner.steps is not None:
+        graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
     measured = plan_request(req, activation_bytes=runner.activation_bytes)
     result = {
         "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,

@@ -30,6 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--no-piecewise-graphs", dest="piecewise_graphs", action="store_false",
                    help="launch steps with prefill tokens eagerly (default: CUDA graphs around attention)")
+    g.add_argument("--step-graph-max-tokens", type=int, default=EngineConfig.step_graph_max_tokens, metavar="N",
+                   help="steps with prefill tokens of up to N tokens replay one CUDA graph, attention "
+                        "included, instead of the piecewise graphs (0: off)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                    help="wait for each step before scheduling the next (default: overlap them on a GPU)")
     g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
@@ -51,4 +54,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
                         async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
-                        prefill_hold_ms=args.prefill_hold_ms, seed=args.seed)
+                        step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms, seed=args.seed)

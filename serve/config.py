@@ -29,6 +29,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     piecewise_graphs: bool = True  # CUDA graphs around attention for steps with prefill tokens
+    # steps with prefill tokens of up to this many tokens replay one whole-step graph, attention
+    # included (engine/step_graph.py; needs the piecewise graphs); 0: off
+    step_graph_max_tokens: int = 2304
     backend: str = "auto"  # kernels: triton on a GPU, the plain-torch reference on the CPU
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on with a GPU
     # Triton kernels with programmatic dependent launch; None: where the GPU can (compute capability >= 9.0)
@@ -61,6 +64,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two between 8 and 256; got {self.block_size}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if (isinstance(self.step_graph_max_tokens, bool) or not isinstance(self.step_graph_max_tokens, int)
+                or self.step_graph_max_tokens < 0):
+            raise ValueError(f"step_graph_max_tokens must be an integer >= 0; got {self.step_graph_max_tokens!r}")
         if self.max_model_len is not None:
             positive("max_model_len")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:

@@ -142,7 +142,10 @@ def test_graph_memory_is_accounted_before_sizing_the_pool(tiny_models):
     assert 0 < runner.graphs.pool_bytes <= runner.graph_bytes_reserved()
     pw = runner.piecewise
     assert pw is not None and pw.max_tokens == llm.config.max_num_batched_tokens
-    assert 0 < pw.pool_bytes + pw.static_bytes + runner.graphs.pool_bytes <= runner.graph_bytes_reserved()
+    steps = runner.steps
+    assert steps is not None and steps.static_bytes > 0
+    assert 0 < (pw.pool_bytes + pw.static_bytes + steps.pool_bytes + steps.static_bytes + runner.graphs.pool_bytes
+                <= runner.graph_bytes_reserved())
     free, total = torch.cuda.mem_get_info()
     used = total - free
     assert used <= total * llm.config.gpu_memory_utilization + 256 * 2**20
@@ -185,7 +188,7 @@ def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
 
     def run(piecewise):
         llm = LLM(str(path), dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=256, max_num_batched_tokens=48,
-                  piecewise_graphs=piecewise)
+                  piecewise_graphs=piecewise, step_graph_max_tokens=0)
         pw = llm.engine.runner.piecewise
         assert (pw is not None) == piecewise
         out = [o.token_ids for o in llm.generate(ps, GREEDY)]
@@ -199,6 +202,41 @@ def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
         compare(eager, graphs, hf, ps, f"piecewise graphs vs eager steps [{kv}]")
+
+
+@pytest.mark.parametrize("budget", [48, 300])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_step_graphs_equal_eager_steps(tiny_models, dtype, kv, budget):
+    """Steps with prefill tokens replayed from whole-step graphs (engine/step_graph.py: decode
+    attention on a power-of-two row count, prefill attention over a work list) give the tokens and
+    logprobs of eager steps. The budget chunks the prompts: 48 gives 16/32/48-token steps of
+    decodes and a chunk or two; 300 a first step of several chunks (several work items each, no
+    decodes) and later ones that mix up to 7 decodes with chunks."""
+    import transformers
+
+    path = tiny_models["qwen2"]
+    ps = prompts()
+    params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(eager):
+        llm = LLM(str(path), dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=256, max_num_batched_tokens=budget,
+                  enforce_eager=eager)
+        steps = llm.engine.runner.steps
+        assert (steps is None) == eager
+        outs = llm.generate(ps, params)
+        if steps is not None:
+            assert steps.num_runs >= 2 and (1, steps.token_buckets[-1]) in steps.graphs
+        return [o.token_ids for o in outs], [[(lp.token_id, lp.logprob) for lp in o.logprobs] for o in outs]
+
+    (eager, eager_lp), (graphs, graphs_lp) = run(True), run(False)
+    if dtype == "float32":
+        assert graphs == eager
+        for a, b in zip(eager_lp, graphs_lp):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-4
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+        compare(eager, graphs, hf, ps, f"step graphs vs eager steps [{dtype}, {kv}, budget {budget}]")
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])

@@ -222,7 +222,8 @@ def test_defaults_match_the_engine():
     from serve.config import EngineConfig
 
     cfg = EngineConfig()
-    assert (calc.DEFAULT_MAX_NUM_BATCHED_TOKENS, calc.DEFAULT_MAX_NUM_SEQS) == (cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    assert (calc.DEFAULT_MAX_NUM_BATCHED_TOKENS, calc.DEFAULT_MAX_NUM_SEQS, calc.DEFAULT_STEP_GRAPH_MAX_TOKENS) == (
+        cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.step_graph_max_tokens)
     args = parse()
     assert args.block_size is None and float(args.memory_utilization) == cfg.gpu_memory_utilization
     for kv, block_size in (("auto", 16), ("bfloat16", 16), ("fp8", 32), ("int8", 32)):
@@ -323,7 +324,8 @@ def test_cli_text(capsys):
     assert f"{p.num_blocks:,}" in out and f"{p.max_tokens:,}" in out
     # the graph reserve is the engine's own estimate, counted before the KV cache
     assert p.graph_bytes == (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
-                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)) > 0
+                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)
+                             + calc.estimate_step_graph_bytes(256, 8192, 16, 2304)) > 0
 
 
 def test_cli_json(capsys):
@@ -332,8 +334,9 @@ def test_cli_json(capsys):
     assert calc.run(parse(*argv)) == 0
     out = json.loads(capsys.readouterr().out)
     assert JSON_KEYS <= out.keys()
-    graphs = (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 4096, 16)
-              + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192))
+    graphs = (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 4096, 32)  # fp8 pages: block size 32
+              + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)
+              + calc.estimate_step_graph_bytes(256, 4096, 32, 2304))
     p = plan(preset("Llama-3-8B"), 80 * GiB, 0.85, "fp8", max_model_len=4096, graph_bytes=graphs)
     assert {k: out[k] for k in JSON_KEYS} == {k: getattr(p, k) for k in JSON_KEYS}
     assert (out["bytes_per_token"], out["kv_cache_dtype"], out["max_model_len"]) == (67584, "fp8", 4096)

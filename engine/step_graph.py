@@ -1,0 +1,193 @@
+"""Whole-step CUDA graphs for steps with prefill tokens: attention inside the graph too.
+
+The piecewise graphs (engine/piecewise.py) leave attention out, so a mixed step of Qwen2.5-0.5B
+still costs 25 graph launches, 48 attention launches and ~8 input copies of host time (~3 ms on
+the H100 machine): more than its ~2.3 ms of kernels when it carries one or two prompts, and the
+GPU waits (bench/NOTES.md, sixteenth session). Here attention runs on fixed grids, so a step of
+n <= max_tokens tokens is one graph launch after one upload:
+
+- decode attention over the first R rows, R = the decode count rounded up to a power of two (the
+  rounding the eager path's split plan makes, kernels/paged_attention.py decode_config, so both
+  compute the same): rows past the decodes are padding of one token, or prefill rows whose output
+  prefill attention then overwrites;
+- prefill attention over a work list (kernels/prefill_attention.py work_list): item (b, query
+  tile) for each tile of each chunk, padding items do nothing; chunk j's sequence is entry R + j
+  of the graph's seq_lens, block tables and query starts (rows of q).
+
+One graph per (R, token bucket T >= R), captured after the piecewise graphs into their memory
+pool. Every input lives in one device buffer that a single copy fills (layout in StepGraphs.run),
+except the block tables, which one more copy spreads to their full width (the decode plan
+depends on it).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention import Ops, attend_fixed, rotate_and_store
+from engine.cuda_graph import smallest_bucket
+from engine.models.llama import LlamaForCausalLM
+from engine.piecewise import PiecewiseGraphs
+from engine.upload import UploadRing
+from kvcache.pool import LayerCache
+
+log = logging.getLogger("pagedserve")
+
+MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class StepGraphs:
+    def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
+                 max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device) -> None:
+        self.model, self.ops, self.caches, self.pw = model, ops, caches, piecewise
+        from kernels.prefill_attention import prefill_plan, work_list  # Triton: only where graphs are captured
+
+        self.token_buckets = [t for t in piecewise.buckets if t <= max_tokens]
+        self.max_tokens = self.token_buckets[-1]
+        top = _next_pow2(max_num_seqs)
+        self.decode_rows = [1 << i for i in range(top.bit_length())]  # R: 1, 2, 4, .. top
+        self.num_seqs = top + MAX_PREFILLS  # entries of seq_lens, block tables, query starts
+        self.scales = [layer.self_attn.scale for layer in model.layers]
+        self._work_list = work_list
+        pw, c = piecewise, caches[0]
+        # tokens per prefill work item (the plan for max_query_len = T), and the most items a step
+        # of T tokens and MAX_PREFILLS chunks can have
+        self.tok_m = {t: prefill_plan(pw.q[:t], c.k, t, None, pw.k[:t], pw.v[:t])["tok_m"] for t in self.token_buckets}
+        self.work_size = {t: -(-t // self.tok_m[t]) + MAX_PREFILLS for t in self.token_buckets}
+        S, T = self.num_seqs, self.max_tokens
+        # device buffer, bytes: int32 [seq_lens (S) | query starts (S + 1) | work] | int64 [3 x S
+        # (logit rows, pending rows' positions and sources)] | int64 [ids | positions | slots] (3 T)
+        # | int32 block tables (rows x width, any width: copied into self.tables)
+        self.m32_words = 2 * S + 1 + max(self.work_size.values())
+        self.ext_at = -(-self.m32_words * 4 // 16) * 16
+        self.io_at = self.ext_at + 3 * S * 8
+        self.tables_at = self.io_at + 3 * T * 8
+        size = self.tables_at + S * max_blocks_per_seq * 4
+        self.stage = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.tables = torch.zeros((S, max_blocks_per_seq), dtype=torch.int32, device=device)
+        m32 = self.stage[:self.m32_words * 4].view(torch.int32)
+        self.seq_lens, self.query_starts, self.work = m32[:S], m32[S:2 * S + 1], m32[2 * S + 1:]
+        self.seq_lens.fill_(1)  # decode padding rows: one token of block 0
+        self.ext = self.stage[self.ext_at:self.io_at].view(torch.int64)
+        self.io = self.stage[self.io_at:self.tables_at].view(torch.int64)
+        self._uploads = UploadRing(size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool_bytes = 0  # what capturing added to the shared pool
+        self.num_runs = 0
+
+    @property
+    def static_bytes(self) -> int:
+        return self.stage.numel() + self.tables.numel() * 4
+
+    def _inputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids, positions, slots of bucket t: views at fixed places of the stage."""
+        return self.io[:t], self.io[t:2 * t], self.io[2 * t:3 * t]
+
+    def _forward(self, rows: int, t: int) -> None:
+        """The model over t rows with `rows` decode rows (see the module docstring) -> buf.hidden[:t]."""
+        m, ops, b = self.model, self.ops, self.pw.buf
+        ids, positions, slots = self._inputs(t)
+        cfg = m.cfg
+        x, residual = m.embed_tokens(ids), None
+        for i, layer in enumerate(m.layers):
+            h, residual = layer.input_norm(ops, x, residual)
+            q, k, v = layer.self_attn.project(ops, h, out=b.qkv[:t])
+            q, k = rotate_and_store(ops, q, k, v, positions, m.cos_sin, self.caches[i], slots)
+            out = b.attn_out[:t]
+            attend_fixed(ops, q, k, v, self.caches[i], self.scales[i], rows, self.tables, self.seq_lens,
+                         self.query_starts, self.work[:self.work_size[t]], out.view(t, cfg.num_heads, cfg.head_dim))
+            x, residual = layer.finish(ops, out, residual)
+        x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+        b.hidden[:t].copy_(x)
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Every (R, T) graph, into `pool` (the piecewise graphs'): their temporaries fit in it."""
+        from kernels.prefill_attention import WORK_PAD
+
+        self.work.fill_(WORK_PAD)
+        pw = self.pw
+        torch.cuda.empty_cache()  # as in PiecewiseGraphs.capture: measure the pool's growth only
+        before = torch.cuda.memory_reserved(pw.device)
+        for t in reversed(self.token_buckets):
+            # the buckets' views overlap: token 0 at position 0 on every row, written nowhere (slot -1)
+            ids, positions, slots = self._inputs(t)
+            ids.zero_()
+            positions.zero_()
+            slots.fill_(-1)
+            for rows in reversed(self.decode_rows):
+                if rows > t:
+                    continue
+                self._forward(rows, t)  # warm-up: compiles kernels, picks cuBLAS algorithms
+                torch.cuda.synchronize(pw.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._forward(rows, t)
+                self.graphs[(rows, t)] = g
+        torch.cuda.synchronize(pw.device)
+        torch.cuda.empty_cache()  # the eager warm-ups' memory
+        self.pool_bytes = max(0, torch.cuda.memory_reserved(pw.device) - before)
+        log.info("captured %d step graphs (%d..%d tokens, up to %d decodes) in the piecewise pool (+%.1f MiB) "
+                 "+ %.1f MiB of static buffers", len(self.graphs), self.token_buckets[0], self.max_tokens,
+                 self.decode_rows[-1], self.pool_bytes / 2**20, self.static_bytes / 2**20)
+
+    def key(self, num_decode: int, num_prefills: int, num_tokens: int) -> tuple[int, int] | None:
+        """The graph for a step of num_decode decodes first, then num_prefills chunks, num_tokens in
+        all, or None when none fits (too many tokens or chunks; work_size bounds the work items)."""
+        if not 0 < num_prefills <= MAX_PREFILLS:
+            return None
+        rows = _next_pow2(max(num_decode, 1))
+        t = smallest_bucket(self.token_buckets, max(num_tokens, rows))
+        return (rows, t) if (rows, t) in self.graphs else None
+
+    def run(self, key: tuple[int, int], num_decode: int, i64: np.ndarray, i32: np.ndarray, num_tokens: int,
+            num_seqs: int, width: int, num_logits: int, num_pending: int,
+            samples: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upload one step's inputs and replay its graph. i64, i32: the runner's host inputs of the
+        step (engine/runner.py _mixed_inputs: int64 [ids | positions | slots | logit rows | pending
+        positions | pending sources], int32 [seq_lens | query starts | tables] with the tables at
+        2 * num_seqs + 1 when no prefill query starts sit between). samples: the previous step's
+        tokens where pending inputs come from. -> (final hidden states [T, hidden], logit rows)."""
+        rows, t = key
+        nd, n, S = num_decode, num_tokens, self.num_seqs
+        npf = num_seqs - nd
+        buf = self._uploads.buffer()
+        m32 = buf[:self.m32_words * 4].view(np.int32)
+        m32[:nd] = i32[:nd]
+        m32[nd:rows] = 1
+        m32[rows:rows + npf] = i32[nd:num_seqs]
+        qsl = i32[num_seqs + nd:2 * num_seqs + 1]  # the chunks' starts and the end: rows of q
+        m32[S + rows:S + rows + npf + 1] = qsl
+        work = self._work_list(list(range(rows, rows + npf)), np.diff(qsl).tolist(), self.tok_m[t], self.work_size[t])
+        assert work is not None, "more work items than work_size allows"
+        m32[2 * S + 1:2 * S + 1 + len(work)] = work
+        extra = len(i64) - 3 * n
+        buf[self.ext_at:self.ext_at + extra * 8].view(np.int64)[:] = i64[3 * n:]
+        io = buf[self.io_at:self.io_at + 3 * t * 8].view(np.int64)
+        for part, fill in enumerate((0, 0, -1)):  # ids, positions, slots; padding rows write nowhere
+            io[part * t:part * t + n] = i64[part * n:(part + 1) * n]
+            io[part * t + n:(part + 1) * t] = fill
+        tables_at = self.io_at + 3 * t * 8
+        n_rows = rows + npf
+        tables = buf[tables_at:tables_at + n_rows * width * 4].view(np.int32).reshape(n_rows, width)
+        src = i32[len(i32) - num_seqs * width:].reshape(num_seqs, width)
+        tables[:nd] = src[:nd]
+        tables[nd:rows] = 0
+        tables[rows:] = src[nd:]
+        self._uploads.send(self.stage, tables_at + n_rows * width * 4)
+        self.tables[:n_rows, :width].copy_(self.stage[tables_at:tables_at + n_rows * width * 4]
+                                          .view(torch.int32).view(n_rows, width))
+        ext = self.ext[:extra]
+        if num_pending:
+            assert samples is not None
+            at, k = num_logits, num_pending
+            self.io[:t].index_copy_(0, ext[at:at + k], samples.index_select(0, ext[at + k:at + 2 * k]))
+        self.graphs[key].replay()
+        self.num_runs += 1
+        return self.pw.buf.hidden[:t], ext[:num_logits]
