@@ -1,10 +1,11 @@
 """Whole-step CUDA graphs for steps with prefill tokens: attention inside the graph too.
 
 The piecewise graphs (engine/piecewise.py) leave attention out, so a mixed step of Qwen2.5-0.5B
-still costs 25 graph launches, 48 attention launches and ~8 input copies of host time (~3 ms on
-the H100 machine): more than its ~2.3 ms of kernels when it carries one or two prompts, and the
-GPU waits (bench/NOTES.md, sixteenth session). Here attention runs on fixed grids, so a step of
-n <= max_tokens tokens is one graph launch after one upload:
+still costs 25 graph launches, 48 attention launches and ~8 input copies: ~3 ms of host time on
+the H100 machine, as long as the step's device time when it carries one prompt. Here attention
+runs on fixed grids, so a step of n <= max_tokens tokens is one graph launch after one upload
+(~1.2 ms of host time for that step; its device time fell by ~0.2 ms and serving throughput moved
+within the noise, bench/NOTES.md, sixteenth session):
 
 - decode attention over the first R rows, R = the decode count rounded up to a power of two (the
   rounding the eager path's split plan makes, kernels/paged_attention.py decode_config, so both

@@ -18,10 +18,10 @@ Grid (batch * heads, query tiles), the last query tiles (the longest rows) first
 heads share a KV head in L2. With a work list (`work`, int32 items (b << 16) | query tile, the
 caller's order) the grid is (heads, len(work)) instead, fixed for a CUDA graph whatever the step's
 chunks: an item whose tile starts past its chunk (e.g. WORK_PAD) does nothing, and b indexes
-seq_lens, query starts and block tables directly, so the query starts are rows of q itself. PACK_GQA: a program takes the GROUP query heads of one KV head for
-BLOCK_M // GROUP tokens, so each K/V tile serves all of them (short chunks fill the tile; the
-diagonal is narrower). Quantized pages are handled as in paged_attention.py (float16 products,
-scales folded in).
+seq_lens, query starts and block tables directly, so the query starts are rows of q itself.
+PACK_GQA: a program takes the GROUP query heads of one KV head for BLOCK_M // GROUP tokens, so
+each K/V tile serves all of them (short chunks fill the tile; the diagonal is narrower).
+Quantized pages are handled as in paged_attention.py (float16 products, scales folded in).
 """
 from __future__ import annotations
 
