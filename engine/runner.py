@@ -19,7 +19,7 @@ from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs
-from engine.upload import UploadRing
+from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
 from kvcache.pool import KVPool
@@ -69,21 +69,6 @@ def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBa
     each samples (which counts pending tokens, unlike num_output_tokens)."""
     return SamplingBatch([items[i].seq.params for i in sampled],
                          [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
-
-
-@dataclass
-class _HostInputs:
-    """One step's inputs on the host (see prepare()): int64 [ids | positions | slots | logit
-    indices | pending at | pending rows], int32 [seq_lens | query starts | prefill query starts |
-    tables]."""
-    i64: np.ndarray
-    i32: np.ndarray
-    num_tokens: int
-    head: int  # where the tables start in i32
-    width: int  # the block-table columns used; stale ones beyond are never read
-    max_query_len: int
-    sampled: list[int]  # the items that sample
-    num_pending: int  # input tokens read from prev's samples on the device
 
 
 @dataclass
@@ -282,7 +267,7 @@ class ModelRunner:
         if host.num_pending:
             k, at = host.num_pending, 3 * n_tok + n_logits
             assert prev is not None and prev.samples is not None
-            input_ids.index_copy_(0, d64[at:at + k], prev.samples.tokens.index_select(0, d64[at + k:at + 2 * k]))
+            take_pending(input_ids, d64[at:at + 2 * k], k, prev.samples.tokens)
         return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
 
     def _upload(self, a: np.ndarray, b: np.ndarray) -> torch.Tensor:
@@ -299,7 +284,7 @@ class ModelRunner:
         self.uploads.send(both, n)
         return both
 
-    def _decode_inputs(self, items: list[ScheduledSeq], prev: Launched | None) -> _HostInputs:
+    def _decode_inputs(self, items: list[ScheduledSeq], prev: Launched | None) -> HostInputs:
         """prepare() for a decode-only step, the common one: one token per item, at position
         start, so plain lists and one conversion do (no cumulative sums, no repeats)."""
         bs = self.kv_spec.block_size
@@ -316,7 +301,7 @@ class ModelRunner:
         np.add(i64[n:2 * n], 1, out=i32[:n], casting="unsafe")  # seq_lens: start + 1
         i32[n:head] = np.arange(n + 1)
         i32[head:].reshape(n, width)[:] = self._row_store[rows, :width]
-        return _HostInputs(i64, i32, n, head, width, 1, sampled, len(pend_at))
+        return HostInputs(i64, i32, n, head, width, 1, sampled, len(pend_at))
 
     def _decode_rows(self, items: list[ScheduledSeq], prev: Launched | None
                      ) -> tuple[list[int], list[int], list[int], list[int], int]:
@@ -344,7 +329,7 @@ class ModelRunner:
                 width = len(table)
         return ids, starts, pend, rows, width
 
-    def _mixed_inputs(self, batch: Batch, prev: Launched | None) -> _HostInputs:
+    def _mixed_inputs(self, batch: Batch, prev: Launched | None) -> HostInputs:
         """prepare() for a step with prefill chunks (several tokens per item), after any decodes."""
         bs = self.kv_spec.block_size
         items = batch.items
@@ -386,7 +371,7 @@ class ModelRunner:
         if n_pq:
             i32[2 * n_seqs + 1:head] = qsl[nd:] - nd
         i64 = np.concatenate([ids, positions, slots, logit_idx, np.array(pend_at + pend_rows, dtype=np.int64)])
-        return _HostInputs(i64, i32, n_tok, head, width, int(q_lens.max()), sampled, len(pend_at))
+        return HostInputs(i64, i32, n_tok, head, width, int(q_lens.max()), sampled, len(pend_at))
 
     # Rows of _table_row, [4 * max_num_seqs, max_blocks_per_seq] int32, made on first use: a step's
     # tables are gathered from it in one indexing operation.
@@ -490,8 +475,7 @@ class ModelRunner:
         if host.num_pending:
             assert prev is not None and prev.samples is not None
             pending = prev.samples.tokens
-        hidden, logit_rows = self.steps.run(key, batch.num_decode, host.i64, host.i32, host.num_tokens, len(items),
-                                            host.width, len(host.sampled), host.num_pending, pending)
+        hidden, logit_rows = self.steps.run(key, host, batch.num_decode, len(items), pending)
         logits = self.model.compute_logits(hidden[logit_rows])
         return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
 

@@ -31,7 +31,7 @@ from engine.attention import Ops, attend_fixed, rotate_and_store
 from engine.cuda_graph import smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise import PiecewiseGraphs
-from engine.upload import UploadRing
+from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.pool import LayerCache
 
 log = logging.getLogger("pagedserve")
@@ -39,19 +39,17 @@ log = logging.getLogger("pagedserve")
 MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
                  max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device) -> None:
         self.model, self.ops, self.caches, self.pw = model, ops, caches, piecewise
-        from kernels.prefill_attention import prefill_plan, work_list  # Triton: only where graphs are captured
+        # Triton: only where graphs are captured
+        from kernels.launch import next_pow2
+        from kernels.prefill_attention import prefill_plan, work_list
 
         self.token_buckets = [t for t in piecewise.buckets if t <= max_tokens]
         self.max_tokens = self.token_buckets[-1]
-        top = _next_pow2(max_num_seqs)
+        top = next_pow2(max_num_seqs)
         self.decode_rows = [1 << i for i in range(top.bit_length())]  # R: 1, 2, 4, .. top
         self.num_seqs = top + MAX_PREFILLS  # entries of seq_lens, block tables, query starts
         self.scales = [layer.self_attn.scale for layer in model.layers]
@@ -143,20 +141,20 @@ class StepGraphs:
         all, or None when none fits (too many tokens or chunks; work_size bounds the work items)."""
         if not 0 < num_prefills <= MAX_PREFILLS:
             return None
-        rows = _next_pow2(max(num_decode, 1))
+        rows = smallest_bucket(self.decode_rows, num_decode)  # next power of two (1 for none)
+        if rows is None:
+            return None
         t = smallest_bucket(self.token_buckets, max(num_tokens, rows))
         return (rows, t) if (rows, t) in self.graphs else None
 
-    def run(self, key: tuple[int, int], num_decode: int, i64: np.ndarray, i32: np.ndarray, num_tokens: int,
-            num_seqs: int, width: int, num_logits: int, num_pending: int,
+    def run(self, key: tuple[int, int], host: HostInputs, num_decode: int, num_seqs: int,
             samples: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Upload one step's inputs and replay its graph. i64, i32: the runner's host inputs of the
-        step (engine/runner.py _mixed_inputs: int64 [ids | positions | slots | logit rows | pending
-        positions | pending sources], int32 [seq_lens | query starts | tables] with the tables at
-        2 * num_seqs + 1 when no prefill query starts sit between). samples: the previous step's
-        tokens where pending inputs come from. -> (final hidden states [T, hidden], logit rows)."""
+        """Upload one step's inputs (the runner's, engine/runner.py _mixed_inputs) in the graph's
+        layout and replay its graph. samples: the previous step's tokens where pending inputs come
+        from. -> (final hidden states [T, hidden], logit rows)."""
         rows, t = key
-        nd, n, S = num_decode, num_tokens, self.num_seqs
+        i64, i32, width = host.i64, host.i32, host.width
+        nd, n, S = num_decode, host.num_tokens, self.num_seqs
         npf = num_seqs - nd
         buf = self._uploads.buffer()
         m32 = buf[:self.m32_words * 4].view(np.int32)
@@ -177,7 +175,7 @@ class StepGraphs:
         tables_at = self.io_at + 3 * t * 8
         n_rows = rows + npf
         tables = buf[tables_at:tables_at + n_rows * width * 4].view(np.int32).reshape(n_rows, width)
-        src = i32[len(i32) - num_seqs * width:].reshape(num_seqs, width)
+        src = i32[host.head:].reshape(num_seqs, width)
         tables[:nd] = src[:nd]
         tables[nd:rows] = 0
         tables[rows:] = src[nd:]
@@ -185,10 +183,10 @@ class StepGraphs:
         self.tables[:n_rows, :width].copy_(self.stage[tables_at:tables_at + n_rows * width * 4]
                                           .view(torch.int32).view(n_rows, width))
         ext = self.ext[:extra]
-        if num_pending:
+        num_logits = len(host.sampled)
+        if host.num_pending:
             assert samples is not None
-            at, k = num_logits, num_pending
-            self.io[:t].index_copy_(0, ext[at:at + k], samples.index_select(0, ext[at + k:at + 2 * k]))
+            take_pending(self.io[:t], ext[num_logits:], host.num_pending, samples)
         self.graphs[key].replay()
         self.num_runs += 1
         return self.pw.buf.hidden[:t], ext[:num_logits]

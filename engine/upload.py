@@ -8,8 +8,32 @@ if it runs a whole ring of uploads ahead of the GPU.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass
+class HostInputs:
+    """One step's inputs on the host (engine/runner.py prepare()): int64 [ids | positions | slots |
+    logit indices | pending at | pending rows], int32 [seq_lens | query starts | prefill query
+    starts | tables]."""
+    i64: np.ndarray
+    i32: np.ndarray
+    num_tokens: int
+    head: int  # where the tables start in i32
+    width: int  # the block-table columns used; stale ones beyond are never read
+    max_query_len: int
+    sampled: list[int]  # the items that sample
+    num_pending: int  # input tokens read from prev's samples on the device
+
+
+def take_pending(input_ids: torch.Tensor, words: torch.Tensor, num_pending: int, samples: torch.Tensor) -> None:
+    """The pending input tokens into input_ids, on the device: words (int64, uploaded) holds
+    num_pending rows of input_ids, then as many rows of samples (the previous step's tokens)."""
+    k = num_pending
+    input_ids.index_copy_(0, words[:k], samples.index_select(0, words[k:2 * k]))
 
 
 class UploadRing:
