@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +37,17 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 def head_words(n: int) -> int:
     """int64 words of an upload for n rows before its block tables (kernels/graph_inputs.py)."""
     return 2 + 3 * n
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn captured into a new graph in `pool`, and that graph launched once: a graph's first launch
+    also uploads it to the device, which belongs in start-up, not in the first step that needs it.
+    fn's inputs must be padding that writes nowhere when replayed as captured. -> (graph, fn's result)"""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    g.replay()
+    return g, out
 
 
 def smallest_bucket(buckets: list[int], n: int) -> int | None:
@@ -105,10 +118,7 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             self._forward(bs)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            self.graphs[bs] = g
+            self.graphs[bs], self.logits[bs] = capture_graph(lambda: self._forward(bs), pool)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager warm-ups' memory, cached by the allocator, goes back
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttnMetadata, Ops, attend, rotate_and_store
-from engine.cuda_graph import smallest_bucket
+from engine.cuda_graph import capture_graph, smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from kvcache.pool import LayerCache
 
@@ -119,13 +119,7 @@ class PiecewiseGraphs:
             for i in range(n_pieces):  # warm-up: compiles kernels, picks cuBLAS algorithms
                 self._piece(i, t)
             torch.cuda.synchronize(self.device)
-            graphs = []
-            for i in range(n_pieces):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._piece(i, t)
-                graphs.append(g)
-            self.graphs[t] = graphs
+            self.graphs[t] = [capture_graph(lambda: self._piece(i, t), pool)[0] for i in range(n_pieces)]
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before

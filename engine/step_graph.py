@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.attention import Ops, attend_fixed, rotate_and_store
-from engine.cuda_graph import smallest_bucket
+from engine.cuda_graph import capture_graph, smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise import PiecewiseGraphs
 from engine.upload import HostInputs, UploadRing, take_pending
@@ -125,10 +125,7 @@ class StepGraphs:
                     continue
                 self._forward(rows, t)  # warm-up: compiles kernels, picks cuBLAS algorithms
                 torch.cuda.synchronize(pw.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._forward(rows, t)
-                self.graphs[(rows, t)] = g
+                self.graphs[(rows, t)] = capture_graph(lambda: self._forward(rows, t), pool)[0]
         torch.cuda.synchronize(pw.device)
         torch.cuda.empty_cache()  # the eager warm-ups' memory
         self.pool_bytes = max(0, torch.cuda.memory_reserved(pw.device) - before)
