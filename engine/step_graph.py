@@ -16,9 +16,11 @@ within the noise, bench/NOTES.md, sixteenth session):
   of the graph's seq_lens, block tables and query starts (rows of q).
 
 One graph per (R, token bucket T >= R), captured after the piecewise graphs into their memory
-pool. Every input lives in one device buffer that a single copy fills (layout in StepGraphs.run),
-except the block tables, which one more copy spreads to their full width (the decode plan
-depends on it).
+pool. Their token buckets are finer than the piecewise graphs' above 512 tokens (step_buckets):
+a step's matmuls compute all T rows, and a batch of decodes plus one prompt (e.g. 63 + 512
+tokens) would otherwise compute 768. Every input lives in one device buffer that a single copy
+fills (layout in StepGraphs.run), except the block tables, which one more copy spreads to their
+full width (the decode plan depends on it).
 """
 from __future__ import annotations
 
@@ -39,6 +41,13 @@ log = logging.getLogger("pagedserve")
 MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
 
 
+def step_buckets(max_tokens: int) -> list[int]:
+    """Token counts to capture: the piecewise graphs' up to 512, then every 64 up to 1024 and every
+    128 above (padding < 1/8 of a step from 512 tokens up), and max_tokens."""
+    sizes = [16, 32, 64, 128, 256, 384] + list(range(512, 1024, 64)) + list(range(1024, max_tokens + 1, 128))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
                  max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device) -> None:
@@ -47,7 +56,7 @@ class StepGraphs:
         from kernels.launch import next_pow2
         from kernels.prefill_attention import prefill_plan, work_list
 
-        self.token_buckets = [t for t in piecewise.buckets if t <= max_tokens]
+        self.token_buckets = step_buckets(min(max_tokens, piecewise.max_tokens))
         self.max_tokens = self.token_buckets[-1]
         top = next_pow2(max_num_seqs)
         self.decode_rows = [1 << i for i in range(top.bit_length())]  # R: 1, 2, 4, .. top
