@@ -32,7 +32,7 @@ import torch
 from engine.attention import Ops, attend_fixed, rotate_and_store
 from engine.cuda_graph import capture_graph, smallest_bucket
 from engine.models.llama import LlamaForCausalLM
-from engine.piecewise import PiecewiseGraphs
+from engine.piecewise import PiecewiseGraphs, piecewise_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.pool import LayerCache
 
@@ -42,10 +42,10 @@ MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
 
 
 def step_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: the piecewise graphs' up to 512, then every 64 up to 1024 and every
-    128 above (padding < 1/8 of a step from 512 tokens up), and max_tokens."""
-    sizes = [16, 32, 64, 128, 256, 384] + list(range(512, 1024, 64)) + list(range(1024, max_tokens + 1, 128))
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+    """Token counts to capture: the piecewise graphs', plus every 64 from 512 to 1024 and every 128
+    above (padding < 1/8 of a step from 512 tokens up)."""
+    finer = list(range(512, 1024, 64)) + list(range(1024, max_tokens, 128))
+    return sorted(set(piecewise_buckets(max_tokens)) | {s for s in finer if s < max_tokens})
 
 
 class StepGraphs:
