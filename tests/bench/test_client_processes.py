@@ -22,12 +22,28 @@ from bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, make_req
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _client_pids() -> list[int]:
+def _workers() -> list[int]:
     """This process's children that run a multiprocessing worker (not its resource tracker)."""
     pids = []
     for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         pids += [int(p) for p in children.read_text().split()]
     return [p for p in pids if _is_worker(p)]
+
+
+# workers that ran before the test: another module's session-scoped server keeps its engine
+# process (tests/serve/conftest.py process_server) alive while these tests run
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _note_other_workers():
+    _BEFORE.clear()
+    _BEFORE.update(_workers())
+
+
+def _client_pids() -> list[int]:
+    """The client processes: workers started during the test."""
+    return [p for p in _workers() if p not in _BEFORE]
 
 
 def _is_worker(pid: int) -> bool:
