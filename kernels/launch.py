@@ -29,6 +29,10 @@ try:  # triton >= 3.4 (host-side TMA descriptors); the kernels' wrappers import 
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
+try:  # Gluon's host-side descriptors (kernels/prefill_ws.py)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover
+    GluonTensorDescriptor = None
 
 CHECK = os.environ.get("PAGEDSERVE_CHECK_LAUNCH") == "1"
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -93,6 +97,10 @@ def _arg_key(a, const: bool, nospec: bool, noalign: bool) -> object:
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
         b = a.base
         return ("d", b.dtype, tuple(a.block_shape), b.data_ptr() % 16 == 0,
+                tuple(s % 16 == 0 for s in a.strides), tuple(s % 16 == 0 for s in a.shape))
+    if GluonTensorDescriptor is not None and isinstance(a, GluonTensorDescriptor):
+        b = a.base
+        return ("gd", b.dtype, tuple(a.block_shape), a.layout, a.padding, b.data_ptr() % 16 == 0,
                 tuple(s % 16 == 0 for s in a.strides), tuple(s % 16 == 0 for s in a.shape))
     return _UNKNOWN
 

@@ -22,6 +22,8 @@ seq_lens, query starts and block tables directly, so the query starts are rows o
 PACK_GQA: a program takes the GROUP query heads of one KV head for BLOCK_M // GROUP tokens, so
 each K/V tile serves all of them (short chunks fill the tile; the diagonal is narrower).
 Quantized pages are handled as in paged_attention.py (float16 products, scales folded in).
+On an H100, with 16-bit pages and this step's k/v, chunks longer than 64 tokens go to
+prefill_ws.py's warp-specialized Gluon kernel instead (prefill_plan()'s "ws").
 """
 from __future__ import annotations
 
@@ -30,12 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import prefill_ws
 from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
 from kernels.launch import TensorDescriptor, bind, cdiv, launch, next_pow2
 from kvcache.quant import v_page_shape
 
 # where the new keys are read: the pages, k/v with strided loads, k/v through TMA descriptors
 SRC_PAGES, SRC_PTR, SRC_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SRC_WS = 3  # (plans only) the whole launch goes to prefill_ws.py's Hopper kernel instead
+# chunks of at most this many tokens stay on this file's kernel (its tiles of 16-64 rows waste
+# less on short chunks than the Hopper kernel's 128)
+WS_MIN_QUERY_LEN = 65
 
 
 @triton.jit
@@ -304,7 +311,26 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     if new_kv:
         cfg["src"] = (SRC_TMA if cfg["tma"] and _tma_ok(k) and _tma_ok(v) else SRC_PTR).value
     cfg["tma"] = cfg["src"] == SRC_TMA.value
+    # the Hopper kernel by default; a config asks for it by "ws": True (its other keys are this file's)
+    want_ws = (config or {}).get("ws", not config) and max_query_len >= WS_MIN_QUERY_LEN
+    cfg["ws"] = bool(want_ws and new_kv and _ws_device(q) and prefill_ws.ws_supports(q, k, v, k_cache, k_cache))
+    if cfg["ws"]:
+        cfg.update(src=SRC_WS, block_m=prefill_ws.BLOCK_M, tok_m=prefill_ws.BLOCK_M, block_n=prefill_ws.BLOCK_N,
+                   pack_gqa=False, lazy_rescale=False, tma=True, num_warps=4, num_stages=prefill_ws.STAGES)
     return cfg
+
+
+_WS_DEVICES: dict[int, bool] = {}
+
+
+def _ws_device(q: torch.Tensor) -> bool:
+    """prefill_ws.ws_available(q), once per device."""
+    if not q.is_cuda:
+        return False
+    i = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if i not in _WS_DEVICES:
+        _WS_DEVICES[i] = prefill_ws.ws_available(q)
+    return _WS_DEVICES[i]
 
 
 def work_list(seqs: list[int], q_lens: list[int], tok_m: int, size: int) -> np.ndarray | None:
@@ -353,6 +379,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 (out is not None and hit[2][0] is q and hit[2][1] is k and hit[2][2] is v and hit[2][3] is out)
                 or hit[0] == _tensors_key(*caller)):
             _, _, _, main, src, block_n, k0 = hit
+            if src == SRC_WS:
+                if out is None:
+                    out = torch.empty_like(q)
+                main(prefill_ws.relaunch_changes(q, k, v, k_cache, v_cache, out, softmax_scale, main.args))
+                return out
             new_desc = src == SRC_TMA.value and k.data_ptr() != k0
             if not new_desc or (_tma_ok(k) and _tma_ok(v)):
                 if out is None:
@@ -405,6 +436,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if T == 0 or B == 0 or max_query_len == 0:
         return out
     plan = prefill_plan(q, k_cache, max_query_len, config, k, v)
+    if plan["ws"]:
+        grid, args, kwargs = prefill_ws.ws_launch_args(q, k, v, k_cache, v_cache, block_tables, seq_lens,
+                                                       query_start_loc, out, softmax_scale, max_query_len, work)
+        main = (bind if reuse is not None else launch)(prefill_ws._prefill_ws_kernel, grid, *args, **kwargs)
+        if main is not None:
+            reuse["prefill"] = (_tensors_key(*caller), short, caller, main, SRC_WS, 0, 0)
+        return out
     src, pack, block_m, tok_m = plan["src"], plan["pack_gqa"], plan["block_m"], plan["tok_m"]
     k_arg = v_arg = k_cache  # unused
     if src != SRC_PAGES.value:

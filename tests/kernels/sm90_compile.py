@@ -166,7 +166,68 @@ def decode_stats() -> list[dict]:
     return rows
 
 
+def compile_prefill_ws(head_dim: int, dtype: torch.dtype, Hq: int = 32, Hkv: int = 8, T: int = 256, bs: int = 16,
+                       work: bool = False):
+    """kernels/prefill_ws.py's Gluon kernel for an H100, from its wrapper's own launch arguments."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import prefill_ws
+    q = torch.randn(T, Hq, head_dim, dtype=dtype)
+    k, v = torch.randn(T, Hkv, head_dim, dtype=dtype), torch.randn(T, Hkv, head_dim, dtype=dtype)
+    kc = torch.randn(2 * T // bs, Hkv, bs, head_dim, dtype=dtype)
+    bt = torch.arange(2 * T // bs, dtype=torch.int32)[None]
+    sl, qsl = torch.tensor([2 * T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
+    w = torch.zeros(8, dtype=torch.int32) if work else None
+    _, args, kwargs = prefill_ws.ws_launch_args(q, k, v, kc, kc.clone(), bt, sl, qsl, torch.empty_like(q),
+                                                head_dim ** -0.5, T, w)
+    fn = prefill_ws._prefill_ws_kernel
+    values = dict(zip([p.name for p in fn.params], args)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, prefill_ws.GluonDescriptor):
+            signature[p.name] = f"tensordesc<{_TYPES[v.base.dtype]}{list(v.block_shape)},{v.layout!r}>"
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _TYPES[v.dtype]
+            if not p.do_not_specialize_on_alignment:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[p.name] = "i32" if isinstance(v, int) else "fp32"
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    return triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 64), options=options)
+
+
+def prefill_ws_stats() -> list[dict]:
+    import re
+    import subprocess
+    import tempfile
+    rows = []
+    for head_dim, dtype, bs, work in ((64, torch.bfloat16, 16, False), (128, torch.bfloat16, 16, True),
+                                      (128, torch.float16, 64, False)):
+        compiled = compile_prefill_ws(head_dim, dtype, bs=bs, work=work)
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        local = re.search(r"LOCAL:(\d+)", res)
+        rows.append({"kernel": "_prefill_ws_kernel", "head_dim": head_dim, "dtype": _TYPES[dtype], "block_size": bs,
+                     "work": work,
+                     "local_bytes": int(local.group(1)) if local else None, "shared_bytes": compiled.metadata.shared,
+                     "warpgroup_mma": "wgmma.mma_async" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
+                     "setmaxnreg": "setmaxnreg" in ptx})
+    return rows
+
+
 def main() -> int:
+    if "--prefill-ws" in sys.argv:
+        for row in prefill_ws_stats():
+            print(json.dumps(row), flush=True)
+        return 0
     if "--stats" in sys.argv:
         for row in decode_stats():
             print(json.dumps(row), flush=True)
