@@ -281,6 +281,8 @@ if gluon is not None:
                 tc += n_tiles
                 qc += 1
 
+    # warp_specialize takes a function per partition: HALF is fixed by one of these two each (a
+    # constant in a partition's argument tuple does not reach the callee as a constexpr)
     @gluon.jit
     def _consume0(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr, stride_ot,
                   stride_oh, work_ptr, num_m_tiles, qsl_ptr, sl_ptr, bt_ptr, stride_btb, num_bh, n_items, qk_scale,
