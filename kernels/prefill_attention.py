@@ -286,10 +286,8 @@ def prefill_config(max_query_len: int, head_dim: int, fp32: bool, quant: bool = 
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """k/v [T, Hkv, D] viewable as a 2-D [T, Hkv * D] TMA tensor: heads contiguous, 16-byte aligned."""
-    e = t.element_size()
-    return (TensorDescriptor is not None and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-            and t.data_ptr() % 16 == 0 and (t.stride(0) * e) % 16 == 0)
+    """k/v [T, Hkv, D] viewable as a 2-D [T, Hkv * D] TMA tensor, with Triton's host descriptors."""
+    return TensorDescriptor is not None and prefill_ws.tma_2d(t)
 
 
 def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, config: dict | None = None,

@@ -9,9 +9,10 @@ consumers (one warpgroup each, 64 query rows each) run the softmax of key tile t
 tensor cores still multiply tile t-1's probabilities by V. mbarriers hand the buffers over:
 `ready` when the TMA landed, `empty` when both consumers' wgmmas that read it have completed.
 
-Grid (batch * heads, query tiles of BLOCK_M = 128 rows), the last tiles first, or (heads, work
-items) as prefill_attention.py's work lists; programs of neighbouring heads share their KV
-head's tiles in L2. paged_prefill_attention launches it where prefill_plan() says so (an sm_90
+Persistent: one program an SM takes work items (query tile of BLOCK_M = 128 rows, head) in turn,
+the last tiles first as prefill_attention.py's plain grid orders them, or the items of its work
+lists for every head; neighbouring items are neighbouring heads, which share their KV head's
+tiles in L2. paged_prefill_attention launches it where prefill_plan() says so (an sm_90
 GPU, chunks longer than 64 tokens). The CPU interpreter cannot run Gluon: the CPU suite compiles
 it for sm_90 (tests/kernels/test_prefill_ws.py), the GPU tests run it.
 """
@@ -34,7 +35,6 @@ except ImportError:  # a Triton without Gluon: prefill_attention.py serves every
 from kernels.attn_common import LOG2E
 
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
-HALF_M = BLOCK_M // 2  # query rows of one consumer warpgroup
 
 
 if gluon is not None:
@@ -102,7 +102,7 @@ if gluon is not None:
         s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((r - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s, ))  # groups complete in order: S_t is done
+        s = warpgroup_mma_wait(1, deps=(s, ))  # groups complete in order: S_r is done
         mbarrier.arrive(k_empty.index(idx), count=1)
         p, m_i, alpha = _softmax(s, qpos, key0, limit, qk_scale, m_i, MASK, s_layout)
         l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -345,8 +345,9 @@ def ws_available(q: torch.Tensor) -> bool:
     return gluon is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
-def _tma_2d(t: torch.Tensor) -> bool:
-    """[rows, heads, head_dim] viewable as a 2-D [rows, heads * head_dim] TMA tensor."""
+def tma_2d(t: torch.Tensor) -> bool:
+    """[rows, heads, head_dim] viewable as a 2-D [rows, heads * head_dim] TMA tensor: heads
+    contiguous, 16-byte aligned base and rows."""
     return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
@@ -358,7 +359,7 @@ def ws_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     bs = k_cache.shape[2]
     return (q.dtype in (torch.bfloat16, torch.float16) and all(t.dtype == q.dtype for t in (k, v, k_cache, v_cache))
             and q.shape[2] in (64, 128) and q.shape[1] % k.shape[1] == 0 and bs <= BLOCK_N and BLOCK_N % bs == 0
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and all(map(_tma_2d, (q, k, v))))
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and all(map(tma_2d, (q, k, v))))
 
 
 def _layout(dtype: torch.dtype, rows: int, head_dim: int):

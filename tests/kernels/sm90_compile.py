@@ -23,7 +23,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, fused, linear, paged_attention  # noqa: E402
+from kernels import cache_write, fused, linear, paged_attention, prefill_ws  # noqa: E402
+
+if prefill_ws.gluon is not None:
+    from triton.experimental.gluon._runtime import GluonASTSource
+    GluonDescriptor = prefill_ws.GluonDescriptor
+else:
+    GluonASTSource = GluonDescriptor = None
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
@@ -53,6 +59,9 @@ def compile_sm90(fn, args: tuple, kwargs: dict, settings: dict = GPU_SETTINGS):
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
             continue
+        if GluonDescriptor is not None and isinstance(v, GluonDescriptor):
+            signature[p.name] = f"tensordesc<{_TYPES[v.base.dtype]}{list(v.block_shape)},{v.layout!r}>"
+            continue
         if isinstance(v, torch.Tensor):
             signature[p.name] = "*" + _TYPES[v.dtype]
             aligned = v.data_ptr() % 16 == 0 and not p.do_not_specialize_on_alignment
@@ -66,7 +75,8 @@ def compile_sm90(fn, args: tuple, kwargs: dict, settings: dict = GPU_SETTINGS):
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS} | {"launch_pdl": bool(values.get("PDL"))}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    return triton.compile(source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 64), options=options)
 
 
@@ -142,8 +152,10 @@ def sass_stats(compiled) -> dict:
                 loop = body
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
     memory = {k: v for k, v in loop.items() if k.startswith(("LDG", "LDS", "STS", "LDL", "STL", "HMMA", "F2FP"))}
     return {"registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
+            "local": int(local.group(1)) if local else None,
             "loop_instructions": sum(loop.values()), "loop_memory_and_mma": memory}
 
 
@@ -169,9 +181,6 @@ def decode_stats() -> list[dict]:
 def compile_prefill_ws(head_dim: int, dtype: torch.dtype, Hq: int = 32, Hkv: int = 8, T: int = 256, bs: int = 16,
                        work: bool = False):
     """kernels/prefill_ws.py's Gluon kernel for an H100, from its wrapper's own launch arguments."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kernels import prefill_ws
     q = torch.randn(T, Hq, head_dim, dtype=dtype)
     k, v = torch.randn(T, Hkv, head_dim, dtype=dtype), torch.randn(T, Hkv, head_dim, dtype=dtype)
     kc = torch.randn(2 * T // bs, Hkv, bs, head_dim, dtype=dtype)
@@ -180,44 +189,19 @@ def compile_prefill_ws(head_dim: int, dtype: torch.dtype, Hq: int = 32, Hkv: int
     w = torch.zeros(8, dtype=torch.int32) if work else None
     _, args, kwargs = prefill_ws.ws_launch_args(q, k, v, kc, kc.clone(), bt, sl, qsl, torch.empty_like(q),
                                                 head_dim ** -0.5, T, w)
-    fn = prefill_ws._prefill_ws_kernel
-    values = dict(zip([p.name for p in fn.params], args)) | kwargs
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(fn.params):
-        v = values[p.name]
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = "constexpr", v
-        elif isinstance(v, prefill_ws.GluonDescriptor):
-            signature[p.name] = f"tensordesc<{_TYPES[v.base.dtype]}{list(v.block_shape)},{v.layout!r}>"
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = "*" + _TYPES[v.dtype]
-            if not p.do_not_specialize_on_alignment:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[p.name] = "i32" if isinstance(v, int) else "fp32"
-    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    return triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 64), options=options)
+    return compile_sm90(prefill_ws._prefill_ws_kernel, args, kwargs)
 
 
 def prefill_ws_stats() -> list[dict]:
-    import re
-    import subprocess
-    import tempfile
     rows = []
     for head_dim, dtype, bs, work in ((64, torch.bfloat16, 16, False), (128, torch.bfloat16, 16, True),
                                       (128, torch.float16, 64, False)):
         compiled = compile_prefill_ws(head_dim, dtype, bs=bs, work=work)
         ptx = compiled.asm["ptx"]
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
-        local = re.search(r"LOCAL:(\d+)", res)
+        local = sass_stats(compiled)["local"]
         rows.append({"kernel": "_prefill_ws_kernel", "head_dim": head_dim, "dtype": _TYPES[dtype], "block_size": bs,
                      "work": work,
-                     "local_bytes": int(local.group(1)) if local else None, "shared_bytes": compiled.metadata.shared,
+                     "local_bytes": local, "shared_bytes": compiled.metadata.shared,
                      "warpgroup_mma": "wgmma.mma_async" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
                      "setmaxnreg": "setmaxnreg" in ptx})
     return rows
