@@ -311,24 +311,11 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     cfg["tma"] = cfg["src"] == SRC_TMA.value
     # the Hopper kernel by default; a config asks for it by "ws": True (its other keys are this file's)
     want_ws = (config or {}).get("ws", not config) and max_query_len >= WS_MIN_QUERY_LEN
-    cfg["ws"] = bool(want_ws and new_kv and _ws_device(q) and prefill_ws.ws_supports(q, k, v, k_cache, k_cache))
+    cfg["ws"] = bool(want_ws and new_kv and prefill_ws.ws_available(q) and prefill_ws.ws_supports(q, k, v, k_cache, k_cache))
     if cfg["ws"]:
         cfg.update(src=SRC_WS, block_m=prefill_ws.BLOCK_M, tok_m=prefill_ws.BLOCK_M, block_n=prefill_ws.BLOCK_N,
                    pack_gqa=False, lazy_rescale=False, tma=True, num_warps=4, num_stages=prefill_ws.STAGES)
     return cfg
-
-
-_WS_DEVICES: dict[int, bool] = {}
-
-
-def _ws_device(q: torch.Tensor) -> bool:
-    """prefill_ws.ws_available(q), once per device."""
-    if not q.is_cuda:
-        return False
-    i = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if i not in _WS_DEVICES:
-        _WS_DEVICES[i] = prefill_ws.ws_available(q)
-    return _WS_DEVICES[i]
 
 
 def work_list(seqs: list[int], q_lens: list[int], tok_m: int, size: int) -> np.ndarray | None:

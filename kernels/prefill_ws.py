@@ -340,9 +340,18 @@ if gluon is not None:
                            [4, 1], [232, 40])
 
 
+_HOPPER: dict[int, bool] = {}
+
+
 def ws_available(q: torch.Tensor) -> bool:
-    """Whether this kernel can run on q's device: Gluon present, a Hopper (sm_90) GPU."""
-    return gluon is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+    """Whether this kernel can run on q's device: Gluon present, a Hopper (sm_90) GPU (asked once
+    per device: prefill_plan() calls this for every step)."""
+    if gluon is None or not q.is_cuda:
+        return False
+    i = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if i not in _HOPPER:
+        _HOPPER[i] = torch.cuda.get_device_capability(q.device) == (9, 0)
+    return _HOPPER[i]
 
 
 def tma_2d(t: torch.Tensor) -> bool:
