@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-async-scheduling", action="store_true", help="wait for each step before scheduling the next")
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="programmatic dependent launch (kernels/pdl.py; default: where the GPU can)")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps per scheduling round (default: the engine's)")
     p.add_argument("--decode-only", action="store_true",
                    help="time only the steps in which every sequence decodes (all prefills done): "
                         "the decode throughput at batch --num-prompts and context --input-len")
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching,
-              async_scheduling=False if args.no_async_scheduling else None, pdl=args.pdl)
+              async_scheduling=False if args.no_async_scheduling else None, pdl=args.pdl,
+              **({} if args.num_scheduler_steps is None else {"num_scheduler_steps": args.num_scheduler_steps}))
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = llm.engine.core.stats.num_steps
     result = dict(decode_only=args.decode_only, repeat_throughputs=repeats if args.decode_only else None, model=llm.engine.model_name, gpu=hw.device, num_prompts=args.num_prompts,
                   input_len=args.input_len, output_len=args.output_len, enforce_eager=args.enforce_eager,
-                  async_scheduling=llm.engine.runner.overlap, pdl=llm.engine.runner.pdl, kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
+                  async_scheduling=llm.engine.runner.overlap, pdl=llm.engine.runner.pdl,
+                  num_scheduler_steps=llm.config.num_scheduler_steps, kv_cache_dtype=llm.engine.runner.kv_spec.dtype, duration_s=elapsed,
                   output_throughput=n_out / elapsed, steps=steps,
                   date=time.strftime("%Y-%m-%d"))
     rates = hw.rates()

@@ -75,6 +75,12 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
         if not rs:
             continue
         s: dict = {"steps": len(rs), "tokens": sum(r.get("tokens", 0) for r in rs)}
+        model_steps = sum(r.get("steps", 1) for r in rs if "seqs" in r)
+        if model_steps != len(rs) and k == "decode":  # multi-step batches: a row runs r["steps"] steps
+            s["model_steps"] = model_steps
+            per = [r["gpu_ms"] / r.get("steps", 1) for r in rs if "gpu_ms" in r]
+            if per:
+                s["gpu_ms_per_model_step"] = _stats(per)
         # a step's interval: from its start to the next step's start
         for name, a, b in PHASES:
             vals = [r[b] - r[a] for r in rs if a in r and b in r]

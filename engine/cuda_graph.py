@@ -82,7 +82,7 @@ class StaticInputs:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, block_size: int, device: torch.device, max_steps: int = 1) -> None:
         self.model, self.ops, self.caches = model, ops, caches
         self.buckets = graph_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
@@ -91,6 +91,9 @@ class DecodeGraphs:
         words = head_words(self.max_bs) + -(-self.max_bs * max_blocks_per_seq // 2)
         self.stage = torch.zeros(words, dtype=torch.int64, device=device)  # n = 0: every row is padding
         self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        # replay_steps(): every step's tokens, and each row's own row (its next input is pending there)
+        self.step_tokens = torch.zeros((max_steps, self.max_bs), dtype=torch.int64, device=device)
+        self._rows = torch.arange(self.max_bs, dtype=torch.int64, device=device)
         self._uploads = UploadRing(words * 8)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -140,3 +143,20 @@ class DecodeGraphs:
         bs = self.bucket_for(n)
         self.graphs[bs].replay()
         return self.logits[bs][:n], self.tokens[:n]
+
+    def replay_steps(self, n: int, words: int, steps: int) -> torch.Tensor:
+        """replay(), then steps - 1 more replays, each on the tokens the one before sampled, one
+        position further: on the device, the staged positions go up by one and every row's input is
+        pending on its own row, so the host only queues the replays (the rows' blocks must cover
+        all the positions). -> every step's greedy tokens [steps, n], a view of a static buffer."""
+        self.replay(n, words)
+        out = self.step_tokens[:steps, :n]
+        out[0].copy_(self.tokens[:n])
+        positions = self.stage[2 + n:2 + 2 * n]
+        self.stage[2 + 2 * n:2 + 3 * n].copy_(self._rows[:n])
+        graph = self.graphs[self.bucket_for(n)]
+        for j in range(1, steps):
+            positions.add_(1)
+            graph.replay()
+            out[j].copy_(self.tokens[:n])
+        return out

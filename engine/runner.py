@@ -126,7 +126,7 @@ class ModelRunner:
         self.steps: StepGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
-                                       self.max_blocks_per_seq, cfg.block_size, self.device)
+                                       self.max_blocks_per_seq, cfg.block_size, self.device, cfg.num_scheduler_steps)
             self.graphs.capture()
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
@@ -139,7 +139,7 @@ class ModelRunner:
         self.host_slots: HostSlots | None = None
         self.uploads: UploadRing | None = None
         if self.device.type == "cuda":
-            self.host_slots = HostSlots(cfg.max_num_seqs)
+            self.host_slots = HostSlots(cfg.max_num_seqs * cfg.num_scheduler_steps)
             # prepare()'s largest upload: int64 ids, positions, slots per token and 3 words per
             # sequence; int32 3 words per sequence, 2 more and the block tables
             tokens, seqs = max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs
@@ -320,7 +320,8 @@ class ModelRunner:
                 ids.append(toks[start])
                 pend.append(-1)
             else:
-                assert prev is not None and start == len(toks), "a pending token without the step that samples it"
+                # sampled by prev (by its last step, if it ran several)
+                assert prev is not None and start >= len(toks), "a pending token without the step that samples it"
                 ids.append(0)
                 pend.append(prev.rows[seq.seq_id])
             starts.append(start)
@@ -354,7 +355,9 @@ class ModelRunner:
             if it.end <= len(toks):
                 ids_list += toks[it.start:it.end]
                 continue
-            assert prev is not None and it.end == len(toks) + 1, "a pending token without the step that samples it"
+            # the chunk's last token is pending: sampled by prev (by its last step, if it ran several)
+            assert prev is not None and (it.end == len(toks) + 1 or (it.num_new_tokens == 1 and it.start >= len(toks))), \
+                "a pending token without the step that samples it"
             ids_list += toks[it.start:]
             ids_list.append(0)
             pend_at.append(int(qsl[i + 1]) - 1)
@@ -441,6 +444,7 @@ class ModelRunner:
         g = self.graphs
         if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
             return self._launch_graph(batch, prev)
+        assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
         if self.steps is not None and not batch.is_decode_only:
             key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
             if key is not None:
@@ -487,8 +491,13 @@ class ModelRunner:
         g = self.graphs
         assert g is not None
         words = self._graph_inputs(items, prev, g.host_inputs())
-        logits, tokens = g.replay(n, words)
         params = [it.seq.params for it in items]
+        if batch.num_steps > 1:  # greedy rows without logprobs (the scheduler's rule)
+            steps = g.replay_steps(n, words, batch.num_steps)
+            samples = DeviceSamples(g.tokens[:n], params, steps=steps)
+            samples.start_copy(self.host_slots)
+            return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
+        logits, tokens = g.replay(n, words)
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):
             samples = DeviceSamples(tokens, params)
         else:
@@ -517,6 +526,11 @@ class ModelRunner:
         if launched.samples is None:
             return outputs
         tokens, logprobs = launched.samples.to_host()
+        if launched.samples.steps is not None:  # [steps][n]: each row's first token and the later ones
+            later = list(zip(*tokens[1:]))
+            for j, i in enumerate(launched.sampled):
+                outputs[i] = SampleOutput(tokens[0][j], None, list(later[j]))
+            return outputs
         for j, i in enumerate(launched.sampled):
             outputs[i] = SampleOutput(tokens[j], logprobs[j])
         return outputs

@@ -85,6 +85,7 @@ class DeviceSamples:
     tokens: torch.Tensor
     params: list[SamplingParams]
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chosen [N], top values/ids [N, k]
+    steps: torch.Tensor | None = None  # a multi-step batch's greedy tokens of every step [S, N] (tokens: the last)
     _host: torch.Tensor | None = None
     _ready: torch.cuda.Event | None = None
     _slot: tuple[HostSlots, int] | None = None
@@ -94,17 +95,19 @@ class DeviceSamples:
         of `slots` when one is free)."""
         if self.tokens.device.type != "cuda":
             return
-        n = self.tokens.shape[0]
+        src = self.tokens if self.steps is None else self.steps
+        n = src.numel()
         i = slots.take(n) if slots is not None else None
         if i is None:
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             self._ready = torch.cuda.Event()
         else:
-            self._host, self._ready, self._slot = slots.bufs[i][:n], slots.events[i], (slots, i)
-        self._host.copy_(self.tokens, non_blocking=True)
+            self._host, self._ready, self._slot = slots.bufs[i][:n].view(src.shape), slots.events[i], (slots, i)
+        self._host.copy_(src, non_blocking=True)
         self._ready.record()
 
-    def to_host(self) -> tuple[list[int], list[TokenLogprob | None]]:
+    def to_host(self) -> tuple[list, list[TokenLogprob | None]]:
+        """(token ids [N], or [S][N] for a multi-step batch; logprobs [N])"""
         if self._ready is not None:
             self._ready.synchronize()
             token_list = self._host.tolist()
@@ -113,9 +116,9 @@ class DeviceSamples:
                 slots.busy[i] = False
                 self._slot = None
         else:
-            token_list = self.tokens.tolist()
+            token_list = (self.tokens if self.steps is None else self.steps).tolist()
         if self.logprobs is None:
-            return token_list, [None] * len(token_list)
+            return token_list, [None] * self.tokens.shape[0]
         chosen, top_vals, top_ids = self.logprobs
         chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
         out: list[TokenLogprob | None] = []

@@ -116,7 +116,7 @@ class EngineCore:
         held = self.scheduler.num_held_steps
         batch = self.scheduler.schedule()
         if trace is not None and batch is not None:
-            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items),
+            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items), steps=batch.num_steps,
                        held=self.scheduler.num_held_steps - held)
         self.stats.num_preemptions += self.scheduler.num_preemptions - before
         prev, self._in_flight = self._in_flight, None

@@ -44,6 +44,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     prefill_hold_s: float = 0.0  # the quiet time that ends a burst of new prompts (see above)
+    num_scheduler_steps: int = 1  # decode steps per schedule() when only greedy decodes run (_steps)
 
 
 class Scheduler:
@@ -96,11 +97,42 @@ class Scheduler:
         items = decodes + others if others else decodes
         if not items:
             return None
+        steps = 1 if others else self._steps(decodes)
         for it in items:  # the step is committed: the next schedule() continues after it
             seq = it.seq
-            seq.num_computed_tokens = it.end
-            seq.num_pending += it.samples
-        return Batch(items, len(decodes))
+            seq.num_computed_tokens = it.end + steps - 1
+            seq.num_pending += it.samples * steps
+        return Batch(items, len(decodes), steps)
+
+    def _steps(self, decodes: list[ScheduledSeq]) -> int:
+        """How many decode steps a decode-only batch runs at once (multi-step scheduling). The
+        engine loop's host work (scheduling, launching, processing and sending the tokens) is then
+        paid once for all of them, which keeps the GPU busy where that work takes about as long as
+        a step (a small model). Only while nothing waits (a new prompt would wait for the whole
+        batch), for greedy rows without logprobs (the decode graphs sample those themselves), and
+        never past a sequence's end by length, so no row idles; a stop token or string can still
+        end a row early (update() drops its later tokens). Each sequence gets the cache blocks of
+        all the steps, or the batch runs one step."""
+        k = self.config.num_scheduler_steps
+        if k <= 1 or self.waiting:
+            return 1
+        max_len = self.config.max_model_len
+        for it in decodes:
+            seq = it.seq
+            p = seq.params
+            if p.temperature != 0.0 or p.logprobs is not None:
+                return 1
+            total = len(seq.token_ids) + seq.num_pending  # the tokens once those in flight are known
+            k = min(k, max_len - total)
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - (total - seq.num_prompt_tokens))
+            if k <= 1:
+                return 1
+        bm = self.bm
+        for it in decodes:
+            if bm.append(it.seq.block_table, it.start + k) is None:
+                return 1  # blocks already added to other rows stay theirs, for their next steps
+        return k
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]
                           ) -> tuple[int, bool]:
@@ -195,9 +227,10 @@ class Scheduler:
         outputs = []
         bs = self.bm.block_size
         status_finished, status_running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
+        steps = batch.num_steps
         for it, sample in zip(batch.items, samples):
             seq = it.seq
-            seq.num_pending -= it.samples
+            seq.num_pending -= it.samples * steps
             if seq.status is status_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             token = sample.token_id
@@ -208,22 +241,47 @@ class Scheduler:
                 # if its input token was pending then (prefill chunks never have one)
                 self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, it.start, it.end)
             reason = self._finish_reason(seq, token)
+            new = [token] if steps == 1 else self._later_steps(seq, it, sample.more, reason)
+            if steps > 1 and reason is None:
+                reason = seq.finish_reason
             if reason is not None:
                 self.finish(seq, reason)
             # positional: keyword arguments cost more than the rest of the call
-            outputs.append(StepOutput(seq.seq_id, [token], reason is not None, reason, "",
+            outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, "",
                                       [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
                                       len(token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
+
+    def _later_steps(self, seq: Sequence, it: ScheduledSeq, more: list[int] | None, reason: str | None) -> list[int]:
+        """A multi-step batch's tokens after the first (already appended): appended in turn until one
+        ends the sequence (the rest are dropped), each completed block registered as update() does
+        for the first. -> the tokens kept, the first included; seq is finished by the one that
+        ended it, if a later one did."""
+        token_ids = seq.token_ids
+        new = [token_ids[-1]]
+        if reason is not None:
+            return new
+        bs = self.bm.block_size
+        for j, token in enumerate(more or (), 1):
+            token_ids.append(token)
+            new.append(token)
+            end = it.end + j
+            if end % bs == 0 and seq.status is SequenceStatus.RUNNING:
+                self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        return new
 
     def discard(self, batch: Batch) -> None:
         """The batch was never computed: take back what its scheduling committed (the prefix-cache
         entries, the computed and pending counts)."""
         for it in batch.items:
             seq = it.seq
-            seq.num_pending -= it.samples
+            seq.num_pending -= it.samples * batch.num_steps
             if seq.block_table and seq.status is SequenceStatus.RUNNING:
-                self.bm.uncache(seq.block_table, it.start, it.end)
+                self.bm.uncache(seq.block_table, it.start, it.end + batch.num_steps - 1)
                 seq.num_computed_tokens = min(seq.num_computed_tokens, it.start)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -162,10 +162,13 @@ class ScheduledSeq:
 
 @dataclass
 class Batch:
-    """The work of one model step. Items with one new token (decodes) come first."""
+    """The work of one model step. Items with one new token (decodes) come first. num_steps > 1
+    (a decode-only batch, SchedulerConfig.num_scheduler_steps): the step runs num_steps times back
+    to back, each time on the tokens the last one sampled, so every item yields num_steps tokens."""
 
     items: list[ScheduledSeq]
     num_decode: int
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +192,7 @@ class SampleOutput:
 
     token_id: int
     logprob: TokenLogprob | None = None
+    more: list[int] | None = None  # a multi-step batch's later tokens, in order
 
 
 @dataclass(slots=True)

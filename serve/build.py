@@ -121,9 +121,13 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
         log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
         max_len = capacity
     tokenizer = load_tokenizer(path, model_cfg.vocab_size)
+    steps = cfg.num_scheduler_steps
+    if steps > 1 and runner.graphs is None:
+        log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running 1", steps)
+        steps = 1
     core = EngineCore(runner, tokenizer,
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
-                                      cfg.prefill_hold_ms / 1e3),
+                                      cfg.prefill_hold_ms / 1e3, steps),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)

@@ -42,6 +42,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-hold-ms", type=float, default=0.0,
                    help="new prompts wait until none has arrived for this many ms (at most 4x that), so "
                         "that a burst starts as one prefill step (off: 0)")
+    g.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps, metavar="K",
+                   help="while only greedy decodes run and nothing waits, run K decode steps per scheduling "
+                        "round (CUDA graphs only): the host's per-step work is paid once for K steps, and "
+                        "tokens stream K at a time (default: %(default)s)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--seed", type=int, default=0)
@@ -54,4 +58,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
                         async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
-                        step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms, seed=args.seed)
+                        step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms,
+                        num_scheduler_steps=args.num_scheduler_steps, seed=args.seed)

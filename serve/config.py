@@ -10,6 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BACKENDS = ("auto", "triton", "torch")
+MAX_SCHEDULER_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class EngineConfig:
     # Triton kernels with programmatic dependent launch; None: where the GPU can (compute capability >= 9.0)
     pdl: bool | None = None
     prefill_hold_ms: float = 0.0  # the quiet time that ends a burst of new prompts (scheduler/policy.py)
+    # decode steps per scheduling round while only greedy decodes run and nothing waits
+    # (scheduler/policy.py Scheduler._steps); needs the decode graphs, else 1
+    num_scheduler_steps: int = 4
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -58,8 +62,10 @@ class EngineConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         choice("load_format", LOAD_FORMATS)
         choice("backend", BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             positive(name)
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS}; got {self.num_scheduler_steps}")
         if self.block_size & (self.block_size - 1) or not 8 <= self.block_size <= 256:
             raise ValueError(f"block_size must be a power of two between 8 and 256; got {self.block_size}")
         if self.num_kv_blocks is not None:
