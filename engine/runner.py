@@ -204,14 +204,17 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile, before the first request, the kernel variants that eager steps use, in steps that
         write nowhere: mixed steps (decodes + one prefill chunk) with one decode per prefill tile
-        height, and with each power-of-two decode count (decode attention's variant follows the count
+        height and one longer chunk, and with each power-of-two decode count (decode attention's variant follows the count
         rounded up to one) and the smallest chunk; with --enforce-eager also a decode-only step per
         count (those fuse rotary into attention: other variants). The decode graphs' own variants
         come with their capture."""
         top = self.cfg.max_num_seqs
         counts = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
         for nd in counts:
-            for chunk in (16, 32, 64) if nd == 1 else (16,):
+            # a chunk over 64 tokens takes another prefill kernel (kernels/prefill_attention.py's
+            # prefill_plan: prefill_ws.py's on an H100), which the step graphs capture only in their
+            # work-list form
+            for chunk in (16, 32, 64, 128) if nd == 1 else (16,):
                 if chunk < self.max_model_len:
                     self._warmup_step(nd, chunk)
             if self.graphs is None:
