@@ -110,9 +110,10 @@ class Scheduler:
         paid once for all of them, which keeps the GPU busy where that work takes about as long as
         a step (a small model). Only while nothing waits (a new prompt would wait for the whole
         batch), for greedy rows without logprobs (the decode graphs sample those themselves), and
-        never past a sequence's end by length, so no row idles; a stop token or string can still
-        end a row early (update() drops its later tokens). Each sequence gets the cache blocks of
-        all the steps, or the batch runs one step."""
+        never past a sequence's end by length, so no row idles; a stop token can still end a row
+        early (update() drops its later tokens; a stop string, found by the detokenizer after
+        update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
+        sequence gets the cache blocks of all the steps, or the batch runs one step."""
         k = self.config.num_scheduler_steps
         if k <= 1 or self.waiting:
             return 1
