@@ -496,14 +496,11 @@ class ModelRunner:
         words = self._graph_inputs(items, prev, g.host_inputs())
         params = [it.seq.params for it in items]
         if batch.num_steps > 1:  # greedy rows without logprobs (the scheduler's rule)
-            steps = g.replay_steps(n, words, batch.num_steps)
-            samples = DeviceSamples(g.tokens[:n], params, steps=steps)
-            samples.start_copy(self.host_slots)
-            return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
-        logits, tokens = g.replay(n, words)
-        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
-            samples = DeviceSamples(tokens, params)
+            samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps))
+        elif all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            samples = DeviceSamples(g.replay(n, words)[1], params)
         else:
+            logits, tokens = g.replay(n, words)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
             samples = sample_on_device(logits, sbatch, self.generator)
             tokens.copy_(samples.tokens)

@@ -90,12 +90,16 @@ class DeviceSamples:
     _ready: torch.cuda.Event | None = None
     _slot: tuple[HostSlots, int] | None = None
 
+    def _ids(self) -> torch.Tensor:
+        """What goes to the host: the tokens, or every step's of a multi-step batch."""
+        return self.tokens if self.steps is None else self.steps
+
     def start_copy(self, slots: HostSlots | None = None) -> None:
         """Begin the device-to-host copy of the token ids behind the work already queued (into one
         of `slots` when one is free)."""
         if self.tokens.device.type != "cuda":
             return
-        src = self.tokens if self.steps is None else self.steps
+        src = self._ids()
         n = src.numel()
         i = slots.take(n) if slots is not None else None
         if i is None:
@@ -116,7 +120,7 @@ class DeviceSamples:
                 slots.busy[i] = False
                 self._slot = None
         else:
-            token_list = (self.tokens if self.steps is None else self.steps).tolist()
+            token_list = self._ids().tolist()
         if self.logprobs is None:
             return token_list, [None] * self.tokens.shape[0]
         chosen, top_vals, top_ids = self.logprobs

@@ -234,17 +234,21 @@ class Scheduler:
             seq.num_pending -= it.samples * steps
             if seq.status is status_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
-            token = sample.token_id
             token_ids = seq.token_ids
-            token_ids.append(token)
-            if it.num_new_tokens == 1 and it.end % bs == 0 and seq.status is status_running:
-                # a decode, not preempted since, completed a block: schedule() could not register it
-                # if its input token was pending then (prefill chunks never have one)
-                self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, it.start, it.end)
-            reason = self._finish_reason(seq, token)
-            new = [token] if steps == 1 else self._later_steps(seq, it, sample.more, reason)
-            if steps > 1 and reason is None:
-                reason = seq.finish_reason
+            new = [sample.token_id] if sample.more is None else [sample.token_id, *sample.more]
+            reason = None
+            # a multi-step batch's tokens in turn, until one ends the sequence (the rest are dropped)
+            for j, token in enumerate(new):
+                token_ids.append(token)
+                end = it.end + j
+                if it.num_new_tokens == 1 and end % bs == 0 and seq.status is status_running:
+                    # a decode, not preempted since, completed a block: schedule() could not register it
+                    # if its input token was pending then (prefill chunks never have one)
+                    self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    del new[j + 1:]
+                    break
             if reason is not None:
                 self.finish(seq, reason)
             # positional: keyword arguments cost more than the rest of the call
@@ -252,28 +256,6 @@ class Scheduler:
                                       [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
                                       len(token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
-
-    def _later_steps(self, seq: Sequence, it: ScheduledSeq, more: list[int] | None, reason: str | None) -> list[int]:
-        """A multi-step batch's tokens after the first (already appended): appended in turn until one
-        ends the sequence (the rest are dropped), each completed block registered as update() does
-        for the first. -> the tokens kept, the first included; seq is finished by the one that
-        ended it, if a later one did."""
-        token_ids = seq.token_ids
-        new = [token_ids[-1]]
-        if reason is not None:
-            return new
-        bs = self.bm.block_size
-        for j, token in enumerate(more or (), 1):
-            token_ids.append(token)
-            new.append(token)
-            end = it.end + j
-            if end % bs == 0 and seq.status is SequenceStatus.RUNNING:
-                self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                break
-        return new
 
     def discard(self, batch: Batch) -> None:
         """The batch was never computed: take back what its scheduling committed (the prefix-cache
