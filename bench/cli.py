@@ -17,20 +17,22 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from bench.client import CompletionTarget
 from bench.hardware import Measurement, gpu_name, measure_in_subprocess
 from bench.load import (LoadError, LoadPlan, auto_client_processes, client_process_count, discover_model,
                         probe, run_load)
 from bench.metrics import SLO, compute_metrics
-from serve.cli_args import OneLineErrorParser
 from bench.plot import check_available, write_plot
 from bench.presets import resolve_model
 from bench.report import Roofline, RunInfo, format_report, result_dict
 from bench.roofline import ModelCost, estimate
 from bench.server import ManagedServer, ServerError, resolve_command
-from bench.workload import WorkloadSpec, arrival_offsets, make_requests, warmup_requests
+from bench.workload import WorkloadSpec, arrival_offsets, as_text, make_requests, warmup_requests
 from engine.config import ModelConfig, ModelConfigError
+from serve.build import TokenIdTokenizer, load_tokenizer
+from serve.cli_args import OneLineErrorParser
 
 PROG = "serve bench"
 DEFAULT_VOCAB = 32000  # token id range for prompts when no --model tells the real vocabulary
@@ -66,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--range-ratio", type=float, default=0.0,
                       help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: %(default)s)")
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (extension field)")
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request "
+                                                                       "(default: %(default)s, greedy)")
+    load.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every request (default: %(default)s)")
+    load.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                      help="send prompts as token ids, or as text the server tokenizes (decoded with --model's "
+                           "tokenizer; default: %(default)s)")
     load.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
                       help="every prompt starts with the same N random tokens (part of --input-len)")
     load.add_argument("--num-warmups", type=int, default=0, metavar="N",
@@ -98,6 +106,7 @@ class _Setup:
     slo: SLO | None
     model_dir: Path | None
     model: ModelConfig | None
+    tokenizer: Any  # --prompt-format text: the model folder's tokenizer; else None
     server_command: list[str] | None  # None: use --url
     server_args: list[str]
     url: str | None
@@ -121,6 +130,10 @@ def _validate(args: argparse.Namespace) -> _Setup:
         raise ValueError(f"--request-rate must be > 0, got {rate}")
     if rate is not None and math.isinf(rate):
         rate = None
+    if not 0.0 <= args.temperature <= 100.0:
+        raise ValueError(f"--temperature must be in [0, 100], got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.client_processes is not None and args.client_processes < 1:
@@ -153,12 +166,19 @@ def _validate(args: argparse.Namespace) -> _Setup:
             raise ValueError(f"--model: {e}") from None
     if model is not None:
         ModelCost.of(model, args.kv_cache_dtype)  # a bad --kv-cache-dtype says so now, not after the run
+    tokenizer = None
+    if args.prompt_format == "text":
+        if model_dir is None:
+            raise ValueError("--prompt-format text needs --model: the folder whose tokenizer turns the prompts into text")
+        tokenizer = load_tokenizer(model_dir)
+        if isinstance(tokenizer, TokenIdTokenizer):
+            raise ValueError(f"--prompt-format text: {model_dir} has no tokenizer files (tokenizer.json, ...)")
     workload = WorkloadSpec(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, shared_prefix_len=args.shared_prefix_len,
         vocab_size=model.vocab_size if model else DEFAULT_VOCAB, seed=args.seed)
     return _Setup(
-        workload=workload, slo=slo, model_dir=model_dir, model=model,
+        workload=workload, slo=slo, model_dir=model_dir, model=model, tokenizer=tokenizer,
         server_command=None if args.url else resolve_command(args.server_command),
         server_args=server_args, url=args.url.rstrip("/").removesuffix("/v1") if args.url else None,
         request_rate=rate,
@@ -174,11 +194,30 @@ def _hardware(args: argparse.Namespace, setup: _Setup) -> Measurement:
     return measure_in_subprocess()
 
 
+def no_roofline_reason(hw: Measurement, model: ModelConfig | None) -> str:
+    """Why the report has no roofline, in words a user can act on ('' when it has one)."""
+    if model is None:
+        return "the model's shape is unknown: pass --model (a folder or preset) with --url"
+    if hw.rates() is None:
+        return (f"{hw.error}; pass --copy-bandwidth and --matmul-tflops" if hw.error
+                else "no CUDA GPU here to measure the copy bandwidth and matmul rate; pass --copy-bandwidth "
+                     "and --matmul-tflops (e.g. 3.01 and 790 for an H100)")
+    return ""
+
+
 def _error(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C at any moment: options, GPU measurement, server start, run, report
+        _error("interrupted")
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         setup = _validate(args)
     except ValueError as e:
@@ -200,9 +239,6 @@ def run(args: argparse.Namespace) -> int:
     except ServerError as e:
         _error(str(e))
         return 1
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return 130
 
 
 def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measurement) -> int:
@@ -211,9 +247,11 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         _error(f"no model name from GET {base_url}/v1/models (is the server up?); pass --served-model-name")
         return 1
     target = CompletionTarget(url=base_url + args.endpoint, model=name, ignore_eos=args.ignore_eos,
-                              api_key=args.api_key)
+                              api_key=args.api_key, temperature=args.temperature, top_p=args.top_p)
     requests = make_requests(setup.workload)
     warmups = warmup_requests(setup.workload, max(1, args.num_warmups))
+    if setup.tokenizer is not None:
+        requests, warmups = as_text(requests, setup.tokenizer), as_text(warmups, setup.tokenizer)
     # The probe and the warm-ups use other tokens than the measured prompts: with prefix caching
     # they would otherwise hand the measured requests a cached prefix.
     first = asyncio.run(probe(target, warmups[0]))
@@ -243,15 +281,16 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
     rates = hw.rates()
     roofline = None
     if rates is not None and setup.model is not None:
-        lengths = [(len(r.prompt), r.output_len) for r in requests]
+        lengths = [(r.num_prompt_tokens, r.output_len) for r in requests]
         roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
                                      args.concurrency, setup.request_rate), rates)
     info = RunInfo(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model, served_model_name=name,
         url=base_url, gpu=hw.device, workload=setup.workload, concurrency=args.concurrency,
         request_rate=setup.request_rate, ignore_eos=args.ignore_eos, kv_cache_dtype=args.kv_cache_dtype,
-        server_args=None if setup.url else shlex.join(setup.server_args))
-    print(format_report(info, metrics, roofline))
+        server_args=None if setup.url else shlex.join(setup.server_args), temperature=args.temperature,
+        top_p=args.top_p, prompt_format=args.prompt_format)
+    print(format_report(info, metrics, roofline, no_roofline_reason(hw, setup.model)))
     busy = load.client_cpu_fraction
     if busy > 0.8:
         which = "the load generator" if load.client_processes == 1 else \

@@ -47,6 +47,10 @@ class RequestResult:
             return None
         return (self.e2el_s - self.chunks[0][0]) / (self.output_tokens - 1)
 
+    def chunk_gaps_s(self) -> list[float]:
+        """Time between consecutive token-carrying chunks: the stalls a reader of the stream sees."""
+        return [t - prev_t for (prev_t, _), (t, _) in zip(self.chunks, self.chunks[1:])]
+
     def itls_s(self) -> list[float]:
         out: list[float] = []
         for (prev_t, _), (t, k) in zip(self.chunks, self.chunks[1:]):
@@ -62,19 +66,23 @@ class CompletionTarget:
     model: str
     ignore_eos: bool = False
     api_key: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def payload(self, request: BenchRequest, max_tokens: int | None = None) -> dict:
         body = {
             "model": self.model,
             "prompt": request.prompt,
             "max_tokens": max_tokens if max_tokens is not None else request.output_len,
-            "temperature": 0.0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
             # extension (pagedserve, vLLM): each chunk lists its token ids, so merged chunks count right;
             # servers that don't know the field ignore it
             "return_token_ids": True,
         }
+        if self.top_p != 1.0:
+            body["top_p"] = self.top_p
         if self.ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -114,7 +122,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: CompletionTa
                             run_start: float, max_tokens: int | None = None) -> RequestResult:
     """Send one request and time its stream. Never raises for a server or network failure: the
     result says success=False and why."""
-    result = RequestResult(index=request.index, prompt_len=len(request.prompt))
+    result = RequestResult(index=request.index, prompt_len=request.num_prompt_tokens)
     counter = _ChunkCounter()
     counted = 0
     usage_output: int | None = None

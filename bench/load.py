@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,7 +194,11 @@ def _take(counter: Any) -> int:
 
 
 def _worker_main(job: _Job, shared: _Shared) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+    # Ctrl-C reaches the whole process group: the parent stops us. We started with SIGINT blocked
+    # (see _start_with_sigint_blocked); ignored first, then unblocked: one that came meanwhile is dropped.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _socket_buffers_on_the_heap()
     try:
         usage = asyncio.run(_worker_load(job, shared))
@@ -323,7 +326,7 @@ async def _run_in_processes(target: CompletionTarget, requests: list[BenchReques
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=None if plan.progress else True)
     collector = _Collector(shared, processes, [None] * len(requests), bar, spawned_at=time.perf_counter())
     try:
-        _start_ignoring_sigint(processes)
+        _start_with_sigint_blocked(processes)
         await collector.wait(lambda: len(collector.ready) == len(processes), STARTUP_TIMEOUT_S, "did not start")
         start = time.perf_counter() + START_MARGIN_S
         shared.start.value = start
@@ -341,17 +344,27 @@ async def _run_in_processes(target: CompletionTarget, requests: list[BenchReques
     return LoadResult(results=collector.results, duration_s=max(u.span_s for u in usage), usage=usage)
 
 
-def _start_ignoring_sigint(processes: list[BaseProcess]) -> None:
-    """Start the processes with SIGINT ignored from their first instruction (an ignored signal stays
-    ignored across exec), so that a Ctrl-C while one still imports prints no traceback of its own."""
-    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+def _start_with_sigint_blocked(processes: list[BaseProcess]) -> None:
+    """Start the processes with SIGINT blocked in this thread: they inherit the blocked signal
+    across fork and exec, so that a Ctrl-C while one still imports prints no traceback of its own
+    (_worker_main ignores it, then unblocks it).
+
+    Blocked, not ignored: a SIGINT ignored here would be lost, and the run would go on to its end
+    and exit 0 as if no Ctrl-C had come. A blocked one stays pending and is handled as soon as the
+    mask is restored (or at once by another thread of this process that does not block it): asyncio's
+    handler cancels the run, and the processes are stopped. pthread_sigmask, unlike
+    signal.signal, works in any thread. The resource tracker, which unblocks SIGINT after starting
+    itself, is already running: the shared queue and values registered their semaphores with it."""
+    if not hasattr(signal, "pthread_sigmask"):  # not on POSIX: no process groups to fear either
+        for p in processes:
+            p.start()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for p in processes:
             p.start()
     finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stop(processes: list[BaseProcess]) -> None:

@@ -80,6 +80,7 @@ class BenchmarkMetrics:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
+    chunk_gap: Distribution  # between consecutive token-carrying chunks of a stream
     errors: dict[str, int]  # error message -> how many requests failed with it
 
 
@@ -106,5 +107,6 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo: SLO | 
         tpot=Distribution.of_seconds([r.tpot_s for r in ok if r.tpot_s is not None]),
         itl=Distribution.of_seconds([x for r in ok for x in r.itls_s()]),
         e2el=Distribution.of_seconds([r.e2el_s for r in ok]),
+        chunk_gap=Distribution.of_seconds([x for r in ok for x in r.chunk_gaps_s()]),
         errors=errors,
     )

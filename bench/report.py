@@ -26,6 +26,9 @@ class RunInfo:
     ignore_eos: bool
     kv_cache_dtype: str
     server_args: str | None = None  # when the run started its own server
+    temperature: float = 0.0
+    top_p: float = 1.0
+    prompt_format: str = "ids"  # ids: token ids; text: text the server tokenizes
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,11 @@ class Roofline:
     rates: HardwareRates
 
     def fraction(self, output_throughput: float) -> float:
+        """Of the physical bound (compute and memory overlapped)."""
         return output_throughput / self.estimate.output_throughput
+
+    def serial_fraction(self, output_throughput: float) -> float:
+        return output_throughput / self.estimate.serial_output_throughput
 
 
 def _ms(x: float | None) -> float | None:
@@ -59,6 +66,9 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         "range_ratio": w.range_ratio,
         "shared_prefix_len": w.shared_prefix_len,
         "ignore_eos": info.ignore_eos,
+        "temperature": info.temperature,
+        "top_p": info.top_p,
+        "prompt_format": info.prompt_format,
         "seed": w.seed,
         "kv_cache_dtype": info.kv_cache_dtype,
         "completed": metrics.completed,
@@ -77,12 +87,18 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         dist: Distribution = getattr(metrics, name)
         for stat in ("mean", "median", "p90", "p99"):
             out[f"{stat}_{name}_ms"] = getattr(dist, stat)
+    out["median_chunk_gap_ms"] = metrics.chunk_gap.median
+    out["p99_chunk_gap_ms"] = metrics.chunk_gap.p99
     est = roofline.estimate if roofline else None
     out.update({
         "copy_bandwidth_tbs": roofline.rates.copy_bandwidth / 1e12 if roofline else None,
         "matmul_tflops": roofline.rates.matmul_flops / 1e12 if roofline else None,
         "roofline_output_throughput": est.output_throughput if est else None,
         "roofline_fraction": roofline.fraction(metrics.output_throughput) if roofline else None,
+        "serial_bound_output_throughput": est.serial_output_throughput if est else None,
+        "serial_bound_fraction": roofline.serial_fraction(metrics.output_throughput) if roofline else None,
+        "roofline_compute_s": est.compute_s if est else None,
+        "roofline_memory_s": est.memory_s if est else None,
         "roofline_prefill_s": est.prefill_s if est else None,
         "roofline_decode_s": est.decode_s if est else None,
         "roofline_decode_step_ms": est.decode_step_s * 1000.0 if est else None,
@@ -110,7 +126,8 @@ def _title(text: str, fill: str = "-") -> str:
     return f" {text} ".center(WIDTH, fill)
 
 
-def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline | None) -> str:
+def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline | None,
+                  no_roofline_reason: str = "") -> str:
     lines = [
         _title("Serving Benchmark Result", "="),
         _row("Successful requests:", metrics.completed),
@@ -137,19 +154,27 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
             _row(f"P90 {label} (ms):", dist.p90),
             _row(f"P99 {label} (ms):", dist.p99),
         ]
+    lines += [_row("Median chunk gap (ms):", metrics.chunk_gap.median),
+              _row("P99 chunk gap (ms):", metrics.chunk_gap.p99)]
     lines.append(_title("Roofline"))
     lines.append(_row("GPU:", info.gpu or "n/a"))
     if roofline is None:
         lines.append(_row("Roofline bound:", "n/a"))
+        if no_roofline_reason:
+            lines.append(f"  ({no_roofline_reason})")
     else:
         est = roofline.estimate
         step_ms = est.decode_step_s * 1000.0
         lines += [
             _row("Copy bandwidth (TB/s):", roofline.rates.copy_bandwidth / 1e12),
-            _row("Matmul rate (TFLOP/s):", roofline.rates.matmul_flops / 1e12, 0),
-            _row("Roofline output throughput (tok/s):", est.output_throughput),
-            _row("Fraction of roofline:", roofline.fraction(metrics.output_throughput), 3),
+            _row("Matmul rate (TFLOP/s):", roofline.rates.matmul_flops / 1e12, 0 if roofline.rates.matmul_flops >= 1e14 else 2),
+            _row("Physical bound (tok/s):", est.output_throughput),
+            _row("Fraction of physical bound:", roofline.fraction(metrics.output_throughput), 3),
+            _row("Serial bound (tok/s):", est.serial_output_throughput),
+            _row("Fraction of serial bound:", roofline.serial_fraction(metrics.output_throughput), 3),
             _row("Roofline decode step (ms):", step_ms, 3),
+            _row("P99 chunk gap / roofline step:",
+                 metrics.chunk_gap.p99 / step_ms if metrics.chunk_gap.p99 is not None and step_ms > 0 else None),
             _row("Median TPOT / roofline step:",
                  metrics.tpot.median / step_ms if metrics.tpot.median is not None and step_ms > 0 else None),
         ]

@@ -1,13 +1,24 @@
 """The roofline bound of a serving workload: how fast this GPU could serve it at best.
 
-Prefill is compute bound: its time is the FLOPs of every prompt token over the matmul rate.
-Decode is memory bound: each step reads every weight once, plus the KV cache of every running
-sequence at its current context (the new token's K/V written counts as one more position), over
-the copy bandwidth measured as bytes read + written. The first output token of a request comes
-from its prefill, so a request of O output tokens takes O - 1 decode steps, the k-th at context
-prompt + k. With C concurrent sequences a finished sequence's slot is taken by the next request
-at the next step. bound = output tokens / (prefill time + decode time): the two phases are not
-overlapped, and nothing is assumed cached (no prefix caching of a shared prefix).
+Every step of a serving engine reads every weight once, whatever it carries, plus the KV cache of
+every sequence it attends over; its matmuls cost 2 FLOPs per weight per token. A request of O
+output tokens takes O - 1 decode steps (its first token comes from its prefill), the k-th at
+context prompt + k; with C concurrent sequences a finished sequence's slot is taken by the next
+request at the next step, so the workload needs at least `decode_steps` steps.
+
+Physical bound (the headline): output tokens / max(all FLOPs / matmul rate, all bytes / copy
+bandwidth), with the weights read once per decode step. A step that carries decode rows and
+prompt tokens uses the memory system and the tensor cores at once, so the two phases overlap.
+FLOPs: 2 per parameter per token, prompt and output tokens alike, plus attention over each
+token's context. Bytes: the weights once per step, the KV read by each decode, and the KV written
+for every token.
+
+Serial bound: the prefill phase's time plus the decode phase's, each the larger of its FLOPs over
+the matmul rate and its bytes over the copy bandwidth, as if the GPU ran the two phases one after
+the other (on a GPU prefill is compute bound and decode memory bound). It is never above the
+physical bound.
+
+Nothing is assumed cached (no prefix caching of a shared prefix).
 """
 from __future__ import annotations
 
@@ -53,8 +64,15 @@ class ModelCost:
         context, so the sum over the prompt is prompt_len times its value at the mean context.
         """
         mean_context = (prompt_len + 1) / 2
-        attention = self.model.flops_per_token(mean_context) - self.model.flops_per_token(0)
-        return prompt_len * (2.0 * self.model.num_params() + attention)
+        return prompt_len * (2.0 * self.model.num_params() + self.attention_flops(mean_context))
+
+    def attention_flops(self, context: float) -> float:
+        """QK^T and PV of one token over `context` positions."""
+        return self.model.flops_per_token(context) - self.model.flops_per_token(0)
+
+    def decode_flops(self, tokens: int, positions: int) -> float:
+        """FLOPs of `tokens` decode tokens attending over `positions` context positions in all."""
+        return tokens * 2.0 * self.model.num_params() + self.attention_flops(positions)
 
 
 @dataclass(frozen=True)
@@ -62,24 +80,39 @@ class RooflineEstimate:
     prompt_tokens: int
     output_tokens: int
     concurrency: int
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # the prefill phase alone at the bound (the serial bound's first phase)
+    decode_s: float  # the decode phase alone (its second)
     decode_steps: int
+    compute_s: float  # all FLOPs / matmul rate
+    memory_s: float  # all bytes / copy bandwidth
     offered_output_throughput: float | None = None  # output tok/s the arrival rate allows, if capped
 
     @property
     def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
+        """The physical bound's time: compute and memory overlapped."""
+        return max(self.compute_s, self.memory_s)
 
     @property
-    def output_throughput(self) -> float:
-        """The bound, output tokens/s."""
-        hw = self.output_tokens / self.total_s if self.total_s > 0 else float("inf")
+    def serial_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def _throughput(self, seconds: float) -> float:
+        hw = self.output_tokens / seconds if seconds > 0 else float("inf")
         return hw if self.offered_output_throughput is None else min(hw, self.offered_output_throughput)
 
     @property
+    def output_throughput(self) -> float:
+        """The physical bound, output tokens/s."""
+        return self._throughput(self.total_s)
+
+    @property
+    def serial_output_throughput(self) -> float:
+        """The serial bound, output tokens/s."""
+        return self._throughput(self.serial_s)
+
+    @property
     def decode_step_s(self) -> float:
-        """Mean time of one decode step at the bound (compare with the median TPOT)."""
+        """Mean time of one pure decode step at the bound (compare with the median TPOT)."""
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
@@ -121,15 +154,23 @@ def estimate(cost: ModelCost, lengths: Sequence[tuple[int, int]], rates: Hardwar
     steps, positions = _decode_traffic(lengths, c)
     decode_bytes = steps * cost.weight_bytes + positions * cost.kv_bytes_per_token
     output_tokens = sum(o for _, o in lengths)
+    prompt_tokens = sum(p for p, _ in lengths)
+    decode_tokens = sum(o - 1 for _, o in lengths if o > 1)
+    decode_flops = cost.decode_flops(decode_tokens, positions)
+    # the prompts' KV is written once; a workload of single-token outputs still reads the weights once
+    prefill_bytes = prompt_tokens * cost.kv_bytes_per_token + (0 if steps else cost.weight_bytes)
+    all_bytes = decode_bytes + prefill_bytes
     offered = None
     if request_rate is not None and request_rate != float("inf"):
         offered = request_rate * output_tokens / len(lengths)
     return RooflineEstimate(
-        prompt_tokens=sum(p for p, _ in lengths),
+        prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         concurrency=c,
-        prefill_s=prefill_flops / rates.matmul_flops,
-        decode_s=decode_bytes / rates.copy_bandwidth,
+        prefill_s=max(prefill_flops / rates.matmul_flops, prefill_bytes / rates.copy_bandwidth),
+        decode_s=max(decode_bytes / rates.copy_bandwidth, decode_flops / rates.matmul_flops),
         decode_steps=steps,
+        compute_s=(prefill_flops + decode_flops) / rates.matmul_flops,
+        memory_s=all_bytes / rates.copy_bandwidth,
         offered_output_throughput=offered,
     )

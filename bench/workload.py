@@ -1,8 +1,9 @@
-"""The benchmark workload: random token-id prompts and their arrival schedule, both seeded."""
+"""The benchmark workload: random token-id prompts (or their text) and their arrival schedule, both seeded."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,13 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or text the server tokenizes
     output_len: int
+    prompt_tokens: int = 0  # the prompt's length in tokens (0: len(prompt), which are token ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens or len(self.prompt)
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -70,6 +76,19 @@ def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
         suffix = tok_rng.integers(0, spec.vocab_size, size=int(input_lens[i]) - spec.shared_prefix_len)
         requests.append(BenchRequest(index=i, prompt=prefix + suffix.tolist(), output_len=int(output_lens[i])))
     return requests
+
+
+def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
+    """The same requests with text prompts (--prompt-format text): each prompt's ids decoded (special
+    tokens left out), re-encoded, cut to the original length and decoded again, so that the server's
+    tokenizer reads about as many tokens as the ids were."""
+    out = []
+    for r in requests:
+        assert not isinstance(r.prompt, str)
+        text = tokenizer.decode(r.prompt, skip_special_tokens=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:len(r.prompt)]
+        out.append(replace(r, prompt=tokenizer.decode(ids), prompt_tokens=len(ids)))
+    return out
 
 
 def warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:

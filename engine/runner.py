@@ -5,6 +5,9 @@ Implements the scheduler's Executor protocol. Holds the model, the KV pool and t
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +15,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttnMetadata, Ops, reference_ops
-from engine.config import ModelConfig
+from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
+from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.cuda_graph import DecodeGraphs, head_words
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
@@ -20,16 +24,59 @@ from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs
 from engine.upload import HostInputs, UploadRing, take_pending
-from kvcache.calc import (estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
+from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq
-from serve.config import EngineConfig
 
 log = logging.getLogger("pagedserve")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch.cuda._sleep spins this many ms per unit at ~2 GHz (an H100 boosts to 1.98 GHz)
+SLEEP_MS_PER_UNIT = 5e-7
+
+
+def available_ram_bytes() -> int:
+    """RAM the system can give without swapping (Linux: MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _device_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median device time of fn's kernels, ms. A sleep kernel queued first keeps the GPU busy while
+    the host queues fn, so host launch gaps don't count (the graphs replay without them). Where fn
+    itself waits for the device (a host sync inside), no head start helps: it is timed as it runs.
+    The first call, which may compile, is not timed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def once(sleep: int) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        if sleep:
+            torch.cuda._sleep(sleep)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        queued_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), queued_ms
+
+    fn()
+    sleep = 1 << 24
+    for _ in range(2):
+        if once(sleep)[1] < 0.8 * SLEEP_MS_PER_UNIT * sleep:
+            break
+        sleep <<= 4  # the GPU may have caught up with the host: a longer head start
+    else:
+        sleep = 0
+    return float(np.median([once(sleep)[0] for _ in range(repeats)]))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,6 +102,9 @@ def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> t
         if pdl:
             raise ValueError("pdl (programmatic dependent launch) needs the Triton kernels on a CUDA GPU")
         return reference_ops(), False
+    from kernels import require_triton
+
+    require_triton()
     from engine.triton_ops import triton_ops
     from kernels.pdl import supported
     why = supported(device)
@@ -98,6 +148,17 @@ class ModelRunner:
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
+        clock = time.perf_counter()
+        self.startup_s: dict[str, float] = {}  # start-up phase -> seconds, in order (serve/build.py logs them)
+
+        def phase(name: str) -> None:
+            nonlocal clock
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.startup_s[name] = now - clock
+            clock = now
+
         with torch.device("meta"):
             model = LlamaForCausalLM(model_cfg)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -108,14 +169,41 @@ class ModelRunner:
             load_weights(model, model_path, show_progress)
         model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
         self.model = model.eval()
+        phase("weights")
 
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
         self.activation_bytes: int | None = None
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                    cfg.block_size, kv_dtype)
+        # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step
+        self.cost_model = self.measure_step_costs() if self.device.type == "cuda" else None
+        if self.cost_model is not None:
+            phase("cost model")
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        # decode steps per scheduling round: multi-step rounds replay the decode graphs; by default
+        # only where the host's work per round is a large share of a decode step (a small model)
+        self.num_scheduler_steps = 1
+        if graphs:
+            self.num_scheduler_steps = cfg.num_scheduler_steps or (
+                self.cost_model.scheduler_steps(min(64, cfg.max_num_seqs), AUTO_SCHEDULER_STEPS)
+                if self.cost_model is not None else AUTO_SCHEDULER_STEPS)
+        # stall-free batching (the scheduler's prompt budget) where the GPU's step sets the pace, or
+        # where the user states a step target; a host-bound model keeps large prompt steps and
+        # multi-step decode rounds, which serve it faster (bench/NOTES.md, 2026-11-25)
+        self.prompt_budget = (self.cost_model.prompt_budget if self.cost_model is not None
+                              and (self.num_scheduler_steps == 1 or cfg.max_step_ms is not None) else None)
+        # the largest step with prefill tokens that the piecewise graphs replay, and the whole-step
+        # graphs: with a prompt budget, the largest mixed step it allows (bigger steps are compute
+        # bound, launched eagerly: nothing is lost, and start-up captures far fewer graphs)
+        self.piecewise_max_tokens = cfg.max_num_batched_tokens
+        self.step_max_tokens = min(cfg.step_graph_max_tokens, cfg.max_num_batched_tokens)
+        if self.prompt_budget is not None:
+            self.piecewise_max_tokens = min(cfg.max_num_batched_tokens, self.cost_model.largest_mixed_step(cfg.max_num_seqs))
+            self.step_max_tokens = min(self.step_max_tokens, self.piecewise_max_tokens)
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
+        phase("kv cache")
         # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
         # depends on the width); each step uploads only the columns its sequences use.
         self.block_tables = torch.zeros((cfg.max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
@@ -124,31 +212,35 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.steps: StepGraphs | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        if graphs:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
-                                       self.max_blocks_per_seq, cfg.block_size, self.device, cfg.num_scheduler_steps)
+                                       self.max_blocks_per_seq, cfg.block_size, self.device, self.num_scheduler_steps)
             self.graphs.capture()
+            phase("decode graphs")
             if cfg.piecewise_graphs:
-                self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_batched_tokens,
+                self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
                                                  self.device)
                 self.piecewise.capture()
+                phase("piecewise graphs")
                 if cfg.step_graph_max_tokens and self.ops.work_lists:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
-                                            self.max_blocks_per_seq, cfg.step_graph_max_tokens, self.device)
+                                            self.max_blocks_per_seq, self.step_max_tokens, self.device)
                     self.steps.capture(self.piecewise.pool)
+                    phase("step graphs")
         self.host_slots: HostSlots | None = None
         self.uploads: UploadRing | None = None
         if self.device.type == "cuda":
-            self.host_slots = HostSlots(cfg.max_num_seqs * cfg.num_scheduler_steps)
+            self.host_slots = HostSlots(cfg.max_num_seqs * self.num_scheduler_steps)
             # prepare()'s largest upload: int64 ids, positions, slots per token and 3 words per
             # sequence; int32 3 words per sequence, 2 more and the block tables
             tokens, seqs = max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs
             self.uploads = UploadRing(8 * (3 * tokens + 3 * seqs) + 4 * (3 * seqs + 2 + seqs * self.max_blocks_per_seq))
             self.warmup()
+            phase("warm-up")
 
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
-            return max(1, self.kv_spec.num_blocks_for(self.cfg.cpu_kv_cache_gib * 2**30))
+            return cpu_kv_blocks(self.kv_spec, self.cfg.max_num_seqs, self.max_model_len, available_ram_bytes())
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
@@ -172,10 +264,10 @@ class ModelRunner:
         graphs = estimate_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_seqs, self.max_model_len,
                                       self.cfg.block_size)
         if self.cfg.piecewise_graphs:
-            graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_batched_tokens)
+            graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens)
             if self.cfg.step_graph_max_tokens:
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
-                                                    self.cfg.step_graph_max_tokens)
+                                                    self.step_max_tokens)
         return graphs
 
     @torch.inference_mode()
@@ -199,6 +291,48 @@ class ModelRunner:
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def measure_step_costs(self, timer: Callable[[Callable[[], object]], float] | None = None) -> StepCostModel:
+        """The device time of forwards of a few sizes (prompt chunks of CHUNK tokens, writing no KV)
+        and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: fn ->
+        ms (default: the device timer, _device_ms)."""
+        timer = timer or _device_ms
+        top = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        top = min(top, COST_MAX_ROWS)  # a mixed step stays below it; beyond, the model extrapolates
+        sizes = sorted({n for n in (16, 64, 128, 256, 512, 1024) if n < top} | {top})
+        if len(sizes) < 2:
+            sizes = [1, max(2, top)]
+        pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
+        forward_ms = [timer(self._forward_fn(n, pool)) for n in sizes]
+        del pool
+        nbytes = 256 << 20
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        copy_ms = timer(lambda: dst.copy_(src))
+        del src, dst
+        bandwidth = 2 * nbytes / (copy_ms / 1e3)  # bytes read + written per second
+        model = StepCostModel(tuple(sizes), tuple(forward_ms), self.kv_spec.bytes_per_token / bandwidth * 1e3,
+                              self.cfg.max_num_batched_tokens, self.cfg.max_step_ms)
+        d = min(64, self.cfg.max_num_seqs)
+        log.info("step cost model: a forward of %s rows %s ms, copy %.2f TB/s; %d decodes take up to %d prompt "
+                 "tokens beside them", "/".join(map(str, sizes)), "/".join(f"{t:.2f}" for t in model.forward_ms),
+                 bandwidth / 1e12, d, model.prompt_budget(d, d * 512))
+        return model
+
+    def _forward_fn(self, n: int, pool: KVPool) -> Callable[[], object]:
+        """The model over n prompt tokens in chunks of COST_CHUNK, slots -1 (writes nowhere)."""
+        lens = [min(COST_CHUNK, n - i) for i in range(0, n, COST_CHUNK)]
+        starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        i32 = torch.tensor(lens + starts, dtype=torch.int32, device=self.device)
+        meta = AttnMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((len(lens), self.max_blocks_per_seq), dtype=torch.int32, device=self.device),
+            seq_lens=i32[:len(lens)], query_start_loc=i32[len(lens):], num_decode=0, max_query_len=max(lens))
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(k) for k in lens]).to(self.device)
+        last = i32[len(lens) + 1:].long() - 1
+        return lambda: self.model(self.ops, ids, pos, pool.layers, meta, last)
 
     @torch.inference_mode()
     def warmup(self) -> None:

@@ -5,7 +5,7 @@ still costs 25 graph launches, 48 attention launches and ~8 input copies: ~3 ms 
 the H100 machine, as long as the step's device time when it carries one prompt. Here attention
 runs on fixed grids, so a step of n <= max_tokens tokens is one graph launch after one upload
 (~1.2 ms of host time for that step; its device time fell by ~0.2 ms and serving throughput moved
-within the noise, bench/NOTES.md, sixteenth session):
+within the noise, bench/NOTES.md, 2026-11-24):
 
 - decode attention over the first R rows, R = the decode count rounded up to a power of two (the
   rounding the eager path's split plan makes, kernels/paged_attention.py decode_config, so both

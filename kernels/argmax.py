@@ -2,7 +2,7 @@
 
 torch's reduction gives each row of the [batch, vocab] logits to one block: for a decode batch of
 64 rows over Qwen2.5-0.5B's 151,936-entry vocabulary it took 22.7 us of a 1.28 ms decode step on an
-H100 (bench/NOTES.md thirteenth session), where reading the 19 MB is ~6 us. Here a row is cut into
+H100 (bench/NOTES.md, 2026-11-23), where reading the 19 MB is ~6 us. Here a row is cut into
 chunks of CHUNK logits, one program each; every program stores its chunk's largest value and the
 first index holding it (NaN counting as the largest, as in torch), and the last program of a row to arrive (a per-row counter, as in
 kernels/linear.py) picks the first chunk holding the row's largest value.

@@ -2,7 +2,7 @@
 
 Each kernel reproduces the rounding of the torch reference (kernels/reference.py): intermediate
 results that torch rounds to the model dtype are rounded here too, so outputs match to within
-the last bit of the dtype. bench/kernels.py records whether each fusion beats torch.
+the last bit of the dtype. lab/kernels.py records whether each fusion beats torch.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ BLOCK_N columns of the [M, I] result and keeps two float32 accumulators: the gat
 n0.. of w) and the up tile (rows I + n0..) are loaded for each K step and multiplied with the same
 x tile. The unfused path writes the [M, 2I] product and reads it back for the SiLU kernel; for a
 prefill of a few thousand tokens that is most of the time the activation costs (Qwen2.5-0.5B,
-3,328 tokens: the SiLU kernel 35 us a layer at the copy bandwidth, bench/NOTES.md twelfth session).
+3,328 tokens: the SiLU kernel 35 us a layer at the copy bandwidth, bench/NOTES.md, 2026-11-23).
 
 The epilogue rounds gate and up to x's dtype first, as the unfused GEMM's output is, then computes
 the SiLU in float32, rounds it, and multiplies, as kernels/fused.py's silu_and_mul does.
@@ -80,8 +80,8 @@ class Plan:
 
 def plan(M: int, I: int, K: int) -> Plan | None:
     """The fused kernel's tiles for M rows, or None where the unfused path (cuBLAS, then the SiLU
-    kernel) measured as fast or faster. H100 sweep (bench/gate_up.py, bench/NOTES.md thirteenth
-    session): decode batches 1.08-1.17x in CUDA graphs (Qwen2.5-0.5B and Llama-3-8B shapes, cold
+    kernel) measured as fast or faster. H100 sweep (lab/gate_up.py, bench/NOTES.md, 2026-11-23):
+    decode batches 1.08-1.17x in CUDA graphs (Qwen2.5-0.5B and Llama-3-8B shapes, cold
     L2); prefills with a short K (Qwen2.5-0.5B, K = 896) 1.12-1.17x from 1,024 rows; with K = 4,096
     (Llama-3-8B) about even from 2,048 rows (0.99-1.05x: the GEMM dominates; the [M, 2I] product
     is never stored) and slower at 512."""
@@ -128,7 +128,7 @@ def mlp_gate_up(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Te
     pdl applies to the unfused path's kernels only. The fused kernel launches the usual way: with
     PDL (its weights prefetched or not) the decode step was slower than without, because the
     kernel after it starts early and competes (H100, Qwen2.5-0.5B decode only, one call: 48,965
-    tok/s with PDL and no prefetch, 50,004 without PDL; bench/NOTES.md thirteenth session)."""
+    tok/s with PDL and no prefetch, 50,004 without PDL; bench/NOTES.md, 2026-11-23)."""
     p = plan(x.shape[0], w.shape[0] // 2, w.shape[1]) if supports(x, w) else None
     if p is None:
         return silu_and_mul(linear(x, w, pdl=pdl), pdl=pdl)

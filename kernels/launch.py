@@ -12,7 +12,7 @@ alignment, integer == 1 / divisible by 16 / 32-bit range, constexpr values, laun
 calls the launcher directly when the key has been seen. A new key goes through `fn[grid]` (which
 compiles if needed). Under the interpreter, with launch hooks installed (profilers), or for
 arguments of a kind it does not know, every call takes the normal path. CHECK = True
-(PAGEDSERVE_CHECK_LAUNCH=1, set by bench/gpu_suite.sh's tests) asks Triton for its kernel on
+(PAGEDSERVE_CHECK_LAUNCH=1, set by lab/gpu_suite.sh's tests) asks Triton for its kernel on
 every fast launch and asserts it is the cached one.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 For small weights cuBLAS adds a separate split-K reduce kernel or uses few SMs; in CUDA graphs on
 an H100 this kernel measured ~10% faster on Qwen2.5-0.5B's qkv, o and down projections at 16 and
-64 rows, and no faster on larger weights (bench/NOTES.md, sixth session), hence MAX_WEIGHT_BYTES.
+64 rows, and no faster on larger weights (bench/NOTES.md, 2026-11-23), hence MAX_WEIGHT_BYTES.
 Each program owns BLOCK_N output columns and a 1/SPLIT share of K;
 with SPLIT > 1 the programs of a column tile write float32 partials and the last one to arrive
 (an atomic counter per tile) sums them in split order, so the result does not depend on timing.
@@ -101,7 +101,7 @@ class Plan:
 
 
 # Used for weights up to this size; larger ones (Llama-3-8B's, Qwen's gate_up and lm_head) measured
-# as fast or faster with cuBLAS at M = 64 (bench/NOTES.md, sixth session).
+# as fast or faster with cuBLAS at M = 64 (bench/NOTES.md, 2026-11-23).
 MAX_WEIGHT_BYTES = 16 << 20
 
 

@@ -45,7 +45,7 @@ def _partition(seq_len, TILE_N: tl.constexpr, MIN_TILES: tl.constexpr, NUM_SPLIT
 
 # seq_lens is a view into each step's upload buffer at an offset that varies with the step's shape
 # (decode graphs read an aligned static copy): specializing on its alignment made eager mixed steps
-# compile new variants mid-serving, ~0.6 s each (bench/first_use.py). It is read one scalar at a time.
+# compile new variants mid-serving, ~0.6 s each (lab/first_use.py). It is read one scalar at a time.
 @triton.jit(do_not_specialize_on_alignment=["sl_ptr", "pos_ptr", "slot_ptr"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr,
@@ -267,7 +267,7 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
         tile_n, prefetch = 16, quant
     elif quant:
         tile_n, prefetch = (128 if head_dim <= 128 else 32), True
-        if head_dim <= 128:  # measured at 64 and 128 (bench/decode_occupancy.py)
+        if head_dim <= 128:  # measured at 64 and 128 (lab/decode_occupancy.py)
             # two stages (42 KB of shared memory) and at most 128 registers: 4 programs per SM
             # instead of 2-3 (Llama-3-8B heads, batch 64, 4,096 tokens, fp8 pages: 223 vs 261 us)
             stages, maxnreg = 2, 128
@@ -282,7 +282,7 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     if not fp32 and not quant:
         # bf16 pages: the lookup one tile ahead pays where programs are few (<= 256, about two
         # an SM) and costs where they are many. Cold L2, 2-24 layers in a CUDA graph (bench/NOTES.md,
-        # thirteenth session): Qwen heads B64 x 512-640 14.2 -> 12.6 us, B64 x 4,096 60.0 -> 51.5,
+        # 2026-11-23): Qwen heads B64 x 512-640 14.2 -> 12.6 us, B64 x 4,096 60.0 -> 51.5,
         # B16 1.03x, Llama heads B8 x 4,096 1.03x; at 512 programs Llama B64 0.91-0.94x, Qwen B256 0.99x.
         prefetch = next_pow2(batch) * num_kv_heads * splits <= TARGET_PROGRAMS
     return {"tile_n": tile_n, "num_splits": splits, "num_warps": 4, "num_stages": stages, "maxnreg": maxnreg,

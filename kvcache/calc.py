@@ -1,8 +1,9 @@
-"""KV-cache sizing: how many blocks, tokens and sequences fit on a GPU, and `serve kv-calc`.
+"""KV-cache sizing arithmetic: how many blocks, tokens and sequences fit on a GPU. Torch-free.
 
-The engine sizes its pool with kv_cache_bytes() and plan() below, so the calculator's prediction
-and `serve run`'s startup line come from the same code. Bytes per token and per block come from
-kvcache/spec.py (the one sizing formula); weight bytes from engine/config.py.
+The engine sizes its pool with kv_cache_bytes() below, and `serve kv-calc` (serve/kv_calc_cmd.py)
+predicts with plan(), so the calculator's prediction and `serve run`'s startup line come from the
+same code. Bytes per token and per block come from kvcache/spec.py (the one sizing formula); the
+model's shape from any object with ModelShape's fields (engine/config.py's ModelConfig).
 
     budget    = floor(total GPU bytes x memory utilization)
     KV bytes  = budget - weights (per GPU) - activation peak - CUDA graph pool
@@ -16,16 +17,11 @@ allocator (total - free - memory_reserved()).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from engine.config import DTYPE_BYTES, ModelConfig, ModelConfigError
-from kvcache.presets import GiB, MiB, PresetError, resolve_gpu_memory, resolve_model
-from kvcache.spec import KVCacheSpec, default_block_size, resolve_kv_dtype
+from kvcache.gpus import GiB, MiB
+from kvcache.spec import DTYPE_BYTES, KVCacheSpec, default_block_size, resolve_kv_dtype
 
 # EngineConfig's defaults (a test keeps them equal)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -38,6 +34,36 @@ ROPE_TABLE_BYTES_PER_POSITION_DIM = 2 * 4  # the runner's cos and sin table, flo
 # The sampler's peak per logit with top-k/top-p and logprobs (the engine profiles it so): the sort's
 # float32 values and int64 indices, masks, softmax, cumsum, scatter and the noise, float32 each.
 SAMPLER_BYTES_PER_LOGIT = 36
+
+
+class ModelShape(Protocol):
+    """What the sizing reads of a model; engine/config.py's ModelConfig has all of it."""
+    @property
+    def torch_dtype(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
+    def max_context_len(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...
+    def num_params(self) -> int: ...
+    def weight_bytes(self, dtype: str) -> int: ...
 
 
 class KVCalcError(ValueError):
@@ -60,7 +86,7 @@ class NoRoomForKVCacheError(DoesNotFitError):
     """The weights fit, but activations and graphs leave less than one block for the KV cache."""
 
 
-def resolve_model_dtype(dtype: str, model: ModelConfig) -> str:
+def resolve_model_dtype(dtype: str, model: ModelShape) -> str:
     """--dtype: 'auto' follows the config's torch_dtype."""
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     name = aliases.get(dtype.lower(), dtype.lower())
@@ -79,7 +105,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
                                f"got {kv_cache_dtype!r}") from None
 
 
-def check_tensor_parallel(model: ModelConfig, tensor_parallel_size: int) -> None:
+def check_tensor_parallel(model: ModelShape, tensor_parallel_size: int) -> None:
     """Attention heads split evenly; KV heads split evenly or are replicated whole."""
     tp = tensor_parallel_size
     if tp < 1:
@@ -91,7 +117,7 @@ def check_tensor_parallel(model: ModelConfig, tensor_parallel_size: int) -> None
         raise KVCalcInputError(f"--tensor-parallel-size {tp} must divide the {kv} KV heads or be a multiple of them")
 
 
-def weight_bytes_per_gpu(model: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Weights held by one rank: matmuls and the embedding split across ranks, norms on every
     rank, and KV projections copied to each rank that shares a KV head."""
     tp = tensor_parallel_size
@@ -121,7 +147,7 @@ class ActivationEstimate:
         return max(self.layer_bytes, self.logits_bytes) + self.buffer_bytes + self.runtime_bytes
 
 
-def estimate_activation_bytes(model: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
+def estimate_activation_bytes(model: ModelShape, dtype: str, tensor_parallel_size: int = 1,
                               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                               max_model_len: int | None = None) -> ActivationEstimate:
@@ -146,7 +172,7 @@ def estimate_activation_bytes(model: ModelConfig, dtype: str, tensor_parallel_si
     return ActivationEstimate(tokens, layer, logits, rope, RUNTIME_OVERHEAD_BYTES)
 
 
-def estimate_graph_bytes(model: ModelConfig, dtype: str, max_num_seqs: int, max_model_len: int,
+def estimate_graph_bytes(model: ModelShape, dtype: str, max_num_seqs: int, max_model_len: int,
                          block_size: int, tensor_parallel_size: int = 1) -> int:
     """GPU memory the engine sets aside, before sizing the KV pool, for the decode CUDA graphs it
     captures afterwards: the activations of the largest batch bucket (all graphs share one pool),
@@ -162,7 +188,7 @@ def estimate_graph_bytes(model: ModelConfig, dtype: str, max_num_seqs: int, max_
     return max_num_seqs * (per_token + logits) + static + 64 * 2**20
 
 
-def estimate_piecewise_graph_bytes(model: ModelConfig, dtype: str, max_num_batched_tokens: int,
+def estimate_piecewise_graph_bytes(model: ModelShape, dtype: str, max_num_batched_tokens: int,
                                    tensor_parallel_size: int = 1) -> int:
     """GPU memory for the piecewise graphs of steps with prefill tokens (engine/piecewise.py),
     captured after the KV pool like the decode graphs: their static buffers (ids, positions and
@@ -207,6 +233,18 @@ def kv_cache_bytes(total_gpu_bytes: int, memory_utilization: float, weight_bytes
             raise KVCalcInputError(f"{name} must be >= 0; got {value}")
     budget = int(total_gpu_bytes * memory_utilization)
     return max(0, budget - weight_bytes - activation_bytes - graph_bytes)
+
+
+# On the CPU the pool's pages are allocated as they are first written (kvcache/pool.py), so this share
+# of the RAM available at start-up bounds what a full cache can grow to, not what start-up takes.
+CPU_KV_RAM_SHARE = 0.125
+
+
+def cpu_kv_blocks(spec: KVCacheSpec, max_num_seqs: int, max_model_len: int, available_ram_bytes: int) -> int:
+    """Blocks of a CPU pool: what max_num_seqs sequences of max_model_len tokens can use at most,
+    capped by CPU_KV_RAM_SHARE of the available RAM; at least one block."""
+    work = max_num_seqs * spec.blocks_for_tokens(max_model_len)
+    return max(1, min(work, spec.num_blocks_for(int(available_ram_bytes * CPU_KV_RAM_SHARE))))
 
 
 @dataclass(frozen=True)
@@ -298,7 +336,7 @@ class KVPlan:
 MAX_SUGGESTED_TP = 8  # the GPUs of one host
 
 
-def _smallest_tp_that_fits(model: ModelConfig, dtype: str, kv_dtype: str, block_size: int, gpu_memory_bytes: int,
+def _smallest_tp_that_fits(model: ModelShape, dtype: str, kv_dtype: str, block_size: int, gpu_memory_bytes: int,
                            memory_utilization: float, activation_bytes: int | None, graph_bytes: int, start: int,
                            max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
     """The smallest tensor-parallel degree above start that leaves room for one KV block."""
@@ -320,7 +358,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def plan(model: ModelConfig, gpu_memory_bytes: int, memory_utilization: float = 0.9,
+def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0.9,
          kv_cache_dtype: str = "auto", dtype: str = "auto", block_size: int | None = None,
          max_model_len: int | None = None, tensor_parallel_size: int = 1,
          activation_bytes: int | None = None, graph_bytes: int = 0, *,
@@ -384,296 +422,3 @@ def table_kv_dtypes(base: KVPlan) -> tuple[str, ...]:
     if base.kv_dtype not in rows:
         rows.append(base.kv_dtype)
     return tuple(rows)
-
-
-# ---------------------------------------------------------------- CLI: serve kv-calc
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Values are read as strings and checked in run(), so every mistake gets one line and exit 2.
-    parser.add_argument("--model", help="model folder, config.json, or preset: Llama-3-8B, Llama-3-70B, "
-                        "Qwen2.5-0.5B, Qwen2.5-7B, Mistral-7B, Qwen3-8B")
-    parser.add_argument("--gpu-memory", help="memory of one GPU: a size (80GiB, 80GB) or a GPU name "
-                        "(H100, H200, A100-40GB, A100-80GB, L4, RTX4090, ...)")
-    parser.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
-                        default="0.9", help="fraction of GPU memory the engine may use (default 0.9)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | fp8 | int8")
-    parser.add_argument("--dtype", default="auto", help="weights: auto | bfloat16 | float16 | float32")
-    parser.add_argument("--block-size", default=None, help="tokens per KV block (default: 16; 32 for fp8/int8)")
-    parser.add_argument("--max-model-len", default=None,
-                        help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
-    parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
-    parser.add_argument("--max-num-batched-tokens", default=str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
-                        help="most tokens in one step: sizes the activation estimate (default %(default)s)")
-    parser.add_argument("--max-num-seqs", default=str(DEFAULT_MAX_NUM_SEQS),
-                        help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--accuracy", action="store_true",
-                        help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
-                        "--model: a folder with weights, default SmolLM2-135M-Instruct)")
-    parser.add_argument("--text", metavar="FILE", default=None,
-                        help="with --accuracy: the UTF-8 text to run (default: the shipped public-domain text)")
-    parser.add_argument("--measure", action="store_true",
-                        help="load the model on the local GPU and print the engine's measured sizing next to this one")
-
-
-@dataclass(frozen=True)
-class CalcRequest:
-    """The CLI's arguments, checked."""
-    model_name: str
-    model: ModelConfig
-    gpu_label: str
-    gpu_memory_bytes: int
-    memory_utilization: float
-    kv_cache_dtype: str
-    dtype: str
-    block_size: int | None  # None: each KV dtype's default (kvcache/spec.py)
-    max_model_len: int | None
-    tensor_parallel_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-
-
-def _parse_int(flag: str, value: Any) -> int:
-    text = str(value).strip().lower()
-    scale = 1024 if text.endswith("k") else 1
-    try:
-        number = int(text[:-1] if scale > 1 else text) * scale
-    except ValueError:
-        raise KVCalcInputError(f"{flag} must be a whole number; got {value!r}") from None
-    if number < 1:
-        raise KVCalcInputError(f"{flag} must be >= 1; got {value!r}")
-    return number
-
-
-def _parse_fraction(flag: str, value: Any) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise KVCalcInputError(f"{flag} must be a number in (0, 1], e.g. 0.9; got {value!r}") from None
-    if not 0.0 < number <= 1.0:
-        raise KVCalcInputError(f"{flag} must be in (0, 1], e.g. 0.9; got {value!r}")
-    return number
-
-
-def _check_engine_limits(req: CalcRequest) -> None:
-    """What `serve run` would refuse, the calculator refuses too, with the same words."""
-    from serve.config import EngineConfig
-
-    dtype = resolve_model_dtype(req.dtype, req.model)
-    kv_dtype = resolve_kv_cache_dtype(req.kv_cache_dtype, dtype)
-    try:
-        EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, block_size=req.block_size,
-                     max_model_len=req.max_model_len, gpu_memory_utilization=req.memory_utilization,
-                     max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs)
-    except ValueError as e:
-        raise KVCalcInputError(str(e)) from None
-
-
-def read_request(args: argparse.Namespace) -> CalcRequest:
-    if not args.model:
-        raise KVCalcInputError("--model is required: a model folder, a config.json, or a preset such as Llama-3-8B")
-    if not args.gpu_memory:
-        raise KVCalcInputError("--gpu-memory is required: a size such as 80GiB or a GPU such as H100")
-    model = resolve_model(args.model)
-    gpu = resolve_gpu_memory(str(args.gpu_memory))
-    max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
-    req = CalcRequest(
-        model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
-        memory_utilization=_parse_fraction("--memory-utilization", args.memory_utilization),
-        kv_cache_dtype=str(args.kv_cache_dtype).lower(), dtype=str(args.dtype).lower(),
-        block_size=None if args.block_size in (None, "") else _parse_int("--block-size", args.block_size),
-        max_model_len=max_len,
-        tensor_parallel_size=_parse_int("--tensor-parallel-size", args.tensor_parallel_size),
-        max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
-        max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
-    )
-    _check_engine_limits(req)
-    return req
-
-
-def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
-    dtype = resolve_model_dtype(req.dtype, req.model)
-    max_len = req.max_model_len or req.model.max_context_len
-    block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
-    graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
-              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size)
-              + estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS))
-    return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
-                block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
-                max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
-                model_name=req.model_name)
-
-
-def format_bytes(n: int) -> str:
-    """Binary units, at most two decimals: 131072 -> '128 KiB', 1081344 -> '1.03 MiB'."""
-    value, unit = float(n), "B"
-    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, next_unit
-    if unit == "B":
-        return f"{n} B"
-    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-
-
-def _table_rows(base: KVPlan, block_size: int | None) -> list[KVPlan]:
-    """The same budget in each KV dtype, at the given block size or else each dtype's default."""
-    return [base.with_kv_dtype(d, block_size or default_block_size(d)) for d in table_kv_dtypes(base)]
-
-
-def _line(label: str, value: str, note: str = "") -> str:
-    return f"  {label:<30}{value:>14}" + (f"  {note}" if note else "")
-
-
-def format_text(req: CalcRequest, base: KVPlan) -> str:
-    tp = f", tensor parallel {base.tensor_parallel_size} (figures per GPU)" if base.tensor_parallel_size > 1 else ""
-    act = (f"estimate: {req.max_num_batched_tokens:,} batched tokens + CUDA runtime; --measure measures it"
-           if base.activation_estimated else "measured")
-    seq_len = f"{base.max_model_len:,}"
-    lines = [
-        f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
-        f" = {format_bytes(base.budget_bytes)}{tp}",
-        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
-        _line("activations", format_bytes(base.activation_bytes), act),
-        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode, piecewise and step graphs, reserved as the engine does"),
-        _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
-        _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
-        _line("KV bytes per block", f"{base.bytes_per_block:,}",
-              f"{format_bytes(base.bytes_per_block)}, {base.block_size} tokens"),
-        _line("blocks", f"{base.num_blocks:,}"),
-        _line("tokens that fit", f"{base.max_tokens:,}"),
-        _line(f"sequences of {seq_len} tokens", f"{base.max_concurrent_seqs:,}", "at once (--max-model-len)"),
-        "",
-        f"  {'KV dtype':<10}{'per token':>11}{'per block':>11}{'blocks':>10}{'tokens':>12}"
-        f"{'seqs @ ' + seq_len:>16}{'vs ' + base.dtype:>14}",
-    ]
-    rows = _table_rows(base, req.block_size)
-    for row in rows:
-        mark = "*" if row.kv_dtype == base.kv_dtype else " "
-        lines.append(f"{mark} {row.kv_dtype:<10}{format_bytes(row.bytes_per_token):>11}{format_bytes(row.bytes_per_block):>11}"
-                     f"{row.num_blocks:>10,}{row.max_tokens:>12,}{row.max_concurrent_seqs:>16,}"
-                     f"{row.max_tokens / rows[0].max_tokens:>13.2f}x")
-    lines.append("  fp8 and int8 include one float32 scale per token and KV head, for K and for V; * = chosen")
-    return "\n".join(lines)
-
-
-def format_json(req: CalcRequest, base: KVPlan) -> str:
-    out = {"model": req.model_name, "gpu": req.gpu_label, **base.to_dict()}
-    out["table"] = [{"kv_cache_dtype": r.kv_dtype, "bytes_per_token": r.bytes_per_token,
-                     "bytes_per_block": r.bytes_per_block, "num_blocks": r.num_blocks,
-                     "max_tokens": r.max_tokens, "max_concurrent_seqs": r.max_concurrent_seqs}
-                    for r in _table_rows(base, req.block_size)]
-    return json.dumps(out, indent=2)
-
-
-def _run_accuracy(args: argparse.Namespace) -> int:
-    """Run the model over a text with each KV dtype and print the accuracy table (kvcache/accuracy.py)."""
-    from engine.default_model import DefaultModelError
-    from engine.loader import WeightLoadError
-    from kvcache.accuracy import AccuracyInputError, format_json, format_table, run_accuracy
-
-    try:
-        report = run_accuracy(args.model or None, getattr(args, "text", None), show_progress=sys.stderr.isatty())
-    except (AccuracyInputError, ModelConfigError, WeightLoadError, DefaultModelError) as e:
-        print(f"serve kv-calc: {e}", file=sys.stderr)
-        return 2
-    print(format_json(report) if args.json else format_table(report))
-    return 0
-
-
-def _run_measure(args: argparse.Namespace) -> int:
-    """Load the model (dummy weights) on the local GPU with the engine's own sizing, and print what
-    it measured and allocated next to this calculator's prediction for the same GPU."""
-    import tempfile
-
-    import torch
-
-    if not torch.cuda.is_available():
-        print("serve kv-calc: --measure needs a CUDA GPU on this machine", file=sys.stderr)
-        return 2
-    total = torch.cuda.mem_get_info()[1]
-    if not args.gpu_memory:
-        args.gpu_memory = f"{total}B"
-    try:
-        req = read_request(args)
-        predicted = plan_request(req)
-    except DoesNotFitError as e:
-        print(f"serve kv-calc: {e}", file=sys.stderr)
-        return 1
-    except (KVCalcInputError, PresetError, ModelConfigError) as e:
-        print(f"serve kv-calc: {e}", file=sys.stderr)
-        return 2
-    from serve.build import build_engine
-    from serve.config import EngineConfig
-
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(req.model.raw or {}))
-        cfg = EngineConfig(model=tmp, load_format="dummy", dtype=req.dtype, kv_cache_dtype=req.kv_cache_dtype,
-                           block_size=req.block_size, max_model_len=req.max_model_len,
-                           max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
-                           gpu_memory_utilization=req.memory_utilization)
-        runner = build_engine(cfg, show_progress=False).runner
-    graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
-    if runner.piecewise is not None:
-        graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
-    if runner.steps is not None:
-        graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
-    measured = plan_request(req, activation_bytes=runner.activation_bytes)
-    result = {
-        "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,
-        "predicted_num_blocks": predicted.num_blocks, "allocated_num_blocks": runner.num_blocks,
-        "prediction_error": predicted.num_blocks / runner.num_blocks - 1,
-        "predicted_activation_bytes": predicted.activation_bytes, "measured_activation_bytes": runner.activation_bytes,
-        "weight_bytes_predicted": predicted.weight_bytes, "weight_bytes_measured": runner.weight_bytes,
-        "graph_bytes_reserved": predicted.graph_bytes, "graph_pool_bytes_captured": graph_pool,
-        "num_blocks_with_measured_activations": measured.num_blocks,
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    rows = [("weights", predicted.weight_bytes, runner.weight_bytes),
-            ("activations (profile peak)", predicted.activation_bytes, runner.activation_bytes),
-            ("CUDA graphs (reserved / captured)", predicted.graph_bytes, graph_pool)]
-    print(f"{req.model_name} on {result['gpu']} ({format_bytes(total)}), utilization {req.memory_utilization:.2f}")
-    print(f"  {'':<34}{'predicted':>14}{'measured':>14}")
-    for label, p, m in rows:
-        print(f"  {label:<34}{format_bytes(p):>14}{format_bytes(m):>14}")
-    print(f"  {'KV blocks':<34}{predicted.num_blocks:>14,}{runner.num_blocks:>14,}"
-          f"  ({result['prediction_error']:+.2%})")
-    return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    """0: printed; 1: the model doesn't fit (message on stderr); 2: bad input (message on stderr)."""
-    if getattr(args, "accuracy", False):
-        return _run_accuracy(args)
-    if getattr(args, "measure", False):
-        return _run_measure(args)
-    try:
-        req = read_request(args)
-        base = plan_request(req)
-    except DoesNotFitError as e:
-        print(f"serve kv-calc: {e}", file=sys.stderr)
-        return 1
-    except (KVCalcInputError, PresetError, ModelConfigError) as e:
-        print(f"serve kv-calc: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(format_json(req, base))
-    else:
-        print(format_text(req, base))
-        for warning in base.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="serve kv-calc", description="How many KV-cache blocks, tokens and "
-                                     "sequences fit on a GPU.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

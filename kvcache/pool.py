@@ -1,6 +1,8 @@
 """The KV pool: the GPU (or CPU) tensors behind the block manager's block ids."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,18 @@ class LayerCache:
         return self.kv_dtype is None and self.rotation is None
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeroed pages. On the CPU they come from an anonymous memory map, which the OS zero-fills a
+    page at a time as it is first written: a large pool costs RAM only as the cache fills."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the map alive (torch.frombuffer holds a reference to the buffer)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVPool:
     """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype (fp8/int8:
     each layer's V pages are used as [num_blocks, kv_heads, head_dim, block_size], kvcache/quant.py), plus
@@ -39,7 +53,7 @@ class KVPool:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=quant.storage_dtype(spec.dtype), device=device)
+        self.kv = zeros(shape, quant.storage_dtype(spec.dtype), device)
         self.scales = (quant.new_scales(num_blocks, spec.num_kv_heads, spec.block_size, device, (spec.num_layers,))
                        if spec.quantized else None)
         kv_dtype = spec.dtype if spec.quantized else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Storage dtype name -> bytes per element. "auto" is resolved to the model dtype before use.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # weights and activations
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 QUANTIZED_KV_DTYPES = ("fp8", "int8")
 SCALE_BYTES = 4  # one float32 scale per (token, kv head) for K and for V

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import fields
@@ -83,31 +86,50 @@ def describe_exit(code: int | None) -> str:
 # -- the child ---------------------------------------------------------------------------------
 
 def child_main(commands: Connection, results: Connection, build: Build, args: tuple, log_level: int) -> None:
-    # The parent owns shutdown. Ctrl-C (and a service manager's SIGTERM) reach the whole process
-    # group, but the child must keep stepping while the parent drains; it exits on "stop", or when
-    # the parent's end of the pipe closes.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C (and a service manager's SIGTERM) reach the whole process group. Once the engine
+    # serves, the parent owns shutdown: the child must keep stepping while the parent drains; it
+    # exits on "stop", or when the parent's end of the pipe closes. While the engine builds, a
+    # SIGINT means the user gave up on starting it (the parent gives up too, and sends one itself
+    # where it alone was interrupted): the child ends at once, by the signal's default action. It
+    # holds nothing yet, and a KeyboardInterrupt raised inside the libraries' imports came out as
+    # other errors with tracebacks (numpy's RecursionError), or was swallowed. The child starts
+    # with SIGINT ignored (spawn()), so spawn's own imports are not interrupted either.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
+        if commands.poll():
+            return  # the parent closed its end before a SIGINT could end us: it gave up already
         core, info = build(*args)
     except Exception as e:
         if not isinstance(e, ValueError):
             log.exception("building the engine failed")
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        results.send(("error", message if isinstance(e, (ValueError, OSError, RuntimeError))
-                      else f"{type(e).__name__}: {message}"))
+        try:
+            results.send(("error", message if isinstance(e, (ValueError, OSError, RuntimeError))
+                          else f"{type(e).__name__}: {message}"))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the parent is gone
         return
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Everything built so far (torch, Triton, the model) lives as long as the process: out of the
     # collector's sight, a full collection walks only what serving creates. Without this, the
     # occasional full collection stalled a step by ~20-40 ms (step traces, H100 machine).
     gc.collect()
     gc.freeze()
-    results.send(("ready", info, EngineSnapshot.of(core)))
     try:
+        results.send(("ready", info, EngineSnapshot.of(core)))
         _serve(core, commands, results)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone
+    finally:
+        # Give the frozen objects back to the collector before the interpreter exits: it never
+        # collects frozen ones, so reference cycles through an extension's objects outlive its
+        # module's teardown. nanobind (Triton's bindings, imported by torch._dynamo wherever Triton
+        # is installed, even on the CPU) then printed ~27 lines of "nanobind: leaked ..." at every
+        # clean stop.
+        gc.unfreeze()
 
 
 def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
@@ -253,13 +275,25 @@ class ProcessCore:
         ctx = mp.get_context("spawn")
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._results, child_results = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=child_main, name=self._name, args=(
+        proc = ctx.Process(target=child_main, name=self._name, args=(
             child_commands, child_results, self._build, self._args, logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
+        # The child inherits an ignored SIGINT: a Ctrl-C while spawn's bootstrap imports our modules
+        # (~0.5-1 s) printed a KeyboardInterrupt traceback from it; child_main then decides what
+        # SIGINT means there. The price: a Ctrl-C within start() itself (~1-10 ms) is lost to this
+        # process too. Handlers can be swapped only on the main thread; elsewhere the child starts as
+        # before.
+        swap = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if swap else None
+        try:
+            proc.start()
+        finally:
+            if swap:
+                signal.signal(signal.SIGINT, previous)
+        self._proc = proc
+        self._state = "spawned"
+        atexit.register(self.kill)
         child_commands.close()  # the child has its own copies; ours would hide its death (no EOF)
         child_results.close()
-        atexit.register(self.kill)
-        self._state = "spawned"
 
     def wait_ready(self) -> Any:
         """Block until the child has built the engine; returns what its build function reported."""
@@ -326,11 +360,19 @@ class ProcessCore:
         """Stop the child without an event loop: close the pipes (an idle child exits when it sees
         that), then kill it if it is still there."""
         atexit.unregister(self.kill)
+        starting = self._state == "spawned"
         self._state = "closed"
         for conn in (self._commands, self._results):
             if conn is not None and not conn.closed:
                 conn.close()
-        self._join_or_kill(2.0)
+        if starting and self._proc is not None and self._proc.is_alive():
+            # Still building the engine (Ctrl-C during start-up): SIGINT ends the build, which never
+            # looks at the pipes. Closed first: a child that does not yet take SIGINT sees them closed.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._proc.pid, signal.SIGINT)
+            self._join_or_kill(STOP_TIMEOUT_S)
+        else:
+            self._join_or_kill(2.0)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """The scheduling policy: which sequences run in the next step, and with how many tokens.
 
-Each step: running sequences first, oldest first (a decode takes one token, an unfinished
-prefill the rest of its prompt up to the token budget); then waiting sequences in arrival order,
-as chunked prefills for whatever budget is left. When the cache runs out, the newest running
-sequence is preempted (its blocks freed, recomputed later) and re-queued at the front.
+Each step carries every running decode first (one token each, oldest first), then prompt tokens:
+running sequences' unfinished prompts (oldest first), then waiting sequences in arrival order, as
+chunked prefills. Prompt tokens share a budget: max_num_batched_tokens with no decode in the step
+(a lone prompt runs at full speed), else what `prompt_budget` allows beside the decodes (measured
+on the GPU by engine/cost_model.py: the step stays near the latency target, so a burst of prompts
+never stalls the streams; stall-free batching as in SARATHI-Serve). When the cache runs out for a
+decode, the newest running sequence is preempted (its blocks freed, recomputed later) and
+re-queued at the front; a prompt chunk that finds no blocks waits instead.
 
 Prefill hold (prefill_hold_s > 0, off by default): new prompts that arrive as a burst wait for
 the rest of it and start as one prefill. They wait until no new prompt has arrived for
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache.block_manager import BlockManager
@@ -45,6 +50,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     prefill_hold_s: float = 0.0  # the quiet time that ends a burst of new prompts (see above)
     num_scheduler_steps: int = 1  # decode steps per schedule() when only greedy decodes run (_steps)
+    # prompt tokens a step may carry beside its decodes: (decodes, their context tokens) -> tokens;
+    # None: max_num_batched_tokens less the decodes (see the module's docstring)
+    prompt_budget: Callable[[int, int], int] | None = None
 
 
 class Scheduler:
@@ -59,6 +67,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found cached
         self.num_held_steps = 0  # schedules that left new prompts waiting for the rest of their burst
         self.hold_release: float | None = None  # when the prompts held by the last schedule() start anyway
+        self._prompted = False  # the last step carried prompt tokens (multi-step: a decode round is next)
 
     @property
     def num_unfinished(self) -> int:
@@ -89,7 +98,20 @@ class Scheduler:
         """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []
-        budget, preempted = self._schedule_running(self.config.max_num_batched_tokens, decodes, others)
+        preempted = self._schedule_decodes(decodes)
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        # multi-step with a prompt budget: after a step with prompt tokens comes a round of decode
+        # steps, prompts waiting (one round at most), so that the host's work per round is paid once
+        # for several steps
+        budgeted = self.config.prompt_budget is not None
+        decode_round = budgeted and self.config.num_scheduler_steps > 1 and self._prompted and bool(decodes)
+        if decode_round:
+            budget = 0
+        elif decodes and budgeted:
+            # it.end: the decode's context, its new token included
+            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes)))
+        budget, preempted_for_prompt = self._schedule_prefills(budget, others, may_preempt=not decodes)
+        preempted = preempted or preempted_for_prompt
         self.hold_release = None
         # admitting new work right after a preemption would only thrash: wait for room
         if not preempted and not self._hold(budget, now):
@@ -97,25 +119,30 @@ class Scheduler:
         items = decodes + others if others else decodes
         if not items:
             return None
-        steps = 1 if others else self._steps(decodes)
+        # a prompt waits for its turn only where it could start (not while max_num_seqs are running)
+        prompts_wait = (bool(self.waiting) and not decode_round
+                        and len(self.running) < self.config.max_num_seqs)
+        steps = 1 if others else self._steps(decodes, prompts_wait)
+        self._prompted = bool(others)
         for it in items:  # the step is committed: the next schedule() continues after it
             seq = it.seq
             seq.num_computed_tokens = it.end + steps - 1
             seq.num_pending += it.samples * steps
         return Batch(items, len(decodes), steps)
 
-    def _steps(self, decodes: list[ScheduledSeq]) -> int:
+    def _steps(self, decodes: list[ScheduledSeq], prompts_wait: bool) -> int:
         """How many decode steps a decode-only batch runs at once (multi-step scheduling). The
         engine loop's host work (scheduling, launching, processing and sending the tokens) is then
         paid once for all of them, which keeps the GPU busy where that work takes about as long as
-        a step (a small model). Only while nothing waits (a new prompt would wait for the whole
-        batch), for greedy rows without logprobs (the decode graphs sample those themselves), and
-        never past a sequence's end by length, so no row idles; a stop token can still end a row
+        a step (a small model). Only while no prompt waits for its turn (with a prompt budget a
+        round of decodes follows a step with prompt tokens: prompts wait one round at most), for
+        greedy rows without logprobs (the decode graphs sample those themselves), and never past a
+        sequence's end by length, so no row idles; a stop token can still end a row
         early (update() drops its later tokens; a stop string, found by the detokenizer after
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
         sequence gets the cache blocks of all the steps, or the batch runs one step."""
         k = self.config.num_scheduler_steps
-        if k <= 1 or self.waiting:
+        if k <= 1 or prompts_wait:
             return 1
         max_len = self.config.max_model_len
         for it in decodes:
@@ -135,34 +162,62 @@ class Scheduler:
                 return 1  # blocks already added to other rows stay theirs, for their next steps
         return k
 
-    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]
-                          ) -> tuple[int, bool]:
-        """Running sequences, oldest first, while the token budget lasts; preempts the newest when
-        the cache is full. Returns the budget left and whether anything was preempted."""
+    def _schedule_decodes(self, decodes: list[ScheduledSeq]) -> bool:
+        """Every running sequence whose next step is one token, oldest first; preempts the newest
+        when the cache is full. Returns whether anything was preempted."""
+        bm, bs, running = self.bm, self.bm.block_size, self.running
+        most = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(running) and len(decodes) < most:
+            seq = running[i]
+            pending = seq.num_pending
+            start = seq.num_computed_tokens
+            if (pending and seq.last_by_length()) or len(seq.token_ids) + pending - start != 1:
+                i += 1  # its token in flight is its last (update() finishes it), or it is mid-prompt
+                continue
+            while bm.append(seq.block_table, start + 1) is None:
+                victim = running[-1]  # never one scheduled already: those come before i
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                decodes.append(ScheduledSeq(seq, start, 1))
+                if start < len(seq.token_ids) and (start + 1) % bs == 0:  # a block completed by a known token
+                    bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + 1)
+                i += 1
+        return preempted
+
+    def _schedule_prefills(self, budget: int, others: list[ScheduledSeq], may_preempt: bool) -> tuple[int, bool]:
+        """Running sequences' unfinished prompts, oldest first, within the budget. A chunk that finds
+        no free blocks waits while decodes run (they free blocks as they finish; preempting for a
+        prompt would only thrash); with none running it preempts the newest unscheduled sequence,
+        or nothing could ever move. Returns the budget left and whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             pending = seq.num_pending
-            if pending and seq.last_by_length():
-                i += 1  # its token in flight is its last: update() finishes it
-                continue
             start = seq.num_computed_tokens
-            n = min(len(seq.token_ids) + pending - start, budget)
-            while bm.append(seq.block_table, start + n) is None:
-                victim = running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                (decodes if n == 1 else others).append(ScheduledSeq(seq, start, n))
-                end = min(start + n, len(seq.token_ids))  # a block completed by a pending token: see update()
-                if end // bs > start // bs:
-                    bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
-                budget -= n
+            need = len(seq.token_ids) + pending - start
+            if need <= 1 or (pending and seq.last_by_length()):
                 i += 1
+                continue
+            n = min(need, budget)
+            while bm.append(seq.block_table, start + n) is None:
+                # only sequences after i are unscheduled in this step (no decodes ran)
+                if not may_preempt or running[-1] is seq:
+                    return budget, preempted
+                self._preempt(running[-1])
+                preempted = True
+            others.append(ScheduledSeq(seq, start, n))
+            end = min(start + n, len(seq.token_ids))  # a block completed by a pending token: see update()
+            if end // bs > start // bs:
+                bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
+            budget -= n
+            i += 1
         return budget, preempted
 
     def _hold(self, budget: int, now: float | None) -> bool:

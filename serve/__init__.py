@@ -9,11 +9,11 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported lazily so that `import serve.config` (and the CLI's --help) stay free of torch.
+    # Imported lazily so that the CLI's --help and the server's process stay free of torch.
     if name == "LLM":
         from serve.llm import LLM
         return LLM
     if name == "EngineConfig":
-        from serve.config import EngineConfig
+        from engine.config import EngineConfig
         return EngineConfig
     raise AttributeError(name)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import ModelConfig, ModelConfigError
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from scheduler.core import EngineCore
 from scheduler.policy import SchedulerConfig
-from serve.config import EngineConfig
 
 if TYPE_CHECKING:  # torch: imported by build_engine only, so that `--engine-loop process` keeps it out of the server
     from engine.runner import ModelRunner
@@ -72,7 +71,7 @@ def resolve_model_path(cfg: EngineConfig, show_progress: bool = True) -> Path:
     p = Path(cfg.model).expanduser()
     if not p.exists() and cfg.load_format == "dummy":
         from engine.default_model import cache_dir
-        from kvcache.presets import preset_folder
+        from engine.presets import preset_folder
 
         folder = preset_folder(cfg.model, cache_dir() / "presets")
         if folder is not None:
@@ -82,7 +81,14 @@ def resolve_model_path(cfg: EngineConfig, show_progress: bool = True) -> Path:
             raise ModelConfigError(f"{p} is a config file: pass its folder, or add --load-format dummy for random weights")
         return p.parent
     if not p.is_dir():
-        raise ModelConfigError(f"model folder {cfg.model!r} not found (pagedserve loads local Hugging Face folders; it never downloads)")
+        from engine.presets import find_model_preset
+
+        hint = ""
+        preset = find_model_preset(cfg.model)
+        if preset is not None and cfg.load_format != "dummy":
+            hint = f"; {cfg.model!r} names the preset shape {preset.name}: add --load-format dummy to serve it with random weights"
+        raise ModelConfigError(f"model folder {cfg.model!r} not found (pagedserve loads local Hugging Face folders; "
+                               f"it never downloads){hint}")
     return p
 
 
@@ -121,13 +127,16 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
         log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
         max_len = capacity
     tokenizer = load_tokenizer(path, model_cfg.vocab_size)
-    steps = cfg.num_scheduler_steps
-    if steps > 1 and runner.graphs is None:
-        log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running 1", steps)
-        steps = 1
+    steps = runner.num_scheduler_steps
+    if cfg.num_scheduler_steps is not None and cfg.num_scheduler_steps > steps:
+        log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running %d",
+                    cfg.num_scheduler_steps, steps)
     core = EngineCore(runner, tokenizer,
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
-                                      cfg.prefill_hold_ms / 1e3, steps),
+                                      cfg.prefill_hold_ms / 1e3, steps,
+                                      runner.prompt_budget),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
+    log.info("engine started in %.1f s (%s)", sum(runner.startup_s.values()),
+             ", ".join(f"{k} {v:.1f} s" for k, v in runner.startup_s.items()))
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)

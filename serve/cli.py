@@ -12,7 +12,7 @@ COMMANDS = {
     "run": ("serve.run_cmd", "start the OpenAI-compatible HTTP server"),
     "generate": ("serve.generate_cmd", "generate text offline from prompts"),
     "bench": ("bench.cli", "load-test a server and compare with the roofline bound"),
-    "kv-calc": ("kvcache.calc", "size the KV cache for a model and GPU"),
+    "kv-calc": ("serve.kv_calc_cmd", "size the KV cache for a model and GPU"),
 }
 
 
@@ -33,8 +33,10 @@ class UserError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the commands' modules import
+        return 130
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

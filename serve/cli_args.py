@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from serve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
+from engine.config import AUTO_SCHEDULER_STEPS, DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -42,10 +42,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-hold-ms", type=float, default=0.0,
                    help="new prompts wait until none has arrived for this many ms (at most 4x that), so "
                         "that a burst starts as one prefill step (off: 0)")
-    g.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps, metavar="K",
+    g.add_argument("--max-step-ms", type=float, default=None, metavar="MS",
+                   help="latency target of a step that carries prompt tokens beside running decodes: a burst "
+                        "of prompts is prefilled in chunks that keep each step within it, so streams don't "
+                        "stall (default: twice the decodes' own step, measured on the GPU at start-up)")
+    g.add_argument("--num-scheduler-steps", type=int, default=None, metavar="K",
                    help="while only greedy decodes run and nothing waits, run K decode steps per scheduling "
                         "round (CUDA graphs only): the host's per-step work is paid once for K steps, and "
-                        "tokens stream K at a time (default: %(default)s)")
+                        f"tokens stream K at a time (default: {AUTO_SCHEDULER_STEPS} with CUDA graphs, else 1)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--seed", type=int, default=0)
@@ -59,4 +63,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, backend=args.backend,
                         async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
                         step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms,
+                        max_step_ms=args.max_step_ms,
                         num_scheduler_steps=args.num_scheduler_steps, seed=args.seed)

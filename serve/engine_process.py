@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
 from serve.build import load_tokenizer, resolve_model_path
-from serve.config import EngineConfig
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,18 @@ class EngineInfo:
 
 def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, EngineInfo]:
     """Runs in the child."""
+    import threading
+
     import torch
+    from tqdm import tqdm
 
     from serve.build import build_engine
+
+    # The child's progress bars need no lock shared with other processes. tqdm's default one is a
+    # multiprocessing semaphore, which the resource tracker reported as leaked ("UserWarning:
+    # resource_tracker: There appear to be 1 leaked semaphore objects") when a Ctrl-C ended the
+    # child during its build (scheduler/engine_proc.py: child_main).
+    tqdm.set_lock(threading.RLock())
 
     engine = build_engine(cfg, show_progress)
     if engine.runner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -82,8 +91,8 @@ def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> Proce
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
     core = ProcessCore(build_core, (cfg, show_progress))
-    core.spawn()
     try:
+        core.spawn()
         tokenizer = load_tokenizer(path)
         info = core.wait_ready()
     except BaseException:

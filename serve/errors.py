@@ -86,7 +86,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         elif field in FIELD_SHAPES and len(path) < len(loc):
             parts.append(f"{name} must be {FIELD_SHAPES[field]}")
         else:
-            msg = e.get("msg", "is invalid")
+            msg = e.get("msg", "is invalid").removeprefix("Value error, ")  # a validator's own words
             got = f" (got {_clip(e['input'])})" if "input" in e and not isinstance(e["input"], (dict, list)) else ""
             parts.append(f"{name}: {msg[0].lower() + msg[1:]}{got}")
     return "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else ""), first_param

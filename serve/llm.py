@@ -7,7 +7,7 @@ from typing import Any, Sequence as Seq
 
 from scheduler.request import SamplingParams, TokenLogprob
 from serve.build import build_engine
-from serve.config import EngineConfig
+from engine.config import EngineConfig
 
 
 @dataclass
@@ -32,8 +32,8 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0, backend: str = "auto",
                  async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool | None = None,
-                 step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int = EngineConfig.num_scheduler_steps,
-                 show_progress: bool = False) -> None:
+                 step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int | None = None,
+                 max_step_ms: float | None = None, show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -42,7 +42,7 @@ class LLM:
                                    enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization, backend=backend,
                                    async_scheduling=async_scheduling, piecewise_graphs=piecewise_graphs, pdl=pdl,
                                    step_graph_max_tokens=step_graph_max_tokens,
-                                   num_scheduler_steps=num_scheduler_steps, seed=seed)
+                                   num_scheduler_steps=num_scheduler_steps, max_step_ms=max_step_ms, seed=seed)
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 

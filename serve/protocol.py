@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 StrictInt = Annotated[int, Field(strict=True)]
 TokenIds = list[StrictInt]
@@ -65,6 +65,14 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # null content belongs to an assistant message that carries tool_calls, which this server
+        # does not take; a message without content would be rendered as an empty turn
+        if self.content is None:
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts); got null")
+        return self
 
     def text(self) -> str:
         if self.content is None:

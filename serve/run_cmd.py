@@ -7,14 +7,18 @@ finish_reason "abort", and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from serve.cli_args import add_engine_arguments, engine_config_from_args
-from serve.config import EngineConfig
+from engine.config import EngineConfig
 from serve.server_config import ServerConfig
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -65,6 +69,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block raises KeyboardInterrupt at its end. For imports: pydantic turns a
+    KeyboardInterrupt raised while it builds a model's schema (fastapi's, on import) into a
+    SchemaError, which printed a traceback and exited 1."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def build(engine_loop: str, cfg: EngineConfig) -> Any:
     """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields)."""
     if engine_loop == "process":
@@ -80,12 +102,18 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535; got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    import uvicorn  # imported late, like torch: `serve --help` stays fast
+    with sigint_deferred():
+        import uvicorn  # imported late, like torch: `serve --help` stays fast
 
-    from serve.api import create_app
-    from serve.uvicorn_server import DrainingServer
+        from serve.api import create_app
+        from serve.uvicorn_server import DrainingServer
 
-    engine = build(args.engine_loop, engine_cfg)
+    try:
+        engine = build(args.engine_loop, engine_cfg)
+    except KeyboardInterrupt:
+        # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
+        logging.getLogger().setLevel(logging.WARNING)
+        raise
     try:
         app = create_app(engine, server_cfg)
         name = server_cfg.served_model_name or engine.model_name

@@ -1,4 +1,4 @@
-"""Model shapes for benchmarks: a folder, a config.json, or a preset name from kvcache/presets.py
+"""Model shapes for benchmarks: a folder, a config.json, or a preset name from engine/presets.py
 (Llama-3-8B, Qwen2.5-0.5B, ...: the configurations the ARCHITECTURE.md figures use), to be served
 with dummy weights."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.default_model import cache_dir
-from kvcache.presets import MODEL_PRESETS, preset_folder
+from engine.presets import MODEL_PRESETS, preset_folder
 
 
 def preset_names() -> list[str]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,11 @@ def fake_server():
 
 
 @pytest.fixture
-def bench(tmp_path: Path):
-    """Run `serve bench` in-process with these arguments; returns (exit code, result JSON or None)."""
+def bench(tmp_path: Path, monkeypatch):
+    """Run `serve bench` in-process with these arguments; returns (exit code, result JSON or None).
+    Temporary files go to tmp_path: the log of a server it starts and that fails (kept for the user)
+    is not left in /tmp."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def run_bench(*argv: str) -> tuple[int, dict | None]:
         parser = argparse.ArgumentParser(prog="serve bench")

@@ -126,3 +126,33 @@ def test_warmups_and_probe_share_no_tokens_with_the_measured_prompts(fake_server
     assert all(p[:8] == prefix for p in measured)
     assert all(len(p) == 16 and p[:8] != prefix for p in unmeasured)
     assert all(p[:8] == unmeasured[0][:8] for p in unmeasured)  # their own shared prefix
+
+
+def test_sampling_and_text_prompts(fake_server, bench, tmp_path):
+    """--temperature/--top-p reach every request; --prompt-format text sends text that the model
+    folder's tokenizer reads as about --input-len tokens; the result JSON says which and the chunk gaps."""
+    import json
+
+    from tests.models import build_model
+
+    folder = build_model("llama", tmp_path / "tiny")
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005)
+    code, res = bench("--url", srv.base_url, "--model", str(folder), "--num-prompts", "4", "--input-len", "24",
+                      "--output-len", "4", "--temperature", "0.8", "--top-p", "0.95", "--prompt-format", "text",
+                      "--copy-bandwidth", "3", "--matmul-tflops", "800")
+    assert code == 0
+    body = srv.behaviour.seen[-1]
+    assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and isinstance(body["prompt"], str)
+    from transformers import AutoTokenizer
+    n = len(AutoTokenizer.from_pretrained(str(folder)).encode(body["prompt"], add_special_tokens=False))
+    assert 12 <= n <= 24
+    assert (res["temperature"], res["top_p"], res["prompt_format"]) == (0.8, 0.95, "text")
+    assert res["p99_chunk_gap_ms"] is not None and res["serial_bound_fraction"] is not None
+    assert json.dumps(res)  # serializable
+
+
+def test_no_roofline_says_why(fake_server, bench, capsys):
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005)
+    code, _ = bench("--url", srv.base_url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2")
+    assert code == 0
+    assert "pass --model" in capsys.readouterr().out

@@ -5,6 +5,7 @@ line. No timing asserts beyond wide margins: the processes share this machine's 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -22,11 +23,15 @@ from bench.workload import BenchRequest, WorkloadSpec, arrival_offsets, make_req
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _workers() -> list[int]:
-    """This process's children that run a multiprocessing worker (not its resource tracker)."""
+def _workers(parent: int | None = None) -> list[int]:
+    """The children of parent (default: this process) that run a multiprocessing worker (not its
+    resource tracker)."""
     pids = []
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        pids += [int(p) for p in children.read_text().split()]
+    for children in Path(f"/proc/{parent or os.getpid()}/task").glob("*/children"):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except OSError:  # the thread or the process is gone
+            pass
     return [p for p in pids if _is_worker(p)]
 
 
@@ -212,25 +217,59 @@ def test_cancelling_the_run_stops_the_client_processes(fake_server):
 
 
 def test_ctrl_c_stops_everything(fake_server):
-    """SIGINT to the whole process group, as a terminal's Ctrl-C: exit 130, one line, no traceback."""
+    """SIGINT to the whole process group, as a terminal's Ctrl-C: exit 130, one line, no traceback,
+    no client process left."""
     srv = fake_server(ttft_s=0.01, chunk_interval_s=0.5)  # the 2-token test request: 0.5 s; the others 10 s
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.cli", "--url", srv.base_url, "--num-prompts", "4", "--input-len", "4",
          "--output-len", "20", "--concurrency", "4", "--client-processes", "2"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while len(srv.behaviour.seen) < 1 + 4 and time.monotonic() < deadline:  # probe + the 4 requests
+        # the signal goes only while the run is certainly in progress: every request has reached the
+        # server, and each streams for ~10 s more (sent at any other moment, say after the run
+        # ended, exit 0 would be right)
+        deadline = time.monotonic() + 120
+        while len(srv.behaviour.seen) < 1 + 4:  # the test request + the 4 requests
+            if proc.poll() is not None:
+                pytest.fail(f"exit code {proc.returncode} before the 4 requests: {proc.communicate()[1]}")
+            if time.monotonic() > deadline:
+                pytest.fail("the 4 requests did not all reach the server within 120 s")
             time.sleep(0.01)
+        clients = _workers(proc.pid)
+        assert len(clients) == 2
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130
+            proc.wait()
+    assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "serve bench: error: interrupted"
+    assert not any(Path(f"/proc/{pid}").exists() for pid in clients)  # stopped and reaped
 
+
+def test_ctrl_c_while_the_client_processes_start_is_not_lost(fake_server, monkeypatch):
+    """A SIGINT that comes between the start of one client process and the next: the parent blocks
+    SIGINT while it starts them (so that they start with it blocked), and handles it once they are
+    started. Ignoring it instead lost it: the run went on to its end and `serve bench` exited 0."""
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.5)  # ~10 s a request: too long to finish by chance
+    started: list[int] = []
+    start = multiprocessing.context.SpawnProcess.start
+
+    def start_then_interrupt(self) -> None:
+        start(self)
+        started.append(self.pid)
+        if len(started) == 1:
+            signal.raise_signal(signal.SIGINT)  # to this thread, at once: the Ctrl-C, mid-start
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_interrupt)
+    plan = LoadPlan(arrivals=[0.0] * 4, concurrency=4, progress=False, processes=2)
+    with pytest.raises(KeyboardInterrupt):  # asyncio.run's answer to a SIGINT: the run was cancelled
+        asyncio.run(run_load(_target(srv), [BenchRequest(i, [1], 20) for i in range(4)], plan))
+    assert len(started) == 2  # both started before the signal was handled
+    assert _client_pids() == []
+    assert srv.behaviour.seen == []  # stopped before the "go": no request went out
 
 
 def test_the_progress_bar_advances_while_the_processes_run(fake_server, monkeypatch):

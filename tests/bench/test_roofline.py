@@ -18,11 +18,40 @@ def cost(preset: str, kv: str = "auto") -> ModelCost:
 
 
 @pytest.mark.parametrize("preset,figure", [("llama3-8b", 5299), ("qwen2.5-0.5b", 80527)])
-def test_matches_architecture_figures(preset, figure):
+def test_serial_bound(preset, figure):
     est = estimate(cost(preset), WORKLOAD, H100, concurrency=64)
-    assert est.output_throughput == pytest.approx(figure, rel=0.02)
+    assert est.serial_output_throughput == pytest.approx(figure, rel=0.02)
+    assert est.serial_s == pytest.approx(est.prefill_s + est.decode_s)
     assert est.decode_steps == 127  # the first token of each request comes from its prefill
     assert est.output_tokens == 64 * 128 and est.prompt_tokens == 64 * 512
+
+
+# ARCHITECTURE.md's table (vocabulary 49,152, 3.01 TB/s, ~800 TFLOP/s): serial and physical bounds
+@pytest.mark.parametrize("preset,concurrency,serial,physical", [
+    ("llama3-8b", 64, 5672, 9908), ("llama3-8b", 256, 8270, 10637), ("qwen2.5-0.5b", 64, 94015, 154478)])
+def test_physical_bound_matches_architecture_figures(preset, concurrency, serial, physical):
+    cfg = dict(ModelConfig.from_path(resolve_model(preset)).raw, vocab_size=49152)
+    c = ModelCost.of(ModelConfig.from_dict(cfg))
+    est = estimate(c, [(512, 128)] * 3 * concurrency, HardwareRates(3.01e12, 800e12), concurrency=concurrency)
+    assert est.serial_output_throughput == pytest.approx(serial, rel=0.03)
+    assert est.output_throughput == pytest.approx(physical, rel=0.02)
+
+
+def test_physical_bound_counts_every_flop_and_byte():
+    c = cost("llama3-8b")
+    est = estimate(c, WORKLOAD, H100, concurrency=64)
+    n = c.model.num_params()
+    positions = 64 * sum(512 + k for k in range(1, 128))  # decode k reads its context, the new token included
+    flops = 64 * c.prefill_flops(512) + 64 * 127 * 2.0 * n + c.attention_flops(positions)
+    nbytes = 127 * c.weight_bytes + positions * c.kv_bytes_per_token + 64 * 512 * c.kv_bytes_per_token
+    assert est.compute_s == pytest.approx(flops / H100.matmul_flops, rel=1e-9)
+    assert est.memory_s == pytest.approx(nbytes / H100.copy_bandwidth, rel=1e-9)
+    assert est.output_throughput == pytest.approx(64 * 128 / max(est.compute_s, est.memory_s))
+    # overlapping the phases can only help: the physical bound is at least the serial one, also
+    # where decode is compute bound (a CPU's rates)
+    assert est.output_throughput >= est.serial_output_throughput
+    slow = estimate(c, WORKLOAD, HardwareRates(3.01e12, 1e11), concurrency=64)
+    assert slow.output_throughput >= slow.serial_output_throughput
 
 
 def test_decode_step_time_llama():
@@ -56,6 +85,7 @@ def test_request_rate_caps_the_bound():
     c = cost("qwen2.5-0.5b")
     est = estimate(c, WORKLOAD, H100, request_rate=2.0)
     assert est.output_throughput == pytest.approx(2.0 * 128)
+    assert est.serial_output_throughput == pytest.approx(2.0 * 128)
 
 
 def test_no_cuda_measures_nothing():

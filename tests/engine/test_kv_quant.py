@@ -7,12 +7,14 @@ import importlib.util
 import pytest
 import torch
 
+from engine import runner as runner_module
+from engine.config import EngineConfig
 from kernels import reference
 from kvcache import quant
+from kvcache.calc import CPU_KV_RAM_SHARE
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec
 from serve import LLM, SamplingParams
-from serve.config import EngineConfig
 
 QUANTIZED = ("fp8", "int8")
 FP8_MANTISSA_BITS = 3  # e4m3
@@ -147,15 +149,17 @@ def test_quantized_pool_holds_about_twice_the_tokens(shape, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
-def test_engine_sizes_its_pool_with_the_same_formula(tiny_models, kv_dtype):
+def test_engine_sizes_its_pool_with_the_same_formula(tiny_models, kv_dtype, monkeypatch):
     """At the same CPU KV budget the engine allocates as many more blocks as the spec says."""
+    budget = int(0.01 * 2**30)
+    # the CPU pool takes CPU_KV_RAM_SHARE of the available RAM when that binds (it does at max_num_seqs 256)
+    monkeypatch.setattr(runner_module, "available_ram_bytes", lambda: int(budget / CPU_KV_RAM_SHARE))
+
     def runner(kv: str):
-        cfg = EngineConfig(model=str(tiny_models["qwen3"]), dtype="float32", device="cpu", kv_cache_dtype=kv,
-                           cpu_kv_cache_gib=0.01)
+        cfg = EngineConfig(model=str(tiny_models["qwen3"]), dtype="float32", device="cpu", kv_cache_dtype=kv)
         return LLM.from_config(cfg).engine.runner
 
     base, quantized = runner("bfloat16"), runner(kv_dtype)
-    budget = int(0.01 * 2**30)
     assert base.num_blocks == base.kv_spec.num_blocks_for(budget)
     assert quantized.num_blocks == quantized.kv_spec.num_blocks_for(budget)
     assert quantized.pool.nbytes <= budget
@@ -227,7 +231,7 @@ def test_smollm2_quantized_kv_stays_close_to_bf16():
     from engine.config import ModelConfig
     from engine.default_model import default_model_path
     from engine.runner import ModelRunner
-    from kvcache.accuracy import DEFAULT_TEXT, measure
+    from serve.kv_accuracy import DEFAULT_TEXT, measure
     from serve.build import load_tokenizer
 
     path = default_model_path(quiet=True)

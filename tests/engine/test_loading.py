@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import ModelConfig, ModelConfigError
 from serve import LLM, SamplingParams
-from serve.config import EngineConfig
+from engine.config import EngineConfig
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

@@ -332,6 +332,6 @@ def test_prefill_gpu_long_chunks(new_kv):
     {"block_m": 256, "block_n": 32, "num_warps": 8, "num_stages": 3, "block_n_prefix": 64},
 ])
 def test_prefill_gpu_new_kv_configs(config):
-    # the main alternatives of bench.kernels --sweep, Llama-3-8B heads, with and without a prefix
+    # the main alternatives of lab.kernels --sweep, Llama-3-8B heads, with and without a prefix
     _run([1100, 2048, 300], [0, 0, 777], 32, 8, 128, 16, torch.bfloat16, None, config=config, device="cuda",
          new_kv=True)

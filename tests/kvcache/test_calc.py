@@ -1,11 +1,6 @@
-"""The sizing calculator: kv_cache_bytes, plan(), presets, and the `serve kv-calc` CLI."""
+"""The sizing arithmetic: kv_cache_bytes, plan(), the weight, activation and graph estimates."""
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,13 +10,11 @@ from engine.config import ModelConfig
 from kvcache import calc
 from kvcache.calc import (KVCalcInputError, NoRoomForKVCacheError, WeightsDontFitError, estimate_activation_bytes,
                           kv_cache_bytes, plan, weight_bytes_per_gpu)
-from kvcache.presets import (GPU_PRESETS, MODEL_PRESETS, GiB, PresetError, find_model_preset, parse_size,
-                             resolve_gpu_memory, resolve_model)
+from engine.presets import MODEL_PRESETS, resolve_model
+from kvcache.gpus import GiB, resolve_gpu_memory
 from kvcache.spec import KVCacheSpec
 
-REPO = Path(__file__).resolve().parents[2]
 H100 = resolve_gpu_memory("H100").total_bytes
-JSON_KEYS = {"weight_bytes", "bytes_per_token", "bytes_per_block", "num_blocks", "max_tokens", "max_concurrent_seqs"}
 
 
 def preset(name: str) -> ModelConfig:
@@ -218,208 +211,12 @@ def test_plan_never_overcommits(name, gib, util, kv, block, act, tp):
     assert p.max_concurrent_seqs * p.blocks_per_seq <= p.num_blocks
 
 
-def test_defaults_match_the_engine():
-    from serve.config import EngineConfig
-
-    cfg = EngineConfig()
-    assert (calc.DEFAULT_MAX_NUM_BATCHED_TOKENS, calc.DEFAULT_MAX_NUM_SEQS, calc.DEFAULT_STEP_GRAPH_MAX_TOKENS) == (
-        cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.step_graph_max_tokens)
-    args = parse()
-    assert args.block_size is None and float(args.memory_utilization) == cfg.gpu_memory_utilization
-    for kv, block_size in (("auto", 16), ("bfloat16", 16), ("fp8", 32), ("int8", 32)):
-        assert EngineConfig(kv_cache_dtype=kv).block_size == block_size
-        assert calc.plan(preset("llama3-8b"), 80 * GiB, kv_cache_dtype=kv).block_size == block_size
-        assert EngineConfig(kv_cache_dtype=kv, block_size=64).block_size == 64
-
-
-# ---------------------------------------------------------------- presets
-
-
-def test_every_model_preset_name_and_alias_resolves_case_insensitively():
-    for p in MODEL_PRESETS:
-        for name in (p.name, p.name.upper(), p.name.lower(), *p.aliases):
-            assert resolve_model(name).name == p.name
-
-
-def test_common_spellings_resolve():
-    assert find_model_preset("llama3-8b").name == "Llama-3-8B"
-    assert find_model_preset("LLAMA_3_70B").name == "Llama-3-70B"
-    assert find_model_preset("qwen2.5-0.5b").name == "Qwen2.5-0.5B"
-    assert find_model_preset("mistral-7b").name == "Mistral-7B"
-    assert find_model_preset("gpt-2") is None
-
-
-def test_preset_names_do_not_collide():
-    from kvcache.presets import _key
-    for presets in (MODEL_PRESETS, GPU_PRESETS):
-        keys = [(_key(n), p.name) for p in presets for n in {p.name, *p.aliases}]
-        owners: dict[str, set[str]] = {}
-        for key, owner in keys:
-            owners.setdefault(key, set()).add(owner)
-        assert all(len(o) == 1 for o in owners.values()), owners
-
-
-def test_model_from_folder_and_config_json(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS[2].config_dict()))
-    from_folder = resolve_model(str(tmp_path))
-    from_file = resolve_model(str(tmp_path / "config.json"))
-    assert from_folder.config == from_file.config == preset("Qwen2.5-0.5B")
-    assert from_folder.name == tmp_path.name
-
-
-def test_unknown_model_lists_the_presets():
-    with pytest.raises(PresetError, match="Llama-3-8B"):
-        resolve_model("no-such-model")
-
-
-@pytest.mark.parametrize("text, size", [
-    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("80 gib", 80 * 2**30), ("80G", 80 * 2**30),
-    ("1.5TiB", int(1.5 * 2**40)), ("512MiB", 512 * 2**20), ("24gb", 24 * 10**9), ("1073741824B", 2**30),
-])
-def test_parse_size(text, size):
-    assert parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["80", "abc", "0GB", "-1GB", "80XB", "", "GB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(PresetError):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("name, canonical", [
-    ("H100", "H100-80GB"), ("h100-80gb", "H100-80GB"), ("H100 80GB", "H100-80GB"), ("A100-40GB", "A100-40GB"),
-    ("a100-80gb", "A100-80GB"), ("L4", "L4"), ("RTX4090", "RTX4090"), ("rtx-4090", "RTX4090"), ("H200", "H200"),
-])
-def test_gpu_presets(name, canonical):
-    assert resolve_gpu_memory(name).label == canonical
-
-
-def test_gpu_preset_sizes():
-    assert resolve_gpu_memory("H100").total_bytes == 85_017_493_504  # what CUDA reports on an H100 80GB HBM3
-    assert resolve_gpu_memory("A100-40GB").total_bytes == 40960 * 2**20
-    assert resolve_gpu_memory("80GiB").total_bytes == 80 * GiB
-
-
-def test_unknown_gpu_lists_the_presets():
-    with pytest.raises(PresetError, match="H100-80GB"):
-        resolve_gpu_memory("TPUv5")
-
-
-# ---------------------------------------------------------------- the CLI
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="serve kv-calc")
-    calc.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_cli_text(capsys):
-    assert calc.run(parse("--model", "llama3-8b", "--gpu-memory", "H100")) == 0
-    out = capsys.readouterr().out
-    for needle in ("Llama-3-8B on H100-80GB", "weights (bfloat16)", "KV bytes per token", "131,072",
-                   "2,097,152", "blocks", "tokens that fit", "sequences of 8,192 tokens", "fp8", "int8", "estimate"):
-        assert needle in out
-    p = calc.plan_request(calc.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")))
-    assert f"{p.num_blocks:,}" in out and f"{p.max_tokens:,}" in out
-    # the graph reserve is the engine's own estimate, counted before the KV cache
-    assert p.graph_bytes == (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
-                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)
-                             + calc.estimate_step_graph_bytes(256, 8192, 16, 2304)) > 0
-
-
-def test_cli_json(capsys):
-    argv = ("--model", "Llama-3-8B", "--gpu-memory", "80GiB", "--kv-cache-dtype", "fp8", "--max-model-len", "4k",
-            "--memory-utilization", "0.85", "--json")
-    assert calc.run(parse(*argv)) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert JSON_KEYS <= out.keys()
-    graphs = (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 4096, 32)  # fp8 pages: block size 32
-              + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)
-              + calc.estimate_step_graph_bytes(256, 4096, 32, 2304))
-    p = plan(preset("Llama-3-8B"), 80 * GiB, 0.85, "fp8", max_model_len=4096, graph_bytes=graphs)
-    assert {k: out[k] for k in JSON_KEYS} == {k: getattr(p, k) for k in JSON_KEYS}
-    assert (out["bytes_per_token"], out["kv_cache_dtype"], out["max_model_len"]) == (67584, "fp8", 4096)
-    assert [row["kv_cache_dtype"] for row in out["table"]] == ["bfloat16", "fp8", "int8"]
-    assert out["activation_estimated"] is True
-
-
-def test_cli_max_num_batched_tokens_changes_the_estimate(capsys):
-    small = ("--model", "llama3-8b", "--gpu-memory", "H100", "--json", "--max-num-batched-tokens", "2048")
-    assert calc.run(parse(*small)) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["activation_bytes"] == plan(preset("Llama-3-8B"), H100, max_num_batched_tokens=2048).activation_bytes
-    assert out["activation_bytes"] < plan(preset("Llama-3-8B"), H100).activation_bytes
-
-
-def test_cli_tensor_parallel(capsys):
-    assert calc.run(parse("--model", "llama3-70b", "--gpu-memory", "H100", "--tensor-parallel-size", "4", "--json")) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert (out["tensor_parallel_size"], out["num_kv_heads_per_gpu"], out["bytes_per_token"]) == (4, 2, 81920)
-
-
-def test_cli_folder(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS[0].config_dict()))
-    assert calc.run(parse("--model", str(tmp_path), "--gpu-memory", "H100", "--json")) == 0
-    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 131072
-
-
-@pytest.mark.parametrize("argv", [
-    ("--model", "nope", "--gpu-memory", "H100"),
-    ("--model", "llama3-8b", "--gpu-memory", "80"),
-    ("--model", "llama3-8b", "--gpu-memory", "Voodoo5"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--memory-utilization", "0"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--memory-utilization", "lots"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--block-size", "0"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--block-size", "sixteen"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--block-size", "12"),  # serve run refuses it too
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--max-model-len", "100k"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--max-num-batched-tokens", "0"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--max-model-len", "-1"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--tensor-parallel-size", "-2"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--kv-cache-dtype", "fp4"),
-    ("--model", "llama3-8b", "--gpu-memory", "H100", "--dtype", "int4"),
-    ("--gpu-memory", "H100"),
-    ("--model", "llama3-8b"),
-])
-def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
-    assert calc.run(parse(*argv)) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert len(captured.err.strip().splitlines()) == 1
-    assert "Traceback" not in captured.err
-
-
-def test_cli_weights_dont_fit_exits_1(capsys):
-    assert calc.run(parse("--model", "Llama-3-70B", "--gpu-memory", "H100")) == 1
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1
-    assert "--tensor-parallel-size 2 or more" in err
-
-
-@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (131072, "128 KiB"), (1081344, "1.03 MiB"),
-                                     (16_060_522_496, "14.96 GiB")])
-def test_format_bytes(n, text):
-    assert calc.format_bytes(n) == text
-
-
-def test_measure_needs_a_gpu(capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: --measure runs (see the gpu-marked test)")
-    assert calc.run(parse("--measure", "--model", "llama3-8b")) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_python_dash_m():
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcache.calc", "--model", "qwen2.5-0.5b", "--gpu-memory", "L4", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert JSON_KEYS <= out.keys()
-    assert out["bytes_per_token"] == 12288
-    bad = subprocess.run([sys.executable, "-m", "kvcache.calc", "--model", "qwen2.5-0.5b", "--gpu-memory", "lots"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+def test_cpu_pool_fits_the_work_within_a_share_of_ram():
+    spec = KVCacheSpec(30, 3, 64, 16, "float32")
+    ram = 20 * GiB
+    # 4 sequences of 2,048 tokens: what they can use at most
+    assert calc.cpu_kv_blocks(spec, 4, 2048, ram) == 4 * 128
+    # 256 of 8,192 tokens would take 96 GiB: capped by the share of the RAM
+    capped = calc.cpu_kv_blocks(spec, 256, 8192, ram)
+    assert capped == spec.num_blocks_for(int(ram * calc.CPU_KV_RAM_SHARE)) < 256 * 512
+    assert calc.cpu_kv_blocks(spec, 256, 8192, 0) == 1

@@ -118,3 +118,12 @@ def test_later_queries_see_smaller_score_errors(kv_dtype, group):
     base = rms_score_error(quant.dequantize(*quant.quantize(kr, kv_dtype)))
     chosen = rms_score_error(quant.dequantize(*quant.quantize(kr, kv_dtype, own.view(tokens, 1, group, dim))))
     assert chosen < 0.7 * base, (chosen, base)
+
+
+def test_cpu_pages_are_zero_and_writable():
+    from kvcache.pool import zeros
+
+    pages = zeros((2, 3, 4), torch.bfloat16, "cpu")
+    assert pages.shape == (2, 3, 4) and pages.dtype == torch.bfloat16 and not pages.any()
+    pages[1, 2] = 1.5
+    assert pages.sum().item() == 6.0

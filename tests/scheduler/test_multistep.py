@@ -89,10 +89,13 @@ def test_one_step_where_it_must():
     for kw in ({"temperature": 0.7}, {"logprobs": 2}):
         steps, _ = run(make(4), [seq(0, 3), seq(1, 3, **kw)])
         assert set(steps) == {1}
-    # a prompt waiting: the running decodes take one step at a time until it is admitted
+    # a prompt waiting for a free slot (max_num_seqs) does not stop the rounds: they end where
+    # sequences end by length, so it starts as soon as it could have
     s = make(4, max_num_seqs=1)
-    steps, _ = run(s, [seq(0, 3, max_tokens=9), seq(1, 3, max_tokens=9)])
-    assert steps[:9] == [1] * 9 and 4 in steps[9:]
+    a, b = seq(0, 3, max_tokens=9), seq(1, 3, max_tokens=9)
+    steps, _ = run(s, [a, b])
+    assert steps == [1, 4, 4, 1, 4, 4]
+    assert a.output_token_ids == [1003 + i for i in range(9)] == b.output_token_ids
     # no room for the blocks of more steps: one free block, two rows that would need one each
     s = make(4, num_blocks=3, block_size=4)
     a, b = seq(0, 3, max_tokens=5), seq(1, 3, max_tokens=5)
@@ -110,3 +113,21 @@ def test_prefix_cache_registers_blocks_of_every_step():
         again = Sequence(1, a.token_ids[:-1], SamplingParams(max_tokens=1), max_model_len=256)
         return len(s.bm.match_prefix(again.token_ids, again.block_hashes))
     assert cached_blocks(4) == cached_blocks(1) == (5 + 15 - 1) // 4
+
+
+def test_prompts_and_decode_rounds_take_turns():
+    """With prompts arriving all the time, a step with prompt tokens and a round of K decode steps
+    alternate: prompts wait one round at most, and the host's work is paid once per round."""
+    s = make(4, max_num_seqs=8, budget=64)
+    for q in [seq(i, 3, max_tokens=30) for i in range(2)]:
+        s.add(q)
+    kinds = []
+    for i in range(12):
+        if i % 2 == 0:
+            s.add(seq(10 + i, 5, max_tokens=30))  # a new prompt before every other step
+        b = s.schedule()
+        kinds.append((b.num_steps, any(not it.num_new_tokens == 1 for it in b.items)))
+        s.update(b, fake_execute(b))
+        s.check_integrity()
+    # (steps, carries a prompt): a prompt step, then a round of 4 decode steps, and again
+    assert kinds[:6] == [(1, True), (4, False), (1, True), (4, False), (1, True), (4, False)]

@@ -259,3 +259,69 @@ def test_prefill_hold_never_holds_preempted_sequences():
     assert s.hold_release is None and s.num_held_steps == 0
     s.update(b, fake_execute(b))
     s.check_integrity()
+
+
+# ---------------------------------------------------------------- stall-free batching: the prompt budget
+
+
+def make_budgeted(prompt_budget, num_blocks=256, block_size=4, max_num_seqs=8, budget=64):
+    bm = BlockManager(num_blocks, block_size, False)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256, False, prompt_budget=prompt_budget), bm)
+
+
+def test_prompt_tokens_beside_decodes_stay_within_the_budget():
+    asked = []
+
+    def prompt_budget(decodes, context):
+        asked.append((decodes, context))
+        return 5
+
+    s = make_budgeted(prompt_budget)
+    a, b, c = seq(0, 3, max_tokens=6), seq(1, 30), seq(2, 60)
+    for q in (a, b, c):
+        s.add(q)
+    steps = run_all(s)
+    # no decode yet: the whole token budget (a lone prompt runs at full speed)
+    assert steps[0] == [(0, 0, 3), (1, 0, 30), (2, 0, 31)]
+    # then the two decodes, and at most 5 prompt tokens beside them
+    assert steps[1] == [(0, 3, 1), (1, 30, 1), (2, 31, 5)]
+    assert all(sum(n for _, _, n in st if n > 1) <= 5 for st in steps[1:] if any(n == 1 for _, _, n in st))
+    # the policy was asked with the decodes' count and their contexts (the new token included)
+    assert asked[0] == (2, 4 + 31)
+    assert a.finish_reason == b.finish_reason == c.finish_reason == "length"
+
+
+def test_every_running_decode_is_scheduled_before_any_prompt_chunk():
+    s = make_budgeted(lambda d, ctx: 3, budget=16, max_num_seqs=8)
+    # five short prompts become decodes; then a long prompt arrives
+    for i in range(5):
+        s.add(seq(i, 2, max_tokens=20))
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    s.add(seq(9, 40))
+    b = s.schedule()
+    ids = [(it.seq.seq_id, it.num_new_tokens) for it in b.items]
+    assert ids[:5] == [(i, 1) for i in range(5)]
+    assert ids[5] == (9, 3)  # the prompt budget beside five decodes
+
+
+def test_a_prompt_chunk_waits_for_blocks_while_decodes_run():
+    # 10 blocks of 4 tokens: a decoding sequence of 20+ tokens holds 6, a 24-token prompt advances 8
+    # tokens a step until no block is left for its next chunk; then it waits, keeping its blocks
+    s = make_budgeted(lambda d, ctx: 8, num_blocks=10, budget=64)
+    a = seq(0, 20, max_tokens=16)
+    s.add(a)
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    long = seq(1, 24, max_tokens=2)
+    s.add(long)
+    chunks = []
+    for _ in range(4):
+        b = s.schedule()
+        assert b.items[0].seq is a and b.items[0].num_new_tokens == 1  # the stream never stalls
+        chunks.append(sum(it.num_new_tokens for it in b.items if it.seq is long))
+        s.update(b, fake_execute(b))
+        s.check_integrity()
+    assert chunks == [8, 8, 0, 0] and s.num_preemptions == 0 and len(long.block_table) == 4
+    run_all(s)
+    assert a.finish_reason == long.finish_reason == "length"

@@ -66,6 +66,8 @@ CASES = [
      "invalid Unicode"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools"),
+    ("null content", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "needs content"),
+    ("missing content", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "needs content"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "logprobs"),
     ("chat prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,

@@ -1,0 +1,98 @@
+"""How long a step takes on this GPU, measured at start-up, and how many prompt tokens a step may
+carry beside its decodes without stalling them (stall-free batching).
+
+A step's matmuls read every weight once, whatever the step carries: up to the ridge point a step
+of N rows (decode rows + prompt tokens) costs about what a step of one row costs, beyond it the
+time grows with N. `forward_ms` holds the device time of a forward of N rows, measured at a few N
+(prompt chunks of at most CHUNK tokens, so that attention stays a small part); decode attention
+adds the read of every context token's K and V, at the measured copy bandwidth. The scheduler asks
+`prompt_budget(decodes, context_tokens)`: the most prompt tokens that keep the step within the
+latency target, which is the user's max_step_ms, or else a forward of STALL_FACTOR times the
+decodes' own (their attention comes on top either way). With no decode running the budget is the
+whole step (a lone prompt runs at full speed: nothing streams that it could stall).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+# a mixed step's forward may take this many times its decodes' own (unless max_step_ms says): with
+# the matmuls measured on H100/H200 (2026-11-25) larger prompt chunks cost less per token, smaller
+# ones stall the streams less (bench/NOTES.md)
+STALL_FACTOR = 2.5
+MIN_PROMPT_TOKENS = 16  # prompts always advance, whatever the target
+CHUNK = 256  # tokens per prompt chunk in the measured forwards
+MAX_ROWS = 2048  # the largest forward measured
+# the engine loop's host work per scheduling round (schedule, launch, process, send), measured
+# 0.6-1.2 ms a step on H100 hosts (bench/NOTES.md, 2026-11-24); multi-step rounds pay it once for K steps
+HOST_STEP_MS = 1.0
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    rows: tuple[int, ...]  # forward sizes measured, ascending
+    forward_ms: tuple[float, ...]  # device time of each, non-decreasing
+    kv_ms_per_token: float  # reading one context token's K and V in every layer
+    max_tokens: int  # the most tokens a step may carry (max_num_batched_tokens)
+    max_step_ms: float | None = None  # the user's target; None: stall_factor x the decodes' own forward
+    stall_factor: float = STALL_FACTOR
+
+    def __post_init__(self) -> None:
+        if len(self.rows) < 2 or len(self.rows) != len(self.forward_ms) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError("the cost model needs two or more forward sizes, ascending")
+        # a measurement a little below its smaller neighbour is noise: the time never falls with more rows
+        ms = list(self.forward_ms)
+        for i in range(1, len(ms)):
+            ms[i] = max(ms[i], ms[i - 1])
+        object.__setattr__(self, "forward_ms", tuple(ms))
+
+    def forward(self, rows: int) -> float:
+        """ms of a forward of `rows` rows: linear between the measured sizes and beyond the last."""
+        r, ms = self.rows, self.forward_ms
+        if rows <= r[0]:
+            return ms[0]
+        i = min(bisect.bisect_left(r, rows), len(r) - 1)
+        slope = (ms[i] - ms[i - 1]) / (r[i] - r[i - 1])
+        return ms[i - 1] + slope * (rows - r[i - 1])
+
+    def step_ms(self, decodes: int, context_tokens: int, prompt_tokens: int) -> float:
+        """A step of `decodes` decode rows attending over `context_tokens` positions in all, and
+        `prompt_tokens` prompt tokens."""
+        return self.forward(decodes + prompt_tokens) + self.kv_ms_per_token * context_tokens
+
+    def forward_limit_ms(self, decodes: int, context_tokens: int) -> float:
+        """How long the forward of a step with these decodes may take, prompt tokens included."""
+        if self.max_step_ms is None:
+            return self.stall_factor * self.forward(decodes)
+        return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
+
+    def prompt_budget(self, decodes: int, context_tokens: int) -> int:
+        """The most prompt tokens a step of these decodes may carry."""
+        room = max(self.max_tokens - decodes, 0)
+        if decodes == 0:
+            return room
+        rows = self.rows_within(self.forward_limit_ms(decodes, context_tokens))
+        return min(room, max(MIN_PROMPT_TOKENS, rows - decodes))
+
+    def rows_within(self, ms: float) -> int:
+        """The most rows whose forward takes at most `ms` (the inverse of forward())."""
+        r, f = self.rows, self.forward_ms
+        if ms < f[0]:
+            return 0
+        i = bisect.bisect_right(f, ms)  # f[i - 1] <= ms < f[i]
+        if i == len(f):  # beyond the last measurement: extrapolate its slope
+            i -= 1
+        span = f[i] - f[i - 1]
+        if span <= 0:
+            return r[i]
+        return int(r[i - 1] + (ms - f[i - 1]) / span * (r[i] - r[i - 1]))
+
+    def largest_mixed_step(self, max_num_seqs: int) -> int:
+        """Tokens of the largest step with decodes that the budget allows (the budget is largest
+        with no context to read)."""
+        return max(d + self.prompt_budget(d, 0) for d in range(1, max_num_seqs + 1))
+
+    def scheduler_steps(self, decodes: int, auto_steps: int) -> int:
+        """Decode steps per scheduling round: several where the host's per-round work is a large
+        share of a decode step (a small model), one where the GPU step dwarfs it."""
+        return auto_steps if self.forward(decodes) < 4 * HOST_STEP_MS else 1

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Stall-free batching on the GPU: `serve bench` with `serve run` defaults at the workloads of the
+# overlap issue, for this tree and, with BASE=DIR, for a baseline tree in the same call.
+#   lab/overlap.sh [STAGE...]   stages: 8b-64 8b-256 qwen-64 8b-sampled qwen-sampled 8b-text qwen-text 8b-ragged
+# MODELS_DIR holds llama3-8b/ and qwen2.5-0.5b/ (a config.json with the shapes, tokenizer files);
+# results go to $OUT/overlap/*.json and, packed, $OUT/overlap.tar.gz.
+set -uo pipefail
+OUT=${OUT:-/tmp/pagedserve-out}
+R=$OUT/overlap
+mkdir -p "$R"
+MODELS_DIR=$(cd "${MODELS_DIR:-.models}" && pwd)
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/fastapi ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
+log() { echo "== $* ($(date +%T))"; }
+
+# bench TREE LABEL MODEL CONCURRENCY PROMPTS [serve bench flags...]; SERVER_ARGS: `serve run` flags;
+# TRACE=1: a step trace, summarized into $R/LABEL-trace.json (lab/trace_summary.py)
+bench() {
+  local tree=$1 label=$2 model=$3 c=$4 n=$5
+  shift 5
+  log "$label ${SERVER_ARGS:-}"
+  rm -f "$R/$label.jsonl"
+  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD ${TRACE:+env PAGEDSERVE_STEP_TRACE=$R/$label.jsonl} python3 -m serve.cli bench \
+    --model "$MODELS_DIR/$model" --load-format dummy --server-command "python3 -m serve.cli run" \
+    --server-args="${SERVER_ARGS:-}" --concurrency "$c" --num-prompts "$n" \
+    --input-len 512 --output-len 128 --ignore-eos --num-warmups "$c" --result-json "$R/$label.json" "$@" 2>&1 \
+    | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|error|Error" | head -14)
+  if [ -f "$R/$label.jsonl" ]; then
+    PYTHONPATH=$PWD python3 -m lab.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \
+      > "$R/$label-trace.txt" && head -${TRACE_LINES:-30} "$R/$label-trace.txt"
+    rm -f "$R/$label.jsonl"
+  fi
+}
+
+both() {  # the stage on this tree, then on BASE
+  local label=$1
+  shift
+  bench . "$label" "$@"
+  [ -n "${BASE:-}" ] && bench "$BASE" "$label-base" "$@"
+}
+
+for stage in "$@"; do
+  case $stage in
+    8b-64) both 8b-64 llama3-8b 64 192 ;;
+    8b-256) both 8b-256 llama3-8b 256 768 ;;
+    qwen-64) both qwen-64 qwen2.5-0.5b 64 640 ;;
+    8b-sampled)
+      bench . 8b-greedy llama3-8b 64 192
+      bench . 8b-sampled llama3-8b 64 192 --temperature 0.8 --top-p 0.95 ;;
+    qwen-sampled)
+      bench . qwen-greedy qwen2.5-0.5b 64 640
+      bench . qwen-sampled qwen2.5-0.5b 64 640 --temperature 0.8 --top-p 0.95 ;;
+    8b-text)
+      bench . 8b-ids llama3-8b 64 192
+      bench . 8b-text llama3-8b 64 192 --prompt-format text ;;
+    qwen-text)
+      bench . qwen-ids qwen2.5-0.5b 64 640
+      bench . qwen-text qwen2.5-0.5b 64 640 --prompt-format text ;;
+    8b-ragged) both 8b-ragged llama3-8b 64 256 --range-ratio 0.5 --request-rate "${RATE:-40}" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done
+tar -czf "$OUT/overlap.tar.gz" -C "$OUT" overlap

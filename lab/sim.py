@@ -1,0 +1,111 @@
+"""The scheduler (scheduler/policy.py, the real one) against a model of step time, on the CPU: a
+closed loop of clients, each sending its next request when the last one finished, as `serve bench`
+does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy before GPU time is spent.
+
+    python -m lab.sim --forward 16:5.9,256:6.0,512:10.6,1024:20.9,2048:41.4 --kv-ns 43.7 \
+        --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4]
+
+--forward: the forward's device time (ms) at row counts, as the engine's cost model measures it
+(`serve run` logs it); --kv-ns: ns per context token of decode attention. A step takes
+forward(decodes + prompt tokens) + kv * context + --overhead-ms. A model, not the GPU: on an H200
+(2026-11-25) real mixed steps of 64 decodes and ~270 prompt tokens took ~30% longer than it says,
+and decode steps ~10% less (bench/NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+
+from engine.cost_model import STALL_FACTOR, StepCostModel
+from kvcache.block_manager import BlockManager
+from scheduler.policy import Scheduler, SchedulerConfig
+from scheduler.request import SampleOutput, SamplingParams, Sequence
+
+
+@dataclass
+class SimResult:
+    output_throughput: float
+    median_tpot_ms: float
+    median_ttft_ms: float
+    p99_gap_ms: float
+    mean_step_ms: float
+    steps: int
+
+
+def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int,
+             num_scheduler_steps: int = 1, overhead_ms: float = 0.3, use_budget: bool = True) -> SimResult:
+    bm = BlockManager(1 << 20, 16, False)
+    cfg = SchedulerConfig(256, model.max_tokens, input_len + output_len + 1, False, 0.0, num_scheduler_steps,
+                          model.prompt_budget if use_budget else None)
+    s = Scheduler(cfg, bm)
+    now = 0.0
+    sent = 0
+    arrival: dict[int, float] = {}
+    chunks: dict[int, list[float]] = {}
+    done: list[int] = []
+
+    def send() -> None:
+        nonlocal sent
+        seq = Sequence(sent, [1] * input_len, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0),
+                       max_model_len=cfg.max_model_len)
+        s.add(seq)
+        arrival[sent], chunks[sent] = now, []
+        sent += 1
+
+    for _ in range(min(concurrency, num_prompts)):
+        send()
+    step_ms = []
+    while s.num_unfinished:
+        b = s.schedule(now)
+        if b is None:
+            break
+        decodes = b.num_decode
+        context = sum(it.end for it in b.items[:decodes])
+        prompt = b.num_tokens - decodes
+        ms = (model.step_ms(decodes, context, prompt) + overhead_ms) * b.num_steps
+        now += ms / 1e3
+        step_ms.append(ms / b.num_steps)
+        outs = s.update(b, [SampleOutput(7, None, [7] * (b.num_steps - 1) if b.num_steps > 1 else None)
+                            if it.samples else None for it in b.items])
+        for o in outs:
+            if o.new_token_ids:
+                chunks[o.seq_id].append(now)
+            if o.finished:
+                done.append(o.seq_id)
+                if sent < num_prompts:
+                    send()
+    tpots = [(c[-1] - c[0]) / (output_len - 1) * 1e3 for c in chunks.values() if len(c) > 1]
+    ttfts = [(chunks[i][0] - arrival[i]) * 1e3 for i in chunks if chunks[i]]
+    gaps = sorted((b - a) * 1e3 for c in chunks.values() for a, b in zip(c, c[1:]))
+    return SimResult(num_prompts * output_len / now, statistics.median(tpots), statistics.median(ttfts),
+                     gaps[int(0.99 * (len(gaps) - 1))], statistics.mean(step_ms), len(step_ms))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.sim", description=__doc__.splitlines()[0])
+    p.add_argument("--forward", required=True, help="ROWS:MS,... the measured forward times")
+    p.add_argument("--kv-ns", type=float, default=43.7)
+    p.add_argument("--overhead-ms", type=float, default=0.3)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=192)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-step-ms", type=float, default=None)
+    p.add_argument("--steps", type=int, default=1, help="num_scheduler_steps")
+    p.add_argument("--no-budget", action="store_true", help="max_num_batched_tokens for every step")
+    p.add_argument("--stall-factor", type=float, default=STALL_FACTOR)
+    a = p.parse_args(argv)
+    rows, ms = zip(*[(int(r), float(m)) for r, m in (x.split(":") for x in a.forward.split(","))])
+    model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor)
+    r = simulate(model, a.concurrency, a.num_prompts, a.input_len, a.output_len, a.steps, a.overhead_ms,
+                 not a.no_budget)
+    print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
+          f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

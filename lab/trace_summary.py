@@ -1,0 +1,120 @@
+"""Summarize a PAGEDSERVE_STEP_TRACE file (scheduler/trace.py): per kind of step, how the engine
+loop's wall time splits into scheduling, launching, waiting for the previous step's tokens,
+processing them and sending the outputs; on a GPU also each step's time on the device (gpu, from
+CUDA events around the step) and how long the device sat idle before it (idle).
+
+    python -m lab.trace_summary trace.jsonl [--json out.json] [--after-idle MS]
+
+--after-idle MS keeps only the steps after the last time the device sat idle for more than MS
+(a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
+fit of their device time against their prompt tokens (fixed ms per step + us per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PHASES = (("schedule", "t0", "t_sched"), ("launch", "t_sched", "t_launch"), ("wait", "t_launch", "t_collect"),
+          ("process", "t_collect", "t_end"), ("send", "t_end", "t_sent"))
+
+
+def kind(row: dict) -> str:
+    if "seqs" not in row:
+        return "drain"  # no new batch: only collects the step in flight
+    return "decode" if row["decodes"] == row["seqs"] else "prefill" if row["decodes"] == 0 else "mixed"
+
+
+def _device_times(rows: list[dict]) -> list[dict]:
+    """Rows with gpu_ms / idle_ms: a row's prev_* fields belong to the row before it (the step it
+    collected, which that row launched)."""
+    rows = [dict(r) for r in rows]
+    for prev, row in zip(rows, rows[1:]):
+        if "prev_gpu_ms" in row:
+            prev["gpu_ms"], prev["idle_ms"] = row.pop("prev_gpu_ms"), row.pop("prev_idle_ms")
+    return rows
+
+
+def after_idle(rows: list[dict], ms: float) -> list[dict]:
+    """The rows from the last one that had been idle for more than ms on the device (all if none);
+    that wait, before the window, does not count."""
+    starts = [i for i, r in enumerate(rows) if r.get("idle_ms", 0.0) > ms]
+    if not starts:
+        return rows
+    return [{**rows[starts[-1]], "idle_ms": 0.0}] + rows[starts[-1] + 1:]
+
+
+def _stats(vals: list[float]) -> dict:
+    return {"mean": statistics.fmean(vals), "median": statistics.median(vals), "sum": sum(vals)}
+
+
+def _fit(rs: list[dict]) -> dict | None:
+    """gpu_ms = fixed + per_token * prompt tokens (the step's tokens beyond its decodes)."""
+    rs = [r for r in rs if "gpu_ms" in r]
+    tokens = [r["tokens"] - r["decodes"] for r in rs]
+    if len(rs) < 3 or len(set(tokens)) < 2:
+        return None
+    slope, intercept = statistics.linear_regression(tokens, [r["gpu_ms"] for r in rs])
+    return {"fixed_ms": intercept, "us_per_prompt_token": slope * 1e3}
+
+
+def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
+    rows = _device_times(rows)
+    if after_idle_ms is not None:
+        rows = after_idle(rows, after_idle_ms)
+    out: dict = {"steps": len(rows), "held_steps": sum(r.get("held", 0) for r in rows)}
+    if len(rows) > 1:
+        out["wall_ms"] = rows[-1]["t_end"] - rows[0]["t0"]
+    if any("gpu_ms" in r for r in rows):
+        out["gpu_ms"] = sum(r.get("gpu_ms", 0.0) for r in rows)
+        out["idle_ms"] = sum(r.get("idle_ms", 0.0) for r in rows)
+    for k in ("decode", "mixed", "prefill", "drain"):
+        rs = [r for r in rows if kind(r) == k]
+        if not rs:
+            continue
+        s: dict = {"steps": len(rs), "tokens": sum(r.get("tokens", 0) for r in rs)}
+        model_steps = sum(r.get("steps", 1) for r in rs if "seqs" in r)
+        if model_steps != len(rs) and k == "decode":  # multi-step batches: a row runs r["steps"] steps
+            s["model_steps"] = model_steps
+            per = [r["gpu_ms"] / r.get("steps", 1) for r in rs if "gpu_ms" in r]
+            if per:
+                s["gpu_ms_per_model_step"] = _stats(per)
+        # a step's interval: from its start to the next step's start
+        for name, a, b in PHASES:
+            vals = [r[b] - r[a] for r in rs if a in r and b in r]
+            if vals:
+                s[name + "_ms"] = _stats(vals)
+        for name in ("gpu", "idle"):
+            vals = [r[name + "_ms"] for r in rs if name + "_ms" in r]
+            if vals:
+                s[name + "_ms"] = _stats(vals)
+        fit = _fit(rs) if k in ("mixed", "prefill") else None
+        if fit is not None:
+            s["gpu_fit"] = fit
+        out[k] = s
+    nxt = {id(r): n for r, n in zip(rows, rows[1:])}
+    for k in ("decode", "mixed", "prefill"):
+        iv = [nxt[id(r)]["t0"] - r["t0"] for r in rows if kind(r) == k and id(r) in nxt]
+        if iv and k in out:
+            out[k]["interval_ms"] = _stats(iv)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--json", default=None)
+    p.add_argument("--after-idle", type=float, default=None, metavar="MS")
+    args = p.parse_args(argv)
+    rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+    res = summarize(rows, args.after_idle)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

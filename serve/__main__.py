@@ -1,0 +1,6 @@
+"""`python -m serve`: the same as the `serve` command."""
+import sys
+
+from serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,312 @@
+"""`serve kv-calc`: how many KV-cache blocks, tokens and sequences fit on a GPU (the arithmetic in
+kvcache/calc.py), and the two modes that run the engine: --measure (the engine's own sizing on the
+local GPU next to the prediction) and --accuracy (serve/kv_accuracy.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.presets import resolve_model
+from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
+                          DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
+                          estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
+                          resolve_model_dtype, table_kv_dtypes)
+from kvcache.gpus import PresetError, resolve_gpu_memory
+from kvcache.spec import default_block_size
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Values are read as strings and checked in run(), so every mistake gets one line and exit 2.
+    parser.add_argument("--model", help="model folder, config.json, or preset: Llama-3-8B, Llama-3-70B, "
+                        "Qwen2.5-0.5B, Qwen2.5-7B, Mistral-7B, Qwen3-8B")
+    parser.add_argument("--gpu-memory", help="memory of one GPU: a size (80GiB, 80GB) or a GPU name "
+                        "(H100, H200, A100-40GB, A100-80GB, L4, RTX4090, ...)")
+    parser.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
+                        default="0.9", help="fraction of GPU memory the engine may use (default 0.9)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | fp8 | int8")
+    parser.add_argument("--dtype", default="auto", help="weights: auto | bfloat16 | float16 | float32")
+    parser.add_argument("--block-size", default=None, help="tokens per KV block (default: 16; 32 for fp8/int8)")
+    parser.add_argument("--max-model-len", default=None,
+                        help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
+    parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
+    parser.add_argument("--max-num-batched-tokens", default=str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
+                        help="most tokens in one step: sizes the activation estimate (default %(default)s)")
+    parser.add_argument("--max-num-seqs", default=str(DEFAULT_MAX_NUM_SEQS),
+                        help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
+                        "--model: a folder with weights, default SmolLM2-135M-Instruct)")
+    parser.add_argument("--text", metavar="FILE", default=None,
+                        help="with --accuracy: the UTF-8 text to run (default: the shipped public-domain text)")
+    parser.add_argument("--measure", action="store_true",
+                        help="load the model on the local GPU and print the engine's measured sizing next to this one")
+
+
+@dataclass(frozen=True)
+class CalcRequest:
+    """The CLI's arguments, checked."""
+    model_name: str
+    model: ModelConfig
+    gpu_label: str
+    gpu_memory_bytes: int
+    memory_utilization: float
+    kv_cache_dtype: str
+    dtype: str
+    block_size: int | None  # None: each KV dtype's default (kvcache/spec.py)
+    max_model_len: int | None
+    tensor_parallel_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+def _parse_int(flag: str, value: Any) -> int:
+    text = str(value).strip().lower()
+    scale = 1024 if text.endswith("k") else 1
+    try:
+        number = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise KVCalcInputError(f"{flag} must be a whole number; got {value!r}") from None
+    if number < 1:
+        raise KVCalcInputError(f"{flag} must be >= 1; got {value!r}")
+    return number
+
+
+def _parse_fraction(flag: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise KVCalcInputError(f"{flag} must be a number in (0, 1], e.g. 0.9; got {value!r}") from None
+    if not 0.0 < number <= 1.0:
+        raise KVCalcInputError(f"{flag} must be in (0, 1], e.g. 0.9; got {value!r}")
+    return number
+
+
+def _check_engine_limits(req: CalcRequest) -> None:
+    """What `serve run` would refuse, the calculator refuses too, with the same words."""
+    dtype = resolve_model_dtype(req.dtype, req.model)
+    kv_dtype = resolve_kv_cache_dtype(req.kv_cache_dtype, dtype)
+    try:
+        EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, block_size=req.block_size,
+                     max_model_len=req.max_model_len, gpu_memory_utilization=req.memory_utilization,
+                     max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs)
+    except ValueError as e:
+        raise KVCalcInputError(str(e)) from None
+
+
+def read_request(args: argparse.Namespace) -> CalcRequest:
+    if not args.model:
+        raise KVCalcInputError("--model is required: a model folder, a config.json, or a preset such as Llama-3-8B")
+    if not args.gpu_memory:
+        raise KVCalcInputError("--gpu-memory is required: a size such as 80GiB or a GPU such as H100")
+    model = resolve_model(args.model)
+    gpu = resolve_gpu_memory(str(args.gpu_memory))
+    max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
+    req = CalcRequest(
+        model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
+        memory_utilization=_parse_fraction("--memory-utilization", args.memory_utilization),
+        kv_cache_dtype=str(args.kv_cache_dtype).lower(), dtype=str(args.dtype).lower(),
+        block_size=None if args.block_size in (None, "") else _parse_int("--block-size", args.block_size),
+        max_model_len=max_len,
+        tensor_parallel_size=_parse_int("--tensor-parallel-size", args.tensor_parallel_size),
+        max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
+        max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
+    )
+    _check_engine_limits(req)
+    return req
+
+
+def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
+    dtype = resolve_model_dtype(req.dtype, req.model)
+    max_len = req.max_model_len or req.model.max_context_len
+    block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
+    graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
+              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size)
+              + estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS))
+    return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
+                block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
+                max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
+                model_name=req.model_name)
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, at most two decimals: 131072 -> '128 KiB', 1081344 -> '1.03 MiB'."""
+    value, unit = float(n), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    if unit == "B":
+        return f"{n} B"
+    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
+def _table_rows(base: KVPlan, block_size: int | None) -> list[KVPlan]:
+    """The same budget in each KV dtype, at the given block size or else each dtype's default."""
+    return [base.with_kv_dtype(d, block_size or default_block_size(d)) for d in table_kv_dtypes(base)]
+
+
+def _line(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<30}{value:>14}" + (f"  {note}" if note else "")
+
+
+def format_text(req: CalcRequest, base: KVPlan) -> str:
+    tp = f", tensor parallel {base.tensor_parallel_size} (figures per GPU)" if base.tensor_parallel_size > 1 else ""
+    act = (f"estimate: {req.max_num_batched_tokens:,} batched tokens + CUDA runtime; --measure measures it"
+           if base.activation_estimated else "measured")
+    seq_len = f"{base.max_model_len:,}"
+    lines = [
+        f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
+        f" = {format_bytes(base.budget_bytes)}{tp}",
+        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
+        _line("activations", format_bytes(base.activation_bytes), act),
+        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode, piecewise and step graphs, reserved as the engine does"),
+        _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
+        _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
+        _line("KV bytes per block", f"{base.bytes_per_block:,}",
+              f"{format_bytes(base.bytes_per_block)}, {base.block_size} tokens"),
+        _line("blocks", f"{base.num_blocks:,}"),
+        _line("tokens that fit", f"{base.max_tokens:,}"),
+        _line(f"sequences of {seq_len} tokens", f"{base.max_concurrent_seqs:,}", "at once (--max-model-len)"),
+        "",
+        f"  {'KV dtype':<10}{'per token':>11}{'block':>7}{'per block':>11}{'blocks':>10}{'tokens':>12}"
+        f"{'seqs @ ' + seq_len:>16}{'vs ' + base.dtype:>14}",
+    ]
+    rows = _table_rows(base, req.block_size)
+    for row in rows:
+        mark = "*" if row.kv_dtype == base.kv_dtype else " "
+        lines.append(f"{mark} {row.kv_dtype:<10}{format_bytes(row.bytes_per_token):>11}{row.block_size:>7}"
+                     f"{format_bytes(row.bytes_per_block):>11}"
+                     f"{row.num_blocks:>10,}{row.max_tokens:>12,}{row.max_concurrent_seqs:>16,}"
+                     f"{row.max_tokens / rows[0].max_tokens:>13.2f}x")
+    lines.append("  block: tokens per KV block (each dtype's default unless --block-size is given); fp8 and int8 include")
+    lines.append("  one float32 scale per token and KV head, for K and for V; * = chosen")
+    return "\n".join(lines)
+
+
+def format_json(req: CalcRequest, base: KVPlan) -> str:
+    out = {"model": req.model_name, "gpu": req.gpu_label, **base.to_dict()}
+    out["table"] = [{"kv_cache_dtype": r.kv_dtype, "block_size": r.block_size, "bytes_per_token": r.bytes_per_token,
+                     "bytes_per_block": r.bytes_per_block, "num_blocks": r.num_blocks,
+                     "max_tokens": r.max_tokens, "max_concurrent_seqs": r.max_concurrent_seqs}
+                    for r in _table_rows(base, req.block_size)]
+    return json.dumps(out, indent=2)
+
+
+def _run_accuracy(args: argparse.Namespace) -> int:
+    """Run the model over a text with each KV dtype and print the accuracy table (serve/kv_accuracy.py)."""
+    from engine.default_model import DefaultModelError
+    from engine.loader import WeightLoadError
+    from serve.kv_accuracy import AccuracyInputError, format_json, format_table, run_accuracy
+
+    try:
+        report = run_accuracy(args.model or None, getattr(args, "text", None), show_progress=sys.stderr.isatty())
+    except (AccuracyInputError, ModelConfigError, WeightLoadError, DefaultModelError) as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
+    print(format_json(report) if args.json else format_table(report))
+    return 0
+
+
+def _run_measure(args: argparse.Namespace) -> int:
+    """Load the model (dummy weights) on the local GPU with the engine's own sizing, and print what
+    it measured and allocated next to this calculator's prediction for the same GPU."""
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("serve kv-calc: --measure needs a CUDA GPU on this machine", file=sys.stderr)
+        return 2
+    total = torch.cuda.mem_get_info()[1]
+    if not args.gpu_memory:
+        args.gpu_memory = f"{total}B"
+    planned = _plan_or_exit_code(args)
+    if isinstance(planned, int):
+        return planned
+    req, predicted = planned
+    from serve.build import build_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(req.model.raw or {}))
+        cfg = EngineConfig(model=tmp, load_format="dummy", dtype=req.dtype, kv_cache_dtype=req.kv_cache_dtype,
+                           block_size=req.block_size, max_model_len=req.max_model_len,
+                           max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
+                           gpu_memory_utilization=req.memory_utilization)
+        runner = build_engine(cfg, show_progress=False).runner
+    graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
+    if runner.piecewise is not None:
+        graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
+    if runner.steps is not None:
+        graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
+    measured = plan_request(req, activation_bytes=runner.activation_bytes)
+    result = {
+        "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,
+        "predicted_num_blocks": predicted.num_blocks, "allocated_num_blocks": runner.num_blocks,
+        "prediction_error": predicted.num_blocks / runner.num_blocks - 1,
+        "predicted_activation_bytes": predicted.activation_bytes, "measured_activation_bytes": runner.activation_bytes,
+        "weight_bytes_predicted": predicted.weight_bytes, "weight_bytes_measured": runner.weight_bytes,
+        "graph_bytes_reserved": predicted.graph_bytes, "graph_pool_bytes_captured": graph_pool,
+        "num_blocks_with_measured_activations": measured.num_blocks,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [("weights", predicted.weight_bytes, runner.weight_bytes),
+            ("activations (profile peak)", predicted.activation_bytes, runner.activation_bytes),
+            ("CUDA graphs (reserved / captured)", predicted.graph_bytes, graph_pool)]
+    print(f"{req.model_name} on {result['gpu']} ({format_bytes(total)}), utilization {req.memory_utilization:.2f}")
+    print(f"  {'':<34}{'predicted':>14}{'measured':>14}")
+    for label, p, m in rows:
+        print(f"  {label:<34}{format_bytes(p):>14}{format_bytes(m):>14}")
+    print(f"  {'KV blocks':<34}{predicted.num_blocks:>14,}{runner.num_blocks:>14,}"
+          f"  ({result['prediction_error']:+.2%})")
+    return 0
+
+
+def _plan_or_exit_code(args: argparse.Namespace) -> tuple[CalcRequest, KVPlan] | int:
+    """The request and its plan, or the exit code after one line on stderr: 1 when the model
+    doesn't fit, 2 for bad input."""
+    try:
+        req = read_request(args)
+        return req, plan_request(req)
+    except DoesNotFitError as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 1
+    except (KVCalcInputError, PresetError, ModelConfigError) as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: printed; 1: the model doesn't fit (message on stderr); 2: bad input (message on stderr)."""
+    if getattr(args, "accuracy", False):
+        return _run_accuracy(args)
+    if getattr(args, "measure", False):
+        return _run_measure(args)
+    planned = _plan_or_exit_code(args)
+    if isinstance(planned, int):
+        return planned
+    req, base = planned
+    if args.json:
+        print(format_json(req, base))
+    else:
+        print(format_text(req, base))
+        for warning in base.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="serve kv-calc", description="How many KV-cache blocks, tokens and "
+                                     "sequences fit on a GPU.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
