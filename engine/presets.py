@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig, ModelConfigError
-from kvcache.gpus import PresetError, preset_key
+from kvcache.gpus import PresetError, find_preset
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
 )
 
 def find_model_preset(name: str) -> ModelPreset | None:
-    key = preset_key(name)
-    for preset in MODEL_PRESETS:
-        if key in {preset_key(n) for n in (preset.name, *preset.aliases)}:
-            return preset
-    return None
+    return find_preset(MODEL_PRESETS, name)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,22 @@ overstates CUDA's figure by a few hundred MiB (under 1% of the cache); pass a si
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+
+
+P = TypeVar("P", bound=Named)
 
 
 class PresetError(ValueError):
@@ -53,12 +65,14 @@ def preset_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def find_gpu_preset(name: str) -> GPUPreset | None:
+def find_preset(presets: Iterable[P], name: str) -> P | None:
+    """The preset whose name or alias is `name`, however spelled (preset_key)."""
     key = preset_key(name)
-    for preset in GPU_PRESETS:
-        if key in {preset_key(n) for n in (preset.name, *preset.aliases)}:
-            return preset
-    return None
+    return next((p for p in presets if key in {preset_key(n) for n in (p.name, *p.aliases)}), None)
+
+
+def find_gpu_preset(name: str) -> GPUPreset | None:
+    return find_preset(GPU_PRESETS, name)
 
 
 _UNITS = {
