@@ -1,9 +1,9 @@
 """How long a step takes on this GPU, measured at start-up, and how many prompt tokens a step may
 carry beside its decodes without stalling them (stall-free batching).
 
-A step's matmuls read every weight once, whatever the step carries: up to the ridge point a step
-of N rows (decode rows + prompt tokens) costs about what a step of one row costs, beyond it the
-time grows with N. `forward_ms` holds the device time of a forward of N rows, measured at a few N
+A step's matmuls read every weight once, whatever the step carries: at the roofline a step of N
+rows (decode rows + prompt tokens) costs what a step of one row costs up to the ridge point, and
+grows with N beyond it (the measured curve is steeper: bench/NOTES.md, 2026-11-25/26). `forward_ms` holds the device time of a forward of N rows, measured at a few N
 (prompt chunks of at most CHUNK tokens, so that attention stays a small part); decode attention
 adds the read of every context token's K and V, at the measured copy bandwidth. The scheduler asks
 `prompt_budget(decodes, context_tokens)`: the most prompt tokens that keep the step within the
