@@ -10,11 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
 from serve.build import load_tokenizer, resolve_model_path
-from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

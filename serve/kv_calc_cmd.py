@@ -19,6 +19,7 @@ from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, 
 from kvcache.gpus import PresetError, resolve_gpu_memory
 from kvcache.spec import default_block_size
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Values are read as strings and checked in run(), so every mistake gets one line and exit 2.
     parser.add_argument("--model", help="model folder, config.json, or preset: Llama-3-8B, Llama-3-70B, "

@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
+from engine.config import EngineConfig
 from scheduler.request import SamplingParams, TokenLogprob
 from serve.build import build_engine
-from engine.config import EngineConfig
 
 
 @dataclass

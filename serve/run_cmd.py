@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from serve.cli_args import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
+from serve.cli_args import add_engine_arguments, engine_config_from_args
 from serve.server_config import ServerConfig
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"

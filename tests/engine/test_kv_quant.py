@@ -231,8 +231,8 @@ def test_smollm2_quantized_kv_stays_close_to_bf16():
     from engine.config import ModelConfig
     from engine.default_model import default_model_path
     from engine.runner import ModelRunner
-    from serve.kv_accuracy import DEFAULT_TEXT, measure
     from serve.build import load_tokenizer
+    from serve.kv_accuracy import DEFAULT_TEXT, measure
 
     path = default_model_path(quiet=True)
     cfg = EngineConfig(dtype="float32", device="cpu", kv_cache_dtype="float32", num_kv_blocks=1)

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from engine.config import ModelConfig, ModelConfigError
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from serve import LLM, SamplingParams
-from engine.config import EngineConfig
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

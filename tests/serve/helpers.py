@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import httpx
 import uvicorn
 
+from engine.config import EngineConfig
 from scheduler.core import EngineCore
 from serve.api import ServerState, create_app
 from serve.build import Engine, build_engine
-from engine.config import EngineConfig
 from serve.engine_process import ProcessEngine, start_engine_process
 from serve.server_config import ServerConfig
 from serve.uvicorn_server import DrainingServer
