@@ -3,18 +3,24 @@ carry beside its decodes without stalling them (stall-free batching).
 
 A step's matmuls read every weight once, whatever the step carries: at the roofline a step of N
 rows (decode rows + prompt tokens) costs what a step of one row costs up to the ridge point, and
-grows with N beyond it (the measured curve is steeper: bench/NOTES.md, 2026-11-25/26). `forward_ms` holds the device time of a forward of N rows, measured at a few N
-(prompt chunks of at most CHUNK tokens, so that attention stays a small part); decode attention
-adds the read of every context token's K and V, at the measured copy bandwidth. The scheduler asks
-`prompt_budget(decodes, context_tokens)`: the most prompt tokens that keep the step within the
-latency target, which is the user's max_step_ms, or else a forward of STALL_FACTOR times the
-decodes' own (their attention comes on top either way). With no decode running the budget is the
-whole step (a lone prompt runs at full speed: nothing streams that it could stall).
+grows with N beyond it. The measured curve is steeper and not even monotonic: cuBLAS picks its
+kernel by shape, and on an H100 a Llama-3-8B forward of 832 rows took 21.0 ms where 1,024 took 19.0
+(bench/NOTES.md, 2026-11-26). Steps with prompt tokens replay CUDA graphs captured at a few token
+counts (buckets) and pay for the whole bucket, so `forward_ms` holds the device time of a forward at
+each bucket (prompt chunks of at most CHUNK tokens, so that attention stays a small part), and a
+bucket that a larger one beats is dropped: a step pads past it to the cheaper one. Decode attention
+adds the read of every context token's K and V, at the measured copy bandwidth.
+
+The scheduler asks `prompt_budget(decodes, context_tokens)`: the prompt tokens that fill the largest
+bucket within the latency target, which is the user's max_step_ms, or else a forward of
+STALL_FACTOR times the decodes' own (their attention comes on top either way). With no decode
+running the budget is the whole step (a lone prompt runs at full speed: nothing streams that it
+could stall).
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # a mixed step's forward may take this many times its decodes' own (unless max_step_ms says): with
 # the matmuls measured on H100/H200 (2026-11-25) larger prompt chunks cost less per token, smaller
@@ -30,30 +36,45 @@ HOST_STEP_MS = 1.0
 
 @dataclass(frozen=True)
 class StepCostModel:
-    rows: tuple[int, ...]  # forward sizes measured, ascending
-    forward_ms: tuple[float, ...]  # device time of each, non-decreasing
+    rows: tuple[int, ...]  # forward sizes measured (the buckets steps run at), ascending
+    forward_ms: tuple[float, ...]  # device time of each
     kv_ms_per_token: float  # reading one context token's K and V in every layer
     max_tokens: int  # the most tokens a step may carry (max_num_batched_tokens)
     max_step_ms: float | None = None  # the user's target; None: stall_factor x the decodes' own forward
     stall_factor: float = STALL_FACTOR
+    buckets: tuple[int, ...] = field(init=False)  # the sizes no larger one beats, ascending
+    bucket_ms: tuple[float, ...] = field(init=False)  # their times, strictly increasing
 
     def __post_init__(self) -> None:
         if len(self.rows) < 2 or len(self.rows) != len(self.forward_ms) or list(self.rows) != sorted(set(self.rows)):
             raise ValueError("the cost model needs two or more forward sizes, ascending")
-        # a measurement a little below its smaller neighbour is noise: the time never falls with more rows
-        ms = list(self.forward_ms)
-        for i in range(1, len(ms)):
-            ms[i] = max(ms[i], ms[i - 1])
-        object.__setattr__(self, "forward_ms", tuple(ms))
+        kept: list[tuple[int, float]] = []
+        for r, ms in zip(reversed(self.rows), reversed(self.forward_ms)):
+            if not kept or ms < kept[-1][1]:
+                kept.append((r, ms))
+        kept.reverse()
+        object.__setattr__(self, "buckets", tuple(r for r, _ in kept))
+        object.__setattr__(self, "bucket_ms", tuple(ms for _, ms in kept))
+
+    @property
+    def dominated(self) -> frozenset[int]:
+        """Measured sizes that a larger one beats: graphs need not be captured there."""
+        return frozenset(self.rows) - frozenset(self.buckets)
+
+    def _slope(self) -> float:
+        """ms per row beyond the largest bucket: the last two buckets' (the steepest part)."""
+        if len(self.buckets) < 2:
+            return self.bucket_ms[-1] / self.buckets[-1]
+        return (self.bucket_ms[-1] - self.bucket_ms[-2]) / (self.buckets[-1] - self.buckets[-2])
 
     def forward(self, rows: int) -> float:
-        """ms of a forward of `rows` rows: linear between the measured sizes and beyond the last."""
-        r, ms = self.rows, self.forward_ms
-        if rows <= r[0]:
-            return ms[0]
-        i = min(bisect.bisect_left(r, rows), len(r) - 1)
-        slope = (ms[i] - ms[i - 1]) / (r[i] - r[i - 1])
-        return ms[i - 1] + slope * (rows - r[i - 1])
+        """ms of a forward of `rows` rows: the smallest bucket that holds them; beyond the largest,
+        its time plus the last slope."""
+        b = self.buckets
+        i = bisect.bisect_left(b, rows)
+        if i < len(b):
+            return self.bucket_ms[i]
+        return self.bucket_ms[-1] + self._slope() * (rows - b[-1])
 
     def step_ms(self, decodes: int, context_tokens: int, prompt_tokens: int) -> float:
         """A step of `decodes` decode rows attending over `context_tokens` positions in all, and
@@ -67,7 +88,8 @@ class StepCostModel:
         return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
 
     def prompt_budget(self, decodes: int, context_tokens: int) -> int:
-        """The most prompt tokens a step of these decodes may carry."""
+        """The most prompt tokens a step of these decodes may carry: up to the largest bucket within
+        the target, so that no row of it is padding."""
         room = max(self.max_tokens - decodes, 0)
         if decodes == 0:
             return room
@@ -75,17 +97,16 @@ class StepCostModel:
         return min(room, max(MIN_PROMPT_TOKENS, rows - decodes))
 
     def rows_within(self, ms: float) -> int:
-        """The most rows whose forward takes at most `ms` (the inverse of forward())."""
-        r, f = self.rows, self.forward_ms
-        if ms < f[0]:
+        """The largest bucket whose forward takes at most `ms` (0 if none); beyond the largest
+        bucket, the rows its slope allows."""
+        i = bisect.bisect_right(self.bucket_ms, ms)
+        if i == 0:
             return 0
-        i = bisect.bisect_right(f, ms)  # f[i - 1] <= ms < f[i]
-        if i == len(f):  # beyond the last measurement: extrapolate its slope
-            i -= 1
-        span = f[i] - f[i - 1]
-        if span <= 0:
-            return r[i]
-        return int(r[i - 1] + (ms - f[i - 1]) / span * (r[i] - r[i - 1]))
+        if i == len(self.buckets):
+            slope = self._slope()
+            extra = (ms - self.bucket_ms[-1]) / slope if slope > 0 else 0.0
+            return self.buckets[-1] + int(extra)
+        return self.buckets[i - 1]
 
     def largest_mixed_step(self, max_num_seqs: int) -> int:
         """Tokens of the largest step with decodes that the budget allows (the budget is largest

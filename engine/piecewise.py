@@ -31,12 +31,12 @@ from kvcache.pool import LayerCache
 log = logging.getLogger("pagedserve")
 
 
-def piecewise_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: 16 .. 512 (powers of two, then 384), every 256 above, and max_tokens.
-    Above 512 tokens a step is compute bound, so the padding (< 256 rows) costs < 1/3 there and
-    < 1/16 from 4096 up."""
+def piecewise_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[int]:
+    """Token counts to capture: 16 .. 512 (powers of two, then 384), every 256 above, and max_tokens,
+    less those in skip (sizes a larger one computes faster: engine/cost_model.py). Above 512 tokens
+    a step is compute bound, so the padding (< 256 rows) costs < 1/3 there and < 1/16 from 4096 up."""
     sizes = [16, 32, 64, 128, 256, 384, 512] + list(range(768, max_tokens + 1, 256))
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+    return sorted({s for s in sizes if s < max_tokens and s not in skip} | {max_tokens})
 
 
 @dataclass
@@ -62,9 +62,9 @@ class StaticBuffers:
 
 class PiecewiseGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, skip: frozenset[int] = frozenset()) -> None:
         self.model, self.ops, self.caches = model, ops, caches
-        self.buckets = piecewise_buckets(max_tokens)
+        self.buckets = piecewise_buckets(max_tokens, skip)
         self.max_tokens = self.buckets[-1]
         self.dtype = model.embed_tokens.weight.dtype
         self.buf = StaticBuffers.allocate(model, self.max_tokens, self.dtype, device)

@@ -22,7 +22,7 @@ from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
-from engine.step_graph import StepGraphs
+from engine.step_graph import StepGraphs, step_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
@@ -69,12 +69,12 @@ def _device_ms(fn: Callable[[], object], repeats: int = 3) -> float:
         return start.elapsed_time(end), queued_ms
 
     fn()
-    sleep = 1 << 24
-    for _ in range(2):
-        if once(sleep)[1] < 0.8 * SLEEP_MS_PER_UNIT * sleep:
-            break
-        sleep <<= 4  # the GPU may have caught up with the host: a longer head start
-    else:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3  # queueing fn (or running it, if it waits for the device)
+    sleep = int((1.5 * host_ms + 1.0) / SLEEP_MS_PER_UNIT)  # a head start the host won't use up
+    if once(sleep)[1] >= 0.8 * SLEEP_MS_PER_UNIT * sleep:
         sleep = 0
     return float(np.median([once(sleep)[0] for _ in range(repeats)]))
 
@@ -219,12 +219,13 @@ class ModelRunner:
             phase("decode graphs")
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
-                                                 self.device)
+                                                 self.device, self._slow_buckets())
                 self.piecewise.capture()
                 phase("piecewise graphs")
                 if cfg.step_graph_max_tokens and self.ops.work_lists:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
-                                            self.max_blocks_per_seq, self.step_max_tokens, self.device)
+                                            self.max_blocks_per_seq, self.step_max_tokens, self.device,
+                                            self._slow_buckets())
                     self.steps.capture(self.piecewise.pool)
                     phase("step graphs")
         self.host_slots: HostSlots | None = None
@@ -237,6 +238,10 @@ class ModelRunner:
             self.uploads = UploadRing(8 * (3 * tokens + 3 * seqs) + 4 * (3 * seqs + 2 + seqs * self.max_blocks_per_seq))
             self.warmup()
             phase("warm-up")
+
+    def _slow_buckets(self) -> frozenset[int]:
+        """Token counts not worth a graph: a larger count's forward measured faster."""
+        return self.cost_model.dominated if self.cost_model is not None else frozenset()
 
     def _auto_num_blocks(self) -> int:
         if self.device.type != "cuda":
@@ -297,10 +302,11 @@ class ModelRunner:
         """The device time of forwards of a few sizes (prompt chunks of CHUNK tokens, writing no KV)
         and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: fn ->
         ms (default: the device timer, _device_ms)."""
-        timer = timer or _device_ms
+        # five repeats: one slow outlier must not make a bucket look beaten (engine/cost_model.py)
+        timer = timer or (lambda fn: _device_ms(fn, repeats=5))
         top = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         top = min(top, COST_MAX_ROWS)  # a mixed step stays below it; beyond, the model extrapolates
-        sizes = sorted({n for n in (16, 64, 128, 256, 512, 1024) if n < top} | {top})
+        sizes = step_buckets(top)  # the token counts the graphs capture: what a step pays
         if len(sizes) < 2:
             sizes = [1, max(2, top)]
         pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
@@ -315,8 +321,10 @@ class ModelRunner:
         model = StepCostModel(tuple(sizes), tuple(forward_ms), self.kv_spec.bytes_per_token / bandwidth * 1e3,
                               self.cfg.max_num_batched_tokens, self.cfg.max_step_ms)
         d = min(64, self.cfg.max_num_seqs)
-        log.info("step cost model: a forward of %s rows %s ms, copy %.2f TB/s; %d decodes take up to %d prompt "
+        slow = sorted(model.dominated)
+        log.info("step cost model: a forward of %s rows %s ms%s, copy %.2f TB/s; %d decodes take up to %d prompt "
                  "tokens beside them", "/".join(map(str, sizes)), "/".join(f"{t:.2f}" for t in model.forward_ms),
+                 f" ({'/'.join(map(str, slow))} rows pad to a faster size)" if slow else "",
                  bandwidth / 1e12, d, model.prompt_budget(d, d * 512))
         return model
 

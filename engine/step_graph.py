@@ -41,22 +41,23 @@ log = logging.getLogger("pagedserve")
 MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
 
 
-def step_buckets(max_tokens: int) -> list[int]:
+def step_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[int]:
     """Token counts to capture: the piecewise graphs', plus every 64 from 512 to 1024 and every 128
-    above (padding < 1/8 of a step from 512 tokens up)."""
+    above (padding < 1/8 of a step from 512 tokens up), less those in skip."""
     finer = list(range(512, 1024, 64)) + list(range(1024, max_tokens, 128))
-    return sorted(set(piecewise_buckets(max_tokens)) | {s for s in finer if s < max_tokens})
+    return sorted(set(piecewise_buckets(max_tokens, skip)) | {s for s in finer if s < max_tokens and s not in skip})
 
 
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device,
+                 skip: frozenset[int] = frozenset()) -> None:
         self.model, self.ops, self.caches, self.pw = model, ops, caches, piecewise
         # Triton: only where graphs are captured
         from kernels.launch import next_pow2
         from kernels.prefill_attention import prefill_plan, work_list
 
-        self.token_buckets = step_buckets(min(max_tokens, piecewise.max_tokens))
+        self.token_buckets = step_buckets(min(max_tokens, piecewise.max_tokens), skip)
         self.max_tokens = self.token_buckets[-1]
         top = next_pow2(max_num_seqs)
         self.decode_rows = [1 << i for i in range(top.bit_length())]  # R: 1, 2, 4, .. top

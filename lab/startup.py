@@ -64,12 +64,32 @@ def time_start(model: str, triton_cache: Path, server_args: list[str], timeout_s
             "exit_code": proc.returncode, "log_tail": text[-1500:] if ready is None else ""}
 
 
+def compiled_kernels(cache: Path) -> dict:
+    """What a cold start compiled: per kernel name, the variants and the seconds between the first
+    and the last of their cache entries' writes (compiles run one after another)."""
+    entries = []
+    for meta in cache.glob("*/*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        entries.append((meta.stat().st_mtime, meta.stem))
+    entries.sort()
+    kernels: dict[str, dict] = {}
+    for i, (t, name) in enumerate(entries):
+        k = kernels.setdefault(name, {"variants": 0, "seconds": 0.0})
+        k["variants"] += 1
+        if i:  # the time since the previous write: this compile's duration, when compiles ran back to back
+            k["seconds"] += min(t - entries[i - 1][0], 30.0)
+    return {"total": len(entries), "span_s": entries[-1][0] - entries[0][0] if entries else 0.0,
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["seconds"]))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m lab.startup")
     p.add_argument("--model", action="append", required=True, help="a preset or config folder (dummy weights)")
     p.add_argument("--server-args", default="", help="extra `serve run` flags")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--out", default=None)
+    p.add_argument("--cold-only", action="store_true", help="skip the warm start")
     args = p.parse_args()
     import torch
 
@@ -78,9 +98,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.model:
             cache = Path(tmp) / model  # empty: cold; the second start finds what the first compiled
-            for kind in ("cold", "warm"):
+            for kind in ("cold",) if args.cold_only else ("cold", "warm"):
                 r = time_start(model, cache, shlex.split(args.server_args), args.timeout)
                 r.update(model=model, cache=kind)
+                if kind == "cold":
+                    r["compiled"] = compiled_kernels(cache)
                 runs.append(r)
                 print(f"{model} {kind}: ready in {r['ready_s']} s; engine {r['engine_s']} s {r['phases_s']}",
                       flush=True)

@@ -7,8 +7,10 @@ process`, serve.engine_process.ProcessEngine (its core runs in a child process).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,9 @@ class ServerState:
     strings: TokenStrings
     model_name: str
     started: float
+    # Tokenizing a text prompt (~1 ms for 512 tokens) would stall every stream on the event loop;
+    # one thread runs it beside the loop (the Rust tokenizer releases the GIL) and never two at once
+    tokenize: ThreadPoolExecutor
 
 
 def create_app(engine: "Engine | ProcessEngine", config: ServerConfig | None = None) -> FastAPI:
@@ -58,7 +63,8 @@ def create_app(engine: "Engine | ProcessEngine", config: ServerConfig | None = N
     name = config.served_model_name or engine.model_name
     state = ServerState(engine, loop, Metrics(name, loop), config,
                         RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config),
-                        TokenStrings(engine.tokenizer), name, time.time())
+                        TokenStrings(engine.tokenizer), name, time.time(),
+                        ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +74,7 @@ def create_app(engine: "Engine | ProcessEngine", config: ServerConfig | None = N
         finally:
             await loop.drain(config.shutdown_timeout_s)
             await loop.stop()
+            state.tokenize.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
@@ -85,13 +92,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(st, body.model)
-        plan = st.planner.completion(body)
+        text = isinstance(body.prompt, str) or bool(body.prompt) and isinstance(body.prompt[0], str)
+        plan = await _off_loop(st, st.planner.completion, body) if text else st.planner.completion(body)
         return await _serve(st, request, plan, CompletionFormat(plan, st.model_name, st.strings, st.engine.tokenizer))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(st, body.model)
-        plan = st.planner.chat(body)
+        plan = await _off_loop(st, st.planner.chat, body)
         return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
@@ -109,6 +117,11 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _off_loop(st: ServerState, plan: Any, body: Any) -> Plan:
+    """plan(body) on the tokenizing thread: the loop streams other requests meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(st.tokenize, plan, body)
 
 
 def _check_model(st: ServerState, model: str | None) -> None:

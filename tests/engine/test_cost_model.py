@@ -1,4 +1,4 @@
-"""The step cost model (engine/cost_model.py): interpolation, the prompt budget, multi-step choice."""
+"""The step cost model (engine/cost_model.py): buckets, the prompt budget, multi-step choice."""
 from __future__ import annotations
 
 import pytest
@@ -14,16 +14,20 @@ def model(**kw) -> StepCostModel:
     return StepCostModel(ROWS, MS, kv_ms_per_token=0.0001, max_tokens=8192, **kw)
 
 
-def test_forward_interpolates_and_extrapolates():
+def test_a_step_pays_its_bucket_and_beyond_the_last_slope():
     m = model()
-    assert m.forward(1) == 5.0 and m.forward(64) == 5.0
-    assert m.forward(384) == pytest.approx((5.3 + 10.5) / 2)
+    assert m.forward(1) == 5.0 and m.forward(64) == 5.0 and m.forward(65) == 5.1
+    assert m.forward(300) == 10.5  # padded to 512 rows
     assert m.forward(4096) == pytest.approx(41.0 + (41.0 - 20.6) / 1024 * 2048)
 
 
-def test_noise_never_makes_more_rows_cheaper():
-    m = StepCostModel((16, 64, 128), (5.0, 4.8, 5.2), 0.0, 1024)
-    assert m.forward_ms == (5.0, 5.0, 5.2)
+def test_a_bucket_that_a_larger_one_beats_is_dropped():
+    # measured on an H100 (Llama-3-8B): 832 rows took longer than 1,024
+    m = StepCostModel((512, 768, 832, 896, 1024), (10.9, 16.1, 21.0, 20.1, 19.0), 0.0, 4096)
+    assert m.buckets == (512, 768, 1024) and m.dominated == frozenset({832, 896})
+    assert m.forward(800) == 19.0  # pads to 1,024, the faster
+    assert m.rows_within(19.0) == 1024 and m.rows_within(18.0) == 768 and m.rows_within(10.0) == 0
+    assert m.rows_within(20.5) > 1024  # past the last bucket: its slope
     with pytest.raises(ValueError):
         StepCostModel((64, 16), (1.0, 2.0), 0.0, 1024)
 
@@ -33,8 +37,8 @@ def test_budget_keeps_the_forward_within_the_stall_factor():
     decodes, context = 64, 64 * 512
     budget = m.prompt_budget(decodes, context)
     assert m.forward(decodes + budget) <= STALL_FACTOR * m.forward(decodes) + 1e-9
-    assert m.forward(decodes + budget + 8) > STALL_FACTOR * m.forward(decodes)
-    assert 256 < decodes + budget < 1024  # past the ridge: the flat part is free, the rest costs
+    assert m.forward(decodes + budget + 1) > STALL_FACTOR * m.forward(decodes)
+    assert decodes + budget == 512  # a whole bucket: no row of the step is padding
     assert m.prompt_budget(decodes, 0) == budget  # the decodes' attention comes on top, whatever it is
 
 
@@ -77,7 +81,7 @@ def test_the_runner_measures_every_size_and_builds_a_model(tiny_models):
         return 1.0 + 0.01 * len(calls)
 
     m = runner.measure_step_costs(timer)
-    assert m.rows == (16, 64, 128, 256, 300) and m.max_tokens == 300
+    assert m.rows == (16, 32, 64, 128, 256, 300) and m.max_tokens == 300
     logits = calls[-2]  # the 300-token forward: one logit row per chunk of 256
     assert isinstance(logits, torch.Tensor) and logits.shape[0] == 2
     assert m.kv_ms_per_token > 0 and m.prompt_budget(4, 64) >= MIN_PROMPT_TOKENS

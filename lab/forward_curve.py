@@ -1,0 +1,96 @@
+"""The forward's device time against its rows, finely, and each projection's matmul against its own
+roofline: where a mixed step (64 to ~1,000 rows) loses the overlap of compute and weight reads.
+
+    python -m lab.forward_curve --model .models/llama3-8b --out curve.json [--triton]
+
+Forwards run eagerly as the start-up cost model runs them (prompt chunks of 256, writing no KV), at
+16, 32 and every 64 rows to 1,024. Each projection (qkv, o, gate_up, down) is timed alone with
+cuBLAS (and with --triton, lab/tma_gemm.py's persistent TMA kernel at a few tile shapes, the best
+kept) against max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.forward_curve")
+    p.add_argument("--model", required=True, help="a model folder (dummy weights)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--triton", action="store_true", help="also lab/tma_gemm.py's persistent kernel")
+    p.add_argument("--rows", default="16,32," + ",".join(str(m) for m in range(64, 1025, 64)))
+    args = p.parse_args(argv)
+
+    import torch
+    import triton.testing
+    from torch.nn import functional as F
+
+    from engine.config import EngineConfig, ModelConfig
+    from engine.runner import ModelRunner, _device_ms
+    from kvcache.pool import KVPool
+
+    path = Path(args.model)
+    model_cfg = ModelConfig.from_path(path)
+    cfg = EngineConfig(model=str(path), load_format="dummy", enforce_eager=True, num_kv_blocks=64)
+    runner = ModelRunner(model_cfg, path, cfg, 2048, show_progress=False)
+    rows = [int(r) for r in args.rows.split(",")]
+    pool = KVPool(runner.kv_spec, 1, runner.device, runner.dtype)
+    forward = {n: _device_ms(runner._forward_fn(n, pool), repeats=5) for n in rows}
+    del pool
+
+    n = 1 << 28
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    bandwidth = 2 * n / (triton.testing.do_bench(lambda: b.copy_(a), rep=200) / 1e3)
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    rate = 2 * 8192 ** 3 / (triton.testing.do_bench(lambda: x @ y, rep=300) / 1e3)
+    del x, y
+
+    layer = runner.model.layers[0]
+    weights = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
+               "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight}
+    tma = None
+    if args.triton:
+        from lab import tma_gemm
+        tma = tma_gemm
+    gemms = []
+    for name, w in weights.items():
+        N, K = w.shape
+        for m in rows:
+            xm = torch.randn(m, K, dtype=w.dtype, device="cuda")
+            bound_ms = max(2 * m * N * K / rate, 2 * (N * K + m * K + m * N) / bandwidth) * 1e3
+            row = {"proj": name, "M": m, "N": N, "K": K, "bound_ms": bound_ms,
+                   "cublas_ms": triton.testing.do_bench(lambda: F.linear(xm, w), rep=60)}
+            if tma is not None and m >= 64:
+                ref = F.linear(xm, w)
+                best = None
+                for tiles in tma.CANDIDATES:
+                    try:
+                        out = tma.matmul(xm, w, tiles)
+                        torch.testing.assert_close(out, ref, atol=0.05, rtol=0.02)
+                        ms = triton.testing.do_bench(lambda: tma.matmul(xm, w, tiles), rep=60)
+                    except Exception as e:  # a tile shape that does not fit this GPU's shared memory
+                        row.setdefault("tma_errors", []).append(f"{tiles}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, tiles)
+                if best is not None:
+                    row["tma_ms"], row["tma_tiles"] = best[0], list(best[1])
+            row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
+            gemms.append(row)
+            print(json.dumps(row), flush=True)
+
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).date().isoformat(),
+              "model": path.name, "copy_bandwidth": bandwidth, "matmul_rate": rate,
+              "forward_ms": forward, "gemms": gemms}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("forward ms:", {k: round(v, 2) for k, v in forward.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
