@@ -114,6 +114,24 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ValueError unless `size` ranks can split this model: the attention heads and the MLP
+        width evenly, the KV heads evenly or (fewer KV heads than ranks) each replicated on
+        size / num_kv_heads ranks, as kvcache/spec.py sizes them. The vocabulary may not divide
+        (the last rank's rows are padded)."""
+        if size == 1:
+            return
+        fits = [n for n in range(1, self.num_heads + 1) if self.num_heads % n == 0 and self.intermediate_size % n == 0
+                and (self.num_kv_heads % n == 0 or n % self.num_kv_heads == 0)]
+        hint = f"; sizes that fit this model: {', '.join(map(str, fits))}"
+        if self.num_heads % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {self.num_heads} attention heads{hint}")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {self.num_kv_heads} KV heads or be a "
+                             f"multiple of them{hint}")
+        if self.intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's MLP width {self.intermediate_size}{hint}")
+
     def num_params(self) -> int:
         """Parameter count from the shapes (embedding and lm_head counted once when tied)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -178,6 +196,8 @@ class EngineConfig:
     # (scheduler/policy.py Scheduler._steps); needs the decode graphs. None: AUTO_SCHEDULER_STEPS
     # where the decode graphs run, else 1
     num_scheduler_steps: int | None = None
+    # ranks that split each layer (engine/parallel/): one process per GPU, or per share of the CPU
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -199,7 +219,7 @@ class EngineConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         choice("load_format", LOAD_FORMATS)
         choice("backend", BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             positive(name)
         if self.num_scheduler_steps is not None:
             positive("num_scheduler_steps")

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.layers import Shard
 
 
 class WeightLoadError(ValueError):
@@ -33,9 +34,12 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = True) -> None:
+    """Each tensor of the checkpoint into its parameter; a sharded parameter (tensor parallel)
+    reads only this rank's slice of it."""
     params = dict(model.named_parameters())
+    shards = model.param_shards()
     wmap = model.hf_weight_map()
-    loaded: dict[str, int] = {}  # our name -> rows loaded (or -1 for whole)
+    loaded: dict[str, int] = {}
     files = safetensors_files(folder)
     bar = tqdm(total=len(wmap), desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for path in files:
@@ -47,27 +51,62 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                     if "rotary_emb" in name:
                         continue
                     raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
-                ours, off, rows = wmap[name]
-                src = f.get_tensor(name)
-                dst = params[ours] if rows < 0 else params[ours][off:off + rows]
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise WeightLoadError(f"{name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
-                dst.copy_(src)
+                ours, seg = wmap[name]
+                _load_one(f, name, params[ours], None if seg is None else (shards[ours], seg))
                 loaded[name] = 1
                 bar.update(1)
     bar.close()
     missing = [n for n in wmap if n not in loaded]
     if missing:
         raise WeightLoadError(f"{folder}: missing weights, e.g. {missing[:3]} ({len(missing)} in all)")
+    _zero_padding(model, shards)
+
+
+def _load_one(f, name: str, param: torch.Tensor, part: tuple[Shard, int] | None) -> None:
+    """Tensor `name` of the open file f into param, or into segment part[1] of a sharded param."""
+    if part is None:
+        src = f.get_tensor(name)
+        if tuple(src.shape) != tuple(param.shape):
+            raise WeightLoadError(f"{name}: shape {tuple(src.shape)} does not match the config's {tuple(param.shape)}")
+        param.copy_(src)
+        return
+    shard, i = part
+    seg = shard.segments[i]
+    whole = f.get_slice(name)
+    want = list(param.shape)
+    want[shard.dim] = seg.global_size
+    if list(whole.get_shape()) != want:
+        raise WeightLoadError(f"{name}: shape {tuple(whole.get_shape())} does not match the config's {tuple(want)}")
+    cut = slice(seg.start, seg.start + seg.length)
+    src = whole[cut] if shard.dim == 0 else whole[:, cut]
+    param.narrow(shard.dim, shard.local_offset(i), seg.length).copy_(src)
+
+
+def _zero_padding(model: LlamaForCausalLM, shards: dict[str, Shard]) -> None:
+    """Rows beyond a shard's segments (the last rank's vocabulary padding) hold zeros."""
+    for name, p in model.named_parameters():
+        shard = shards.get(name)
+        if shard is not None and shard.local_size < p.shape[shard.dim]:
+            p.narrow(shard.dim, shard.local_size, p.shape[shard.dim] - shard.local_size).zero_()
 
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     """Random weights with the real shapes (benchmarks: throughput doesn't depend on values).
-    Small uniform values keep activations finite in bf16; norms stay 1."""
+    Small uniform values keep activations finite in bf16; norms stay 1. A sharded parameter is
+    drawn whole and cut: every rank holds its part of the same model, whatever the rank count."""
     g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    shards = model.param_shards()
     for name, p in model.named_parameters():
+        shard = shards.get(name)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
+        elif shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]:
             p.uniform_(-0.02, 0.02, generator=g)
+        else:
+            shape = list(p.shape)
+            shape[shard.dim] = shard.global_size
+            full = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
+            p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
+            del full
+    _zero_padding(model, shards)

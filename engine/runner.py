@@ -20,6 +20,8 @@ from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, St
 from engine.cuda_graph import DecodeGraphs, head_words
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
+from engine.parallel.comm import Comm
+from engine.parallel.group import SINGLE, TPGroup
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs, step_buckets
@@ -49,15 +51,18 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _device_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+def _device_ms(fn: Callable[[], object], repeats: int = 3, comm: Comm | None = None) -> float:
     """Median device time of fn's kernels, ms. A sleep kernel queued first keeps the GPU busy while
     the host queues fn, so host launch gaps don't count (the graphs replay without them). Where fn
     itself waits for the device (a host sync inside), no head start helps: it is timed as it runs.
-    The first call, which may compile, is not timed."""
+    The first call, which may compile, is not timed. comm (tensor parallel): fn's collectives wait
+    for every rank, so all ranks call fn equally often, sleep equally long and start together."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    comm = comm or Comm()
 
     def once(sleep: int) -> tuple[float, float]:
         torch.cuda.synchronize()
+        comm.barrier()
         if sleep:
             torch.cuda._sleep(sleep)
         t0 = time.perf_counter()
@@ -70,11 +75,13 @@ def _device_ms(fn: Callable[[], object], repeats: int = 3) -> float:
 
     fn()
     torch.cuda.synchronize()
+    comm.barrier()
     t0 = time.perf_counter()
     fn()
     host_ms = (time.perf_counter() - t0) * 1e3  # queueing fn (or running it, if it waits for the device)
-    sleep = int((1.5 * host_ms + 1.0) / SLEEP_MS_PER_UNIT)  # a head start the host won't use up
-    if once(sleep)[1] >= 0.8 * SLEEP_MS_PER_UNIT * sleep:
+    # a head start the host won't use up (the slowest rank's)
+    sleep = comm.max_int(int((1.5 * host_ms + 1.0) / SLEEP_MS_PER_UNIT))
+    if comm.max_int(int(once(sleep)[1] >= 0.8 * SLEEP_MS_PER_UNIT * sleep)):
         sleep = 0
     return float(np.median([once(sleep)[0] for _ in range(repeats)]))
 
@@ -134,10 +141,15 @@ class Launched:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
-                 max_model_len: int, show_progress: bool = True) -> None:
+                 max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
+        # tp: this rank's place in the tensor-parallel group; every rank runs this same start-up, whose
+        # collectives (forwards, agreed sizes) must come in the same order on each
+        self.comm = Comm(tp)
         self.device = resolve_device(cfg.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.local_rank)
         self.dtype_name = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.max_model_len = max_model_len
@@ -160,7 +172,7 @@ class ModelRunner:
             clock = now
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg)
+            model = LlamaForCausalLM(model_cfg, self.comm)
         model = model.to_empty(device=self.device).to(self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)
@@ -174,10 +186,12 @@ class ModelRunner:
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
         self.activation_bytes: int | None = None
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
-        self.kv_spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                   cfg.block_size, kv_dtype)
+        self.kv_spec = KVCacheSpec.for_model(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                             cfg.block_size, kv_dtype, tp.size)
         # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step
         self.cost_model = self.measure_step_costs() if self.device.type == "cuda" else None
+        # every rank derives its graphs from the cost model: rank 0's measurement for all
+        self.cost_model = self.comm.broadcast_object(self.cost_model)
         if self.cost_model is not None:
             phase("cost model")
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
@@ -201,7 +215,8 @@ class ModelRunner:
         if self.prompt_budget is not None:
             self.piecewise_max_tokens = min(cfg.max_num_batched_tokens, self.cost_model.largest_mixed_step(cfg.max_num_seqs))
             self.step_max_tokens = min(self.step_max_tokens, self.piecewise_max_tokens)
-        self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        # the scheduler's blocks must exist on every rank: the fewest any rank can hold
+        self.num_blocks = self.comm.min_int(cfg.num_kv_blocks or self._auto_num_blocks())
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
         phase("kv cache")
         # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
@@ -303,7 +318,7 @@ class ModelRunner:
         and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: fn ->
         ms (default: the device timer, _device_ms)."""
         # five repeats: one slow outlier must not make a bucket look beaten (engine/cost_model.py)
-        timer = timer or (lambda fn: _device_ms(fn, repeats=5))
+        timer = timer or (lambda fn: _device_ms(fn, repeats=5, comm=self.comm))
         top = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         top = min(top, COST_MAX_ROWS)  # a mixed step stays below it; beyond, the model extrapolates
         sizes = step_buckets(top)  # the token counts the graphs capture: what a step pays

@@ -18,7 +18,7 @@ from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.token_bytes import token_bytes_table
 from scheduler.trace import StepTrace
 from scheduler.policy import Scheduler, SchedulerConfig
-from scheduler.request import Batch, SampleOutput, SamplingParams, Sequence, StepOutput, next_seq_id
+from scheduler.request import Batch, ExecutorLost, SampleOutput, SamplingParams, Sequence, StepOutput, next_seq_id
 
 log = logging.getLogger("pagedserve")
 
@@ -63,6 +63,7 @@ class EngineCore:
         self.detok: dict[int, IncrementalDetokenizer] = {}
         self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
         self.stats = EngineStats()
+        self.lost: str | None = None  # why the executor can run no more steps (ExecutorLost), once it can't
         self._in_flight: _InFlight | None = None
         self.trace = StepTrace.from_env()
         if self.trace is not None and hasattr(executor, "enable_step_timing"):
@@ -74,7 +75,10 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     seq_id: int | None = None) -> Sequence:
-        """Queue a request; raises RequestRejected (a ValueError) when it can never be served."""
+        """Queue a request; raises RequestRejected (a ValueError) when it can never be served, and
+        ExecutorLost once the executor is gone."""
+        if self.lost is not None:
+            raise ExecutorLost(self.lost)
         seq = Sequence(seq_id if seq_id is not None else next_seq_id(), prompt_token_ids, params,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         self.scheduler.add(seq)
@@ -102,13 +106,30 @@ class EngineCore:
         return bool(getattr(self.executor, "overlap", False))
 
     def step(self) -> list[StepOutput]:
-        if self.trace is None:
-            return self._step()
-        self.trace.begin()
+        """One step's outputs. When the executor is lost (ExecutorLost), every request fails with
+        its message and self.lost says why: the caller stops the engine."""
         try:
-            return self._step()
-        finally:
-            self.trace.end()
+            if self.trace is None:
+                return self._step()
+            self.trace.begin()
+            try:
+                return self._step()
+            finally:
+                self.trace.end()
+        except ExecutorLost as e:
+            return self._lose(str(e))
+
+    def close(self) -> None:
+        """Release what the executor holds (tensor-parallel ranks); the core takes no more steps."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
+    def _lose(self, message: str) -> list[StepOutput]:
+        log.error("the engine can't go on: %s", message)
+        self.lost = message
+        self._in_flight = None
+        return self._fail(list(self.scheduler.seqs.values()), message)
 
     def _step(self) -> list[StepOutput]:
         trace = self.trace
@@ -150,11 +171,14 @@ class EngineCore:
         return outputs
 
     def _step_failed(self, batch: Batch, e: Exception) -> list[StepOutput]:
-        """A fault in the model step fails this step's requests, not the engine."""
+        """A fault in the model step fails this step's requests, not the engine (unless it is
+        ExecutorLost: step() then fails them all)."""
+        if isinstance(e, ExecutorLost):
+            raise e
         log.exception("model step failed; failing %d requests", len(batch.items), exc_info=e)
         self.stats.num_step_failures += 1
         self.scheduler.discard(batch)
-        return self._fail(batch, f"internal error during generation ({type(e).__name__})")
+        return self._fail([it.seq for it in batch.items], f"internal error during generation ({type(e).__name__})")
 
     def _process(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
         outputs = self.scheduler.update(batch, samples)
@@ -180,10 +204,9 @@ class EngineCore:
         stats.generation_tokens += new_tokens
         return outputs
 
-    def _fail(self, batch: Batch, message: str) -> list[StepOutput]:
+    def _fail(self, seqs: list[Sequence], message: str) -> list[StepOutput]:
         outputs = []
-        for it in batch.items:
-            seq = it.seq
+        for seq in seqs:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "error")

@@ -14,6 +14,8 @@ Parent -> child: ("add", id, (seq_ids, requests))  ("abort", id, seq_ids)  ("cal
 Child -> parent: ("ready", info, snapshot) or ("error", message) once, then
     ("replies", [(id, ok, value or exception)], snapshot)  ("step", packed outputs, snapshot)
     ("fault", aborted seq_ids, snapshot): a step raised outside the model
+    ("lost", message, snapshot): the executor is gone (scheduler/core.py's ExecutorLost), the
+    step before failed every request; the child then exits with EXIT_LOST
 A step's StepOutputs travel as tuples of their fields (pack_outputs/unpack_outputs): pickling
 dataclasses one by one costs several times more, on both sides, after every step.
 
@@ -54,6 +56,7 @@ STOP_TIMEOUT_S = 10.0  # a stopping child finishes its current step first
 # it one by one as the server parses and forwards them (~0.4 ms each); reading them all first left
 # the GPU idle for the whole burst (~25 ms for 64 requests), while the first ones could already run.
 DRAIN_S = 0.002
+EXIT_LOST = 3  # the child's exit status after its executor was lost (a tensor-parallel rank died)
 
 
 _output_fields = attrgetter(*(f.name for f in fields(StepOutput)))
@@ -124,6 +127,7 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone
     finally:
+        core.close()
         # Give the frozen objects back to the collector before the interpreter exits: it never
         # collects frozen ones, so reference cycles through an extension's objects outlive its
         # module's teardown. nanobind (Triton's bindings, imported by torch._dynamo wherever Triton
@@ -155,6 +159,9 @@ def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
             results.send(_step(core))
             if core.trace is not None:
                 core.trace.annotate_last("t_sent")
+            if core.lost is not None:
+                results.send(("lost", core.lost, EngineSnapshot.of(core)))
+                raise SystemExit(EXIT_LOST)
 
 
 def _apply(core: EngineCore, kind: str, req_id: int, payload: Any) -> tuple[int, bool, Any]:
@@ -262,6 +269,7 @@ class ProcessCore:
         self._events: EngineEvents | None = None
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
+        self._lost: str | None = None  # why the child's executor was lost, if it said so before exiting
 
     @property
     def pid(self) -> int | None:
@@ -416,6 +424,8 @@ class ProcessCore:
                     reply.set_exception(value)
         elif kind == "fault":
             self._events.on_fault(msg[1])
+        elif kind == "lost":
+            self._lost = msg[1]
 
     def _on_lost(self) -> None:
         if self._state == "running":  # otherwise we asked it to stop
@@ -425,7 +435,8 @@ class ProcessCore:
     async def _report_death(self) -> None:
         assert self._proc is not None and self._events is not None
         await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
-        self.failure = (f"the engine process exited unexpectedly ({describe_exit(self._proc.exitcode)}); "
+        self.failure = (f"the engine stopped: {self._lost}; restart the server" if self._lost is not None else
+                        f"the engine process exited unexpectedly ({describe_exit(self._proc.exitcode)}); "
                         "restart the server")
         log.error("%s", self.failure)
         self._close_pipes()

@@ -263,9 +263,13 @@ class ThreadCore:
                 await task
             except asyncio.CancelledError:
                 pass
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None and hasattr(getattr(self.core, "executor", None), "close"):
+            # after the step that may still run on the pool's thread: the executor's ranks follow
+            # one thread's calls (tensor parallel)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: (pool.shutdown(wait=True), self.core.close()))
 
     def _on_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         if self._pool is None:
@@ -299,6 +303,9 @@ class ThreadCore:
             try:
                 outputs, self.snapshot = await self._on_worker(self._step_on_worker)
                 self._events.on_outputs(outputs)
+                if getattr(self.core, "lost", None) is not None:  # every request failed with it: the engine stops
+                    self._events.on_dead(f"the engine stopped: {self.core.lost}; restart the server")
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -330,6 +337,7 @@ class AsyncEngine:
         self.observer = observer or _NullObserver()
         self.num_loop_faults = 0
         self.failure: str | None = None  # why the engine died, once it has
+        self.on_failure: Callable[[str], None] | None = None  # told why, once the engine has died (serve run exits)
         self._idle = asyncio.Event()
         self._accepting = False
         self._streams: dict[int, RequestStream] = {}
@@ -479,6 +487,8 @@ class AsyncEngine:
         self.failure = message
         self._accepting = False
         self._fail(list(self._streams), message)
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def in_flight(self) -> list[int]:
         return list(self._streams)

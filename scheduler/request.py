@@ -179,6 +179,11 @@ class Batch:
         return self.num_decode == len(self.items)
 
 
+class ExecutorLost(RuntimeError):
+    """The executor can run no more steps (a tensor-parallel rank died, or the ranks fell out of
+    step): every request fails with this message, and the engine stops."""
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,10 @@ class Engine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.kv_spec.block_size
+
+    def shutdown(self) -> None:
+        """Stop what the engine started besides this process (tensor-parallel ranks)."""
+        self.core.close()
 
 
 class TokenIdTokenizer:
@@ -111,17 +116,54 @@ def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozens
     return frozenset(int(i) for i in ids)
 
 
-def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
-    from engine.runner import ModelRunner
-
+def resolve_model(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, ModelConfig, int]:
+    """The model folder, its config (checked against the tensor-parallel size) and the context
+    length the runner is built for."""
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
+    model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
     max_len = model_cfg.max_context_len
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
             raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context length {max_len}")
         max_len = cfg.max_model_len
+    return path, model_cfg, max_len
+
+
+def is_follower_rank(cfg: EngineConfig) -> bool:
+    """A rank other than 0 of a tensor-parallel engine that a launcher (torchrun) started: it serves
+    nothing itself, it follows rank 0 (run_follower)."""
+    return (cfg.tensor_parallel_size > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+            and os.environ.get("RANK", "0") != "0")
+
+
+def run_follower(cfg: EngineConfig) -> None:
+    from engine.parallel.worker import follow_from_env
+
+    path, model_cfg, max_len = resolve_model(cfg, show_progress=False)
+    follow_from_env(model_cfg, path, cfg, max_len)
+
+
+def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
+    path, model_cfg, max_len = resolve_model(cfg, show_progress)
+    if cfg.tensor_parallel_size > 1:
+        from engine.parallel.executor import start_tensor_parallel
+
+        executor = start_tensor_parallel(model_cfg, path, cfg, max_len, show_progress)
+        try:
+            return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor)
+        except BaseException:
+            executor.close()
+            raise
+    from engine.runner import ModelRunner
+
     runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress)
+    return _assemble(cfg, path, model_cfg, max_len, runner, runner)
+
+
+def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: int, runner: ModelRunner,
+              executor: Any) -> Engine:
+    """The core around a built runner; executor: the runner, or the tensor-parallel executor around it."""
     capacity = runner.num_blocks * cfg.block_size
     if capacity < max_len and cfg.num_kv_blocks is None:
         log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
@@ -131,7 +173,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
     if cfg.num_scheduler_steps is not None and cfg.num_scheduler_steps > steps:
         log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running %d",
                     cfg.num_scheduler_steps, steps)
-    core = EngineCore(runner, tokenizer,
+    core = EngineCore(executor, tokenizer,
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
                                       cfg.prefill_hold_ms / 1e3, steps,
                                       runner.prompt_budget),

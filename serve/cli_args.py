@@ -52,6 +52,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"tokens stream K at a time (default: {AUTO_SCHEDULER_STEPS} with CUDA graphs, else 1)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split each layer over N ranks: one process per GPU (N GPUs), or N processes sharing "
+                        "the CPU; N must divide the attention heads. Under torchrun, pass the launcher's world size")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -64,4 +67,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         async_scheduling=args.async_scheduling, piecewise_graphs=args.piecewise_graphs, pdl=args.pdl,
                         step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms,
                         max_step_ms=args.max_step_ms,
-                        num_scheduler_steps=args.num_scheduler_steps, seed=args.seed)
+                        num_scheduler_steps=args.num_scheduler_steps,
+                        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)

@@ -44,6 +44,11 @@ def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, Engi
     tqdm.set_lock(threading.RLock())
 
     engine = build_engine(cfg, show_progress)
+    watch = getattr(engine.core.executor, "watch_workers", None)
+    if watch is not None:
+        # a tensor-parallel rank that dies while this process waits for requests (or, on a GPU, inside
+        # a collective that never returns) ends it: the server then fails its requests
+        watch(_exit_lost)
     if engine.runner.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Leave the server process a core: OpenMP threads spin-wait for each other, and a step of
         # small ops slows down many times over when one of them loses its core (measured: 10x).
@@ -54,6 +59,15 @@ def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, Engi
         torch.set_num_threads(1)
     return engine.core, EngineInfo(engine.model_name, engine.max_model_len, engine.runner.num_blocks,
                                    str(engine.runner.device), engine.runner.dtype_name)
+
+
+def _exit_lost(why: str) -> None:
+    import logging
+
+    from scheduler.engine_proc import EXIT_LOST
+
+    logging.getLogger("pagedserve").error("the engine stops: %s", why)
+    os._exit(EXIT_LOST)
 
 
 @dataclass
@@ -89,6 +103,7 @@ def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> Proce
     here before any process starts; a failed build raises EngineStartError (a RuntimeError)."""
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
+    model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
     core = ProcessCore(build_core, (cfg, show_progress))
     try:
         core.spawn()

@@ -25,8 +25,12 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos,
                             seed=args.seed if args.temperature > 0 else None)
     cfg = engine_config_from_args(args)
+    from serve.build import is_follower_rank, run_follower
     from serve.llm import LLM  # torch is imported only once the arguments are known to be good
 
+    if is_follower_rank(cfg):  # under torchrun: rank 0 generates, this rank follows its steps
+        run_follower(cfg)
+        return 0
     llm = LLM.from_config(cfg, show_progress=True)
     if args.chat:
         prompts = []

@@ -33,7 +33,7 @@ class LLM:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0, backend: str = "auto",
                  async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool | None = None,
                  step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int | None = None,
-                 max_step_ms: float | None = None, show_progress: bool = False) -> None:
+                 max_step_ms: float | None = None, tensor_parallel_size: int = 1, show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -42,7 +42,8 @@ class LLM:
                                    enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization, backend=backend,
                                    async_scheduling=async_scheduling, piecewise_graphs=piecewise_graphs, pdl=pdl,
                                    step_graph_max_tokens=step_graph_max_tokens,
-                                   num_scheduler_steps=num_scheduler_steps, max_step_ms=max_step_ms, seed=seed)
+                                   num_scheduler_steps=num_scheduler_steps, max_step_ms=max_step_ms,
+                                   tensor_parallel_size=tensor_parallel_size, seed=seed)
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 
@@ -53,6 +54,16 @@ class LLM:
         self.engine = build_engine(config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         return self
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started (also at exit, or `with LLM(...) as llm:`)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -111,5 +122,7 @@ class LLM:
                     if out.error:
                         for sid in pending:  # don't leave this call's other requests in the engine
                             core.abort(sid)
+                        if core.lost is not None:  # the engine can't go on: its ranks go now
+                            self.shutdown()
                         raise RuntimeError(out.error)
         return [results[sid] for sid in order]

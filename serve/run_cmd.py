@@ -108,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
         from serve.api import create_app
         from serve.uvicorn_server import DrainingServer
 
+    from serve.build import is_follower_rank, run_follower
+
+    if is_follower_rank(engine_cfg):  # under torchrun: rank 0 serves, this rank follows its steps
+        run_follower(engine_cfg)
+        return 0
     try:
         engine = build(args.engine_loop, engine_cfg)
     except KeyboardInterrupt:
@@ -129,10 +134,15 @@ def run(args: argparse.Namespace) -> int:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
-        drain = app.state.server.loop.drain
-        server = DrainingServer(config, on_exit=lambda: drain(server_cfg.shutdown_timeout_s))
+        loop = app.state.server.loop
+        server = DrainingServer(config, on_exit=lambda: loop.drain(server_cfg.shutdown_timeout_s))
+        # the engine died (its process, a tensor-parallel rank): its requests have failed; stop, and
+        # exit non-zero, so that whatever supervises the server restarts it
+        loop.on_failure = lambda message: setattr(server, "should_exit", True)
         server.run()
+        if loop.failure is not None:
+            print(f"pagedserve: error: {loop.failure}", file=sys.stderr, flush=True)
+            return 1
     finally:
-        if args.engine_loop == "process":
-            engine.shutdown()  # a no-op once the app's shutdown has stopped the engine process
+        engine.shutdown()  # a no-op once the app's shutdown has stopped the engine (process, ranks)
     return 0

@@ -2,17 +2,24 @@
 
 q/k/v and gate/up projections are stored fused (the loader packs Hugging Face's separate
 weights), so each layer runs four matmuls. Ops and attention metadata arrive as arguments.
+
+Tensor parallel (a Comm of several ranks): the layers hold this rank's heads, MLP columns and
+vocabulary rows (engine/parallel/layers.py); o_proj and down_proj all-reduce their outputs, the
+embedding all-reduces its lookups, and the LM head gathers the full vocabulary's logits.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention import AttnMetadata, Ops, paged_attention
 from engine.config import ModelConfig
+from engine.parallel.comm import Comm
+from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
+                                    VocabParallelEmbedding, even_split, head_split, vocab_logits)
 from kvcache.pool import LayerCache
 
 
@@ -54,14 +61,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
+    """The model's shapes as one rank holds them: its Q heads, KV heads (one, replicated, where
+    there are fewer than ranks) and MLP width; hidden size and vocabulary stay global."""
+    if comm.size == 1:
+        return cfg
+    kv = head_split(cfg.num_kv_heads, cfg.head_dim, comm.rank, comm.size).length // cfg.head_dim
+    return replace(cfg, num_heads=cfg.num_heads // comm.size, num_kv_heads=kv,
+                   intermediate_size=cfg.intermediate_size // comm.size)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        q_part = head_split(cfg.num_heads, cfg.head_dim, comm.rank, comm.size)
+        kv_part = head_split(cfg.num_kv_heads, cfg.head_dim, comm.rank, comm.size)
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = q_part.length, kv_part.length
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size, comm)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -88,20 +108,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        part = even_split(cfg.intermediate_size, comm.rank, comm.size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, comm)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
+        return self.down_proj.reduce(ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, comm)
+        self.mlp = MLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -114,7 +135,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual)."""
-        h = ops.linear(attn_out, self.self_attn.o_proj.weight)
+        h = self.self_attn.o_proj.reduce(ops.linear(attn_out, self.self_attn.o_proj.weight))
         ln = self.post_attention_layernorm
         h, residual = ops.rms_norm(h, ln.weight, ln.eps, residual)
         return self.mlp(ops, h), residual
@@ -129,15 +150,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """cfg: the whole model's config. self.cfg is this rank's view of it (rank_config), which the
+    graphs' static buffers are shaped by; self.global_cfg the whole model's."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        # given its (empty) weight, Embedding skips its normal_ init, which imports torch._dynamo and with
-        # it triton wherever that is installed; the loader fills every weight anyway
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.comm = comm = comm or Comm()
+        self.global_cfg = cfg
+        self.cfg = rank_config(cfg, comm)
+        # the parameters are left empty (no normal_ init, which imports torch._dynamo and with it
+        # triton wherever that is installed); the loader fills every weight
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
         self.cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim], set by the runner
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
@@ -154,29 +180,35 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # in the model's dtype: greedy rows take the argmax as is (the same token as in float32);
         # the sampler converts for the rows and logprobs that need float32
-        return F.linear(h, w)
+        return vocab_logits(h, w, self.comm, self.global_cfg.vocab_size)
 
-    def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
-        """Hugging Face tensor name -> (our parameter name, shard row offset, shard rows).
-        Rows = -1 means the whole parameter."""
-        cfg = self.cfg
-        m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, -1),
-                                              "model.norm.weight": ("norm.weight", 0, -1)}
+    def param_shards(self) -> dict[str, Shard]:
+        """Our parameter name -> how this rank's tensor is cut from the global one; parameters
+        not listed are whole on every rank (norms)."""
+        return {f"{mod}.{name}" if mod else name: m.shard for mod, m in self.named_modules() if hasattr(m, "shard")
+                for name, _ in m.named_parameters(recurse=False)}
+
+    def hf_weight_map(self) -> dict[str, tuple[str, int | None]]:
+        """Hugging Face tensor name -> (our parameter name, the segment of its shard the tensor is,
+        e.g. 1 for k_proj in qkv_proj); None: the tensor is the whole parameter (not sharded)."""
+        cfg = self.global_cfg
+        m: dict[str, tuple[str, int | None]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0),
+                                                 "model.norm.weight": ("norm.weight", None)}
         if self.lm_head is not None:
-            m["lm_head.weight"] = ("lm_head.weight", 0, -1)
-        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+            m["lm_head.weight"] = ("lm_head.weight", 0)
         for i in range(cfg.num_layers):
             hf, our = f"model.layers.{i}.", f"layers.{i}."
-            for part, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                m[hf + f"self_attn.{part}.weight"] = (our + "self_attn.qkv_proj.weight", off, rows)
+            for seg, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                m[hf + f"self_attn.{part}.weight"] = (our + "self_attn.qkv_proj.weight", seg)
                 if cfg.attention_bias:
-                    m[hf + f"self_attn.{part}.bias"] = (our + "self_attn.qkv_proj.bias", off, rows)
-            m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0, inter)
-            m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", inter, inter)
-            for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                         "post_attention_layernorm.weight"):
-                m[hf + name] = (our + name, 0, -1)
+                    m[hf + f"self_attn.{part}.bias"] = (our + "self_attn.qkv_proj.bias", seg)
+            m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0)
+            m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", 1)
+            m[hf + "self_attn.o_proj.weight"] = (our + "self_attn.o_proj.weight", 0)
+            m[hf + "mlp.down_proj.weight"] = (our + "mlp.down_proj.weight", 0)
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                m[hf + name] = (our + name, None)
             if cfg.qk_norm:
                 for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-                    m[hf + name] = (our + name, 0, -1)
+                    m[hf + name] = (our + name, None)
         return m

@@ -1,0 +1,68 @@
+"""Comm: the collectives the model and the runner use, behind one entry point per kind, so that a
+faster all-reduce (a one-shot kernel over NVLink peer memory for decode-sized messages) can later be
+picked here by message size without touching the model.
+
+Inside the forward only fixed-shape tensor collectives run (no host sync, nothing read back): CUDA
+graphs capture them as they are. With one rank every method returns its input."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.group import SINGLE, TPGroup
+
+# torch >= 2.13 names it all_gather_single (the old name warns)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Comm:
+    def __init__(self, group: TPGroup = SINGLE) -> None:
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place; returns t."""
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group.device)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] from every rank -> [..., size * n], rank order along the last dimension."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((self.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather_single(out, t, group=self.group.device)  # rank r's t at rows r * n ..
+        return out.view(self.size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
+
+    # -- control (host values, over the gloo group; never inside a forward) -------------------
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (sizes the ranks must agree on, e.g. KV blocks)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group.control)
+        return int(t.item())
+
+    def max_int(self, value: int) -> int:
+        """The largest of every rank's value."""
+        return -self.min_int(-value)
+
+    def barrier(self) -> None:
+        """Every rank's host reaches this point before any goes on (timing that must start together)."""
+        if self.size > 1:
+            dist.barrier(group=self.group.control)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's obj on every rank (picklable)."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group.control)
+        return box[0]
+
+
+SINGLE_COMM = Comm()

@@ -1,0 +1,143 @@
+"""Parallel layers with local shapes, and the shard arithmetic the loader uses to cut a global
+weight into this rank's part.
+
+A Shard says which slice of a global tensor a rank holds along one dimension, as segments: a
+packed weight (q|k|v, gate|up) is several global tensors stacked along the output rows, and the
+rank takes its slice of each, in order. Q heads, the MLP's intermediate size and the vocabulary are
+split evenly; KV heads are split evenly, or replicated whole where there are fewer than ranks
+(each rank then holds the one KV head its Q heads attend to, as kvcache/spec.py sizes it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.parallel.comm import Comm
+
+
+@dataclass(frozen=True)
+class Segment:
+    global_size: int  # of this part of the global tensor, along the shard dimension
+    start: int  # this rank's first index in it
+    length: int  # how many this rank holds
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def global_size(self) -> int:
+        return sum(s.global_size for s in self.segments)
+
+    @property
+    def local_size(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def local_offset(self, i: int) -> int:
+        """Where segment i starts in the rank's tensor."""
+        return sum(s.length for s in self.segments[:i])
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a global tensor (all segments stacked)."""
+        parts, at = [], 0
+        for s in self.segments:
+            parts.append(full.narrow(self.dim, at + s.start, s.length))
+            at += s.global_size
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+
+def even_split(size: int, rank: int, ranks: int) -> Segment:
+    assert size % ranks == 0, f"{size} does not split over {ranks} ranks"
+    n = size // ranks
+    return Segment(size, rank * n, n)
+
+
+def head_split(num_heads: int, head_dim: int, rank: int, ranks: int) -> Segment:
+    """This rank's heads, in elements: an even split, or with fewer heads than ranks the one head
+    that ranks // num_heads consecutive ranks share."""
+    if num_heads >= ranks:
+        s = even_split(num_heads, rank, ranks)
+        return Segment(num_heads * head_dim, s.start * head_dim, s.length * head_dim)
+    assert ranks % num_heads == 0, f"{num_heads} heads can't be shared evenly by {ranks} ranks"
+    return Segment(num_heads * head_dim, rank // (ranks // num_heads) * head_dim, head_dim)
+
+
+def vocab_split(vocab: int, rank: int, ranks: int) -> tuple[Segment, int]:
+    """(the rank's contiguous vocabulary range, rows per rank): every rank holds ceil(V / ranks)
+    rows, the last ones padded where V does not divide."""
+    per = -(-vocab // ranks)
+    start = min(rank * per, vocab)
+    return Segment(vocab, start, min(per, vocab - start)), per
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W_r^T (+ b_r): this rank's rows of the output (of each packed segment); no collective."""
+
+    def __init__(self, in_features: int, segments: list[Segment], bias: bool) -> None:
+        super().__init__()
+        self.shard = Shard(0, tuple(segments))
+        out = self.shard.local_size
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T: this rank's input columns, then the all-reduce."""
+
+    def __init__(self, segment: Segment, out_features: int, comm: Comm) -> None:
+        super().__init__()
+        self.shard = Shard(1, (segment,))
+        self.weight = nn.Parameter(torch.empty(out_features, segment.length))
+        self.comm = comm
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(partial)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous range of the vocabulary (padded to rows_per_rank); a token
+    outside it looks up zeros, and the all-reduce sums the one rank's row into every rank.
+    Also the weight of a vocabulary-parallel LM head (tied embeddings share it)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
+        super().__init__()
+        segment, rows = vocab_split(vocab_size, comm.rank, comm.size)
+        self.vocab_size, self.comm = vocab_size, comm
+        self.start, self.num_valid = segment.start, segment.length
+        self.shard = Shard(0, (segment,))
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_valid)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over this rank's vocabulary rows, gathered into the full vocabulary on every rank,
+    so every rank samples the same token from the same logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
+        super().__init__()
+        segment, rows = vocab_split(vocab_size, comm.rank, comm.size)
+        self.vocab_size, self.comm = vocab_size, comm
+        self.shard = Shard(0, (segment,))
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+
+def vocab_logits(h: torch.Tensor, weight: torch.Tensor, comm: Comm, vocab_size: int) -> torch.Tensor:
+    """h [N, hidden] @ this rank's vocabulary rows -> all ranks' logits [N, vocab_size]."""
+    logits = F.linear(h, weight)
+    if comm.size == 1:
+        return logits
+    logits = comm.all_gather(logits)
+    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()  # padded rows off

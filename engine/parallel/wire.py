@@ -1,0 +1,86 @@
+"""Rank 0's batches for the other ranks, as deltas: a sequence's parameters travel once, then each
+step carries per item its share (start, tokens, whether it samples) and only what its token list
+and block table gained since the last step that sent them. The followers keep mirrored Sequence
+objects, so their runners see the same token ids and block tables as rank 0's.
+
+The scheduler grows a sequence's token list and block table in place, and gives a sequence a new
+block table (a new list) when it is preempted or admitted again; a list that is not the one last
+sent, or is shorter, travels whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import Batch, ScheduledSeq, Sequence
+
+# (new sequences [(seq_id, params, num_prompt_tokens)], rows, num_decode, num_steps, dropped seq_ids);
+# a row: (seq_id, start, num_new_tokens, samples, token base, tokens from it, new table?, table base,
+# table entries from it)
+Message = tuple
+
+
+@dataclass
+class _Sent:
+    seq: Sequence
+    tokens: list[int] | None = None  # the list last sent from, and how much of it
+    num_tokens: int = 0
+    table: list[int] | None = None
+    num_table: int = 0
+
+
+class BatchEncoder:
+    """Rank 0's side: what each follower already has."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, _Sent] = {}
+
+    def encode(self, batch: Batch) -> Message:
+        new, rows = [], []
+        sent = self._sent
+        for it in batch.items:
+            seq = it.seq
+            s = sent.get(seq.seq_id)
+            if s is None:
+                s = sent[seq.seq_id] = _Sent(seq)
+                new.append((seq.seq_id, seq.params, seq.num_prompt_tokens))
+            toks, table = seq.token_ids, seq.block_table
+            base = s.num_tokens if toks is s.tokens and len(toks) >= s.num_tokens else 0
+            fresh = table is not s.table or len(table) < s.num_table
+            tbase = 0 if fresh else s.num_table
+            rows.append((seq.seq_id, it.start, it.num_new_tokens, it.samples, base, toks[base:], fresh, tbase,
+                         table[tbase:]))
+            s.tokens, s.num_tokens, s.table, s.num_table = toks, len(toks), table, len(table)
+        dropped = [sid for sid, s in sent.items() if s.seq.is_finished]
+        for sid in dropped:
+            del sent[sid]
+        return new, rows, batch.num_decode, batch.num_steps, dropped
+
+
+class BatchDecoder:
+    """A follower's side: mirrored sequences, kept until rank 0 drops them."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Sequence] = {}
+
+    def decode(self, msg: Message) -> Batch:
+        new, rows, num_decode, num_steps, dropped = msg
+        seqs = self.seqs
+        for sid in dropped:
+            seqs.pop(sid, None)
+        for sid, params, num_prompt in new:
+            seq = Sequence(sid, [], params)
+            seq.num_prompt_tokens = num_prompt
+            seqs[sid] = seq
+        items = []
+        for sid, start, n, samples, base, toks, fresh, tbase, table in rows:
+            seq = seqs[sid]
+            del seq.token_ids[base:]
+            seq.token_ids.extend(toks)
+            if fresh:
+                seq.block_table = table  # a new list: the runner's cached row of the old one is dropped
+            else:
+                assert len(seq.block_table) == tbase, "block tables out of step"
+                seq.block_table.extend(table)
+            item = ScheduledSeq(seq, start, n)
+            item.samples = samples
+            items.append(item)
+        return Batch(items, num_decode, num_steps)
