@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcache.calc import tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -115,22 +116,10 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def check_tensor_parallel(self, size: int) -> None:
-        """Raise ValueError unless `size` ranks can split this model: the attention heads and the MLP
-        width evenly, the KV heads evenly or (fewer KV heads than ranks) each replicated on
-        size / num_kv_heads ranks, as kvcache/spec.py sizes them. The vocabulary may not divide
-        (the last rank's rows are padded)."""
-        if size == 1:
-            return
-        fits = [n for n in range(1, self.num_heads + 1) if self.num_heads % n == 0 and self.intermediate_size % n == 0
-                and (self.num_kv_heads % n == 0 or n % self.num_kv_heads == 0)]
-        hint = f"; sizes that fit this model: {', '.join(map(str, fits))}"
-        if self.num_heads % size:
-            raise ValueError(f"tensor_parallel_size {size} must divide the model's {self.num_heads} attention heads{hint}")
-        if self.num_kv_heads % size and size % self.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {size} must divide the model's {self.num_kv_heads} KV heads or be a "
-                             f"multiple of them{hint}")
-        if self.intermediate_size % size:
-            raise ValueError(f"tensor_parallel_size {size} must divide the model's MLP width {self.intermediate_size}{hint}")
+        """Raise ValueError unless `size` ranks can split this model (kvcache/calc.py says which can)."""
+        why = tensor_parallel_problem(self, size)
+        if why is not None:
+            raise ValueError(f"tensor_parallel_size {why}")
 
     def num_params(self) -> int:
         """Parameter count from the shapes (embedding and lm_head counted once when tied)."""

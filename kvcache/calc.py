@@ -105,16 +105,30 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
                                f"got {kv_cache_dtype!r}") from None
 
 
+def tensor_parallel_problem(model: ModelShape, size: int) -> str | None:
+    """Why `size` ranks can't split the model ("N must divide ..."), or None: the attention heads and
+    the MLP width split evenly, the KV heads evenly or each replicated on size / num_kv_heads ranks.
+    The vocabulary need not divide (the last rank's rows are padded)."""
+    if size < 1:
+        return f"{size} must be 1 or more"
+    if size == 1:
+        return None
+    heads, kv, mlp = model.num_heads, model.num_kv_heads, model.intermediate_size
+    fits = [n for n in range(1, heads + 1) if heads % n == 0 and mlp % n == 0 and (kv % n == 0 or n % kv == 0)]
+    hint = f"; sizes that fit this model: {', '.join(map(str, fits))}"
+    if heads % size:
+        return f"{size} must divide the model's {heads} attention heads{hint}"
+    if kv % size and size % kv:
+        return f"{size} must divide the model's {kv} KV heads or be a multiple of them{hint}"
+    if mlp % size:
+        return f"{size} must divide the model's MLP width {mlp}{hint}"
+    return None
+
+
 def check_tensor_parallel(model: ModelShape, tensor_parallel_size: int) -> None:
-    """Attention heads split evenly; KV heads split evenly or are replicated whole."""
-    tp = tensor_parallel_size
-    if tp < 1:
-        raise KVCalcInputError(f"--tensor-parallel-size must be >= 1; got {tp}")
-    if model.num_heads % tp:
-        raise KVCalcInputError(f"--tensor-parallel-size {tp} must divide the {model.num_heads} attention heads")
-    kv = model.num_kv_heads
-    if kv % tp and tp % kv:
-        raise KVCalcInputError(f"--tensor-parallel-size {tp} must divide the {kv} KV heads or be a multiple of them")
+    why = tensor_parallel_problem(model, tensor_parallel_size)
+    if why is not None:
+        raise KVCalcInputError(f"--tensor-parallel-size {why}")
 
 
 def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:

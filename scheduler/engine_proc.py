@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from scheduler.core import EngineCore
 from scheduler.loop import EngineEvents, EngineSnapshot, EngineUnavailable, add_all
-from scheduler.request import SamplingParams, StepOutput
+from scheduler.request import SamplingParams, StepOutput, describe_exit
 
 log = logging.getLogger("pagedserve")
 T = TypeVar("T")
@@ -73,17 +73,6 @@ def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
 
 class EngineStartError(RuntimeError):
     """The engine process could not build the engine; the message says why."""
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 # -- the child ---------------------------------------------------------------------------------

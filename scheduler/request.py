@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -182,6 +183,18 @@ class Batch:
 class ExecutorLost(RuntimeError):
     """The executor can run no more steps (a tensor-parallel rank died, or the ranks fell out of
     step): every request fails with this message, and the engine stops."""
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words (an engine process, a tensor-parallel rank)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 @dataclass

@@ -237,8 +237,11 @@ def _run_measure(args: argparse.Namespace) -> int:
         cfg = EngineConfig(model=tmp, load_format="dummy", dtype=req.dtype, kv_cache_dtype=req.kv_cache_dtype,
                            block_size=req.block_size, max_model_len=req.max_model_len,
                            max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
-                           gpu_memory_utilization=req.memory_utilization)
-        runner = build_engine(cfg, show_progress=False).runner
+                           gpu_memory_utilization=req.memory_utilization,
+                           tensor_parallel_size=req.tensor_parallel_size)
+        engine = build_engine(cfg, show_progress=False)
+        runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
+        engine.shutdown()
     graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
     if runner.piecewise is not None:
         graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes

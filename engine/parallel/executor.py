@@ -34,21 +34,10 @@ from engine.parallel.group import TPGroup, destroy_group, host_store, init_group
 from engine.parallel.wire import BatchEncoder
 from engine.parallel.worker import cpu_threads, worker_main
 from engine.runner import Launched, ModelRunner, resolve_device
-from scheduler.request import Batch, ExecutorLost, SampleOutput
+from scheduler.request import Batch, ExecutorLost, SampleOutput, describe_exit
 
 log = logging.getLogger("pagedserve")
 STOP_TIMEOUT_S = 10.0
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 @dataclass
