@@ -27,7 +27,7 @@ from bench.metrics import SLO, compute_metrics
 from bench.plot import check_available, write_plot
 from bench.presets import resolve_model
 from bench.report import Roofline, RunInfo, format_report, result_dict
-from bench.roofline import ModelCost, estimate
+from bench.roofline import HardwareRates, ModelCost, estimate
 from bench.server import ManagedServer, ServerError, resolve_command
 from bench.workload import WorkloadSpec, arrival_offsets, as_text, make_requests, warmup_requests
 from engine.config import ModelConfig, ModelConfigError
@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="roofline copy bandwidth instead of measuring it on this machine's GPU")
     out.add_argument("--matmul-tflops", type=float, metavar="TFLOP/s",
                      help="roofline bf16 matmul rate instead of measuring it on this machine's GPU")
+    out.add_argument("--num-gpus", type=int, metavar="N",
+                     help="GPUs the served model is split over: the roofline sums their copy bandwidth and "
+                     "matmul rate (default: the --tensor-parallel-size in --server-args, else 1)")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ def _validate(args: argparse.Namespace) -> _Setup:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise ValueError(f"--num-gpus must be >= 1, got {args.num_gpus}")
     if args.client_processes is not None and args.client_processes < 1:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.server_timeout <= 0:
@@ -192,6 +197,23 @@ def _hardware(args: argparse.Namespace, setup: _Setup) -> Measurement:
     if setup.model is None:  # no roofline without the model's shape: only name the GPU
         return Measurement(device=gpu_name())
     return measure_in_subprocess()
+
+
+def roofline_gpus(num_gpus: int | None, server_args: list[str]) -> int:
+    """GPUs the roofline counts: --num-gpus, else the tensor-parallel size the started server was
+    given. An ideal split: each GPU reads 1/N of the weights and KV and does 1/N of the FLOPs;
+    the all-reduces are not counted, so the bound stays a bound."""
+    if num_gpus is not None:
+        return num_gpus
+    for i, arg in enumerate(server_args):
+        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(server_args):
+            value = server_args[i + 1]
+        elif arg.startswith("--tensor-parallel-size="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        return int(value) if value.isdigit() and int(value) > 0 else 1
+    return 1
 
 
 def no_roofline_reason(hw: Measurement, model: ModelConfig | None) -> str:
@@ -282,8 +304,10 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
     roofline = None
     if rates is not None and setup.model is not None:
         lengths = [(r.num_prompt_tokens, r.output_len) for r in requests]
+        gpus = roofline_gpus(args.num_gpus, setup.server_args)
+        rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus)
         roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
-                                     args.concurrency, setup.request_rate), rates)
+                                     args.concurrency, setup.request_rate), rates, gpus)
     info = RunInfo(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model, served_model_name=name,
         url=base_url, gpu=hw.device, workload=setup.workload, concurrency=args.concurrency,

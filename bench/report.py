@@ -34,7 +34,8 @@ class RunInfo:
 @dataclass(frozen=True)
 class Roofline:
     estimate: RooflineEstimate
-    rates: HardwareRates
+    rates: HardwareRates  # of all the GPUs the model is split over together
+    num_gpus: int = 1
 
     def fraction(self, output_throughput: float) -> float:
         """Of the physical bound (compute and memory overlapped)."""
@@ -91,6 +92,7 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
     out["p99_chunk_gap_ms"] = metrics.chunk_gap.p99
     est = roofline.estimate if roofline else None
     out.update({
+        "roofline_num_gpus": roofline.num_gpus if roofline else None,
         "copy_bandwidth_tbs": roofline.rates.copy_bandwidth / 1e12 if roofline else None,
         "matmul_tflops": roofline.rates.matmul_flops / 1e12 if roofline else None,
         "roofline_output_throughput": est.output_throughput if est else None,
@@ -165,6 +167,8 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
     else:
         est = roofline.estimate
         step_ms = est.decode_step_s * 1000.0
+        if roofline.num_gpus > 1:
+            lines.append(_row("Roofline GPUs (rates summed):", roofline.num_gpus))
         lines += [
             _row("Copy bandwidth (TB/s):", roofline.rates.copy_bandwidth / 1e12),
             _row("Matmul rate (TFLOP/s):", roofline.rates.matmul_flops / 1e12, 0 if roofline.rates.matmul_flops >= 1e14 else 2),

@@ -17,6 +17,7 @@ BAD = [
     ["--url", "http://127.0.0.1:9", "--range-ratio", "1.5"],
     ["--url", "http://127.0.0.1:9", "--input-len", "16", "--shared-prefix-len", "17"],
     ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],
+    ["--url", "http://127.0.0.1:9", "--num-gpus", "0"],
     ["--url", "http://127.0.0.1:9", "--server-args=--enforce-eager"],
     ["--url", "http://127.0.0.1:9", "--copy-bandwidth", "3"],
     ["--url", "http://127.0.0.1:9", "--result-json", "/no/such/folder/r.json"],
@@ -49,3 +50,12 @@ def test_bad_client_processes_is_one_line_too(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--client-processes" in err[0]
+
+
+def test_roofline_gpus_come_from_the_started_servers_tensor_parallel_size():
+    from bench.cli import roofline_gpus
+
+    assert roofline_gpus(None, []) == 1
+    assert roofline_gpus(None, ["--enforce-eager", "--tensor-parallel-size", "4"]) == 4
+    assert roofline_gpus(None, ["--tensor-parallel-size=2"]) == 2
+    assert roofline_gpus(3, ["--tensor-parallel-size", "2"]) == 3  # --num-gpus says
