@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
     from torch.nn import functional as F
 
+    from bench.hardware import measure
     from engine.config import EngineConfig, ModelConfig
     from engine.runner import ModelRunner, _device_ms
     from kvcache.pool import KVPool
@@ -41,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     forward = {n: _device_ms(runner._forward_fn(n, pool), repeats=5) for n in rows}
     del pool
 
-    n = 1 << 28
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    bandwidth = 2 * n / (triton.testing.do_bench(lambda: b.copy_(a), rep=200) / 1e3)
-    del a, b
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    rate = 2 * 8192 ** 3 / (triton.testing.do_bench(lambda: x @ y, rep=300) / 1e3)
-    del x, y
+    hw = measure()  # serve bench's own copy bandwidth and matmul rate
+    bandwidth, rate = hw.copy_bandwidth, hw.matmul_flops
 
     layer = runner.model.layers[0]
     weights = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,

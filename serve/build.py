@@ -116,12 +116,17 @@ def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozens
     return frozenset(int(i) for i in ids)
 
 
-def resolve_model(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, ModelConfig, int]:
-    """The model folder, its config (checked against the tensor-parallel size) and the context
-    length the runner is built for."""
+def model_folder_config(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, ModelConfig]:
+    """The model folder and its config, checked against the tensor-parallel size."""
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
     model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+    return path, model_cfg
+
+
+def resolve_model(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, ModelConfig, int]:
+    """The model folder, its config and the context length the runner is built for."""
+    path, model_cfg = model_folder_config(cfg, show_progress)
     max_len = model_cfg.max_context_len
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:

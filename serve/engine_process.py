@@ -13,7 +13,7 @@ from typing import Any
 from engine.config import EngineConfig, ModelConfig
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
-from serve.build import load_tokenizer, resolve_model_path
+from serve.build import load_tokenizer, model_folder_config
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,7 @@ class ProcessEngine:
 def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> ProcessEngine:
     """Start the engine process and wait until it has built the engine. A bad model folder fails
     here before any process starts; a failed build raises EngineStartError (a RuntimeError)."""
-    path = resolve_model_path(cfg, show_progress)
-    model_cfg = ModelConfig.from_path(path)
-    model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+    path, model_cfg = model_folder_config(cfg, show_progress)
     core = ProcessCore(build_core, (cfg, show_progress))
     try:
         core.spawn()
