@@ -111,6 +111,13 @@ class DecodeGraphs:
         return logits
 
     @torch.inference_mode()
+    def dry_run(self) -> None:
+        """Every bucket's forward once, inside kernels.launch.compile_ahead(): its new kernels compile."""
+        self.inputs.slot_mapping.fill_(-1)
+        for bs in reversed(self.buckets):
+            self._forward(bs)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         self.inputs.slot_mapping.fill_(-1)  # warm-up and capture runs write nowhere
         # cached blocks of earlier work would be released by the empty_cache() below and offset the

@@ -107,6 +107,14 @@ class PiecewiseGraphs:
         b.residual[:t].copy_(residual)
 
     @torch.inference_mode()
+    def dry_run(self) -> None:
+        """Every bucket's pieces once, inside kernels.launch.compile_ahead(): their new kernels compile."""
+        self.buf.slot_mapping.fill_(-1)
+        for t in reversed(self.buckets):
+            for i in range(len(self.model.layers) + 1):
+                self._piece(i, t)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         self.buf.slot_mapping.fill_(-1)  # warm-up and capture runs write no KV
         # cached blocks of earlier work would be released by the empty_cache() below and offset the

@@ -188,6 +188,8 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec.for_model(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
+        if self.device.type == "cuda":
+            self._compile_early()
         # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step
         self.cost_model = self.measure_step_costs() if self.device.type == "cuda" else None
         # every rank derives its graphs from the cost model: rank 0's measurement for all
@@ -230,17 +232,23 @@ class ModelRunner:
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, cfg.max_num_seqs,
                                        self.max_blocks_per_seq, cfg.block_size, self.device, self.num_scheduler_steps)
-            self.graphs.capture()
-            phase("decode graphs")
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
                                                  self.device, self._slow_buckets())
-                self.piecewise.capture()
-                phase("piecewise graphs")
                 if cfg.step_graph_max_tokens and self.ops.work_lists:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
                                             self.max_blocks_per_seq, self.step_max_tokens, self.device,
                                             self._slow_buckets())
+        if self.device.type == "cuda":
+            self._compile_ahead()
+            phase("compiles")
+        if self.graphs is not None:
+            self.graphs.capture()
+            phase("decode graphs")
+            if self.piecewise is not None:
+                self.piecewise.capture()
+                phase("piecewise graphs")
+                if self.steps is not None:
                     self.steps.capture(self.piecewise.pool)
                     phase("step graphs")
         self.host_slots: HostSlots | None = None
@@ -252,7 +260,51 @@ class ModelRunner:
             tokens, seqs = max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs
             self.uploads = UploadRing(8 * (3 * tokens + 3 * seqs) + 4 * (3 * seqs + 2 + seqs * self.max_blocks_per_seq))
             self.warmup()
+            from kernels.launch import finish_compiles
+
+            finish_compiles()  # anything the early pass compiled that no phase launched
             phase("warm-up")
+
+    @torch.inference_mode()
+    def _compile_early(self) -> None:
+        """Submit the compiles of every start-up phase's Triton kernels at once, to run on threads
+        while the cost model and the KV sizing run: a dry pass (kernels/launch.py) over the cost
+        model's forwards, the profile run's and the warm-up's, and over graphs of a provisional size
+        (the final sizes follow from the cost model; _compile_ahead() catches what this missed)."""
+        from kernels.launch import compile_ahead
+
+        cfg = self.cfg
+        pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
+        with compile_ahead(wait=False):
+            for n in self._cost_sizes():
+                self._forward_fn(n, pool)()
+            self.profile_run(sample=False)
+            if not cfg.enforce_eager:
+                DecodeGraphs(self.model, self.ops, pool.layers, cfg.max_num_seqs, self.max_blocks_per_seq,
+                             cfg.block_size, self.device, 1).dry_run()
+                if cfg.piecewise_graphs:  # their pieces' kernels are the cost model forwards'
+                    top = min(cfg.max_num_batched_tokens, max(cfg.step_graph_max_tokens, COST_MAX_ROWS))
+                    pw = PiecewiseGraphs(self.model, self.ops, pool.layers, top, self.device, frozenset())
+                    if cfg.step_graph_max_tokens and self.ops.work_lists:
+                        StepGraphs(self.model, self.ops, pool.layers, pw, cfg.max_num_seqs, self.max_blocks_per_seq,
+                                   min(cfg.step_graph_max_tokens, top), self.device, frozenset()).dry_run()
+            self.warmup(sample=False, layers=pool.layers, eager_decodes=cfg.enforce_eager)
+        del pool
+        torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def _compile_ahead(self) -> None:
+        """The Triton kernels of the graphs' final sizes that the early pass did not cover, compiled
+        side by side on threads before capture compiles them one after another."""
+        from kernels.launch import compile_ahead
+
+        with compile_ahead() as compiled:  # the decode graphs' and warm-up's sizes are the early pass's
+            for graphs in (self.piecewise, self.steps):
+                if graphs is not None:
+                    graphs.dry_run()
+        torch.cuda.synchronize(self.device)
+        if compiled and compiled[0]:
+            log.info("compiled %d kernel variants ahead of capture", compiled[0])
 
     def _slow_buckets(self) -> frozenset[int]:
         """Token counts not worth a graph: a larger count's forward measured faster."""
@@ -291,7 +343,7 @@ class ModelRunner:
         return graphs
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self, sample: bool = True) -> None:
         """One forward over max_num_batched_tokens tokens, writing nowhere, then the sampler at its
         most expensive (top-k, top-p, logprobs on max_num_seqs rows), to measure the activation peak."""
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
@@ -308,8 +360,9 @@ class ModelRunner:
         rows = min(n, self.cfg.max_num_seqs)
         logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device))
         del pool
-        worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
-        sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
+        if sample:
+            worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
+            sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -319,11 +372,7 @@ class ModelRunner:
         ms (default: the device timer, _device_ms)."""
         # five repeats: one slow outlier must not make a bucket look beaten (engine/cost_model.py)
         timer = timer or (lambda fn: _device_ms(fn, repeats=5, comm=self.comm))
-        top = min(self.cfg.max_num_batched_tokens, self.max_model_len)
-        top = min(top, COST_MAX_ROWS)  # a mixed step stays below it; beyond, the model extrapolates
-        sizes = step_buckets(top)  # the token counts the graphs capture: what a step pays
-        if len(sizes) < 2:
-            sizes = [1, max(2, top)]
+        sizes = self._cost_sizes()
         pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
         forward_ms = [timer(self._forward_fn(n, pool)) for n in sizes]
         del pool
@@ -343,6 +392,13 @@ class ModelRunner:
                  bandwidth / 1e12, d, model.prompt_budget(d, d * 512))
         return model
 
+    def _cost_sizes(self) -> list[int]:
+        """The forward sizes the cost model times: the token counts the graphs capture, what a step pays."""
+        top = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        top = min(top, COST_MAX_ROWS)  # a mixed step stays below it; beyond, the model extrapolates
+        sizes = step_buckets(top)
+        return sizes if len(sizes) >= 2 else [1, max(2, top)]
+
     def _forward_fn(self, n: int, pool: KVPool) -> Callable[[], object]:
         """The model over n prompt tokens in chunks of COST_CHUNK, slots -1 (writes nowhere)."""
         lens = [min(COST_CHUNK, n - i) for i in range(0, n, COST_CHUNK)]
@@ -358,13 +414,16 @@ class ModelRunner:
         return lambda: self.model(self.ops, ids, pos, pool.layers, meta, last)
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, sample: bool = True, layers: list | None = None, eager_decodes: bool | None = None) -> None:
         """Compile, before the first request, the kernel variants that eager steps use, in steps that
         write nowhere: mixed steps (decodes + one prefill chunk) with one decode per prefill tile
         height and one longer chunk, and with each power-of-two decode count (decode attention's variant follows the count
         rounded up to one) and the smallest chunk; with --enforce-eager also a decode-only step per
         count (those fuse rotary into attention: other variants). The decode graphs' own variants
-        come with their capture."""
+        come with their capture. For compile_ahead's dry passes: sample=False runs the forwards only,
+        layers replaces the KV pool's, eager_decodes overrides "no decode graphs"."""
+        layers = self.pool.layers if layers is None else layers
+        eager_decodes = self.graphs is None if eager_decodes is None else eager_decodes
         top = self.cfg.max_num_seqs
         counts = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
         for nd in counts:
@@ -373,11 +432,11 @@ class ModelRunner:
             # work-list form
             for chunk in (16, 32, 64, 128) if nd == 1 else (16,):
                 if chunk < self.max_model_len:
-                    self._warmup_step(nd, chunk)
-            if self.graphs is None:
-                self._warmup_step(nd, 0)
+                    self._warmup_step(nd, chunk, layers, sample)
+            if eager_decodes:
+                self._warmup_step(nd, 0, layers, sample)
 
-    def _warmup_step(self, nd: int, chunk: int) -> None:
+    def _warmup_step(self, nd: int, chunk: int, layers: list, sample: bool = True) -> None:
         """nd decodes of length 1 and a prefill chunk of `chunk` tokens (0: none), slots -1."""
         nseq, n = nd + (1 if chunk else 0), nd + chunk
         seq_lens = [1] * nd + ([chunk] if chunk else [])
@@ -390,7 +449,9 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
         last = torch.tensor([0] * nd + ([chunk - 1] if chunk else []), device=self.device)
-        logits = self.model(self.ops, ids, pos, self.pool.layers, meta, torch.arange(nseq, device=self.device) + last)
+        logits = self.model(self.ops, ids, pos, layers, meta, torch.arange(nseq, device=self.device) + last)
+        if not sample:
+            return
         sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * nseq, [0] * nseq),
                          self.generator).to_host()
 

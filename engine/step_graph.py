@@ -25,6 +25,7 @@ full width (the decode plan depends on it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -115,27 +116,45 @@ class StepGraphs:
         x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
         b.hidden[:t].copy_(x)
 
-    @torch.inference_mode()
-    def capture(self, pool) -> None:
-        """Every (R, T) graph, into `pool` (the piecewise graphs'): their temporaries fit in it."""
+    def _shapes(self, largest_first: bool = True) -> Iterator[tuple[int, int]]:
+        """Every (R, T) to capture, with the inputs of T set as each T comes: token 0 at position 0
+        on every row, written nowhere (slot -1; the buckets' views overlap, so only T's are right)."""
         from kernels.prefill_attention import WORK_PAD
 
         self.work.fill_(WORK_PAD)
-        pw = self.pw
-        torch.cuda.empty_cache()  # as in PiecewiseGraphs.capture: measure the pool's growth only
-        before = torch.cuda.memory_reserved(pw.device)
-        for t in reversed(self.token_buckets):
-            # the buckets' views overlap: token 0 at position 0 on every row, written nowhere (slot -1)
+        order = -1 if largest_first else 1
+        for t in self.token_buckets[::order]:
             ids, positions, slots = self._inputs(t)
             ids.zero_()
             positions.zero_()
             slots.fill_(-1)
-            for rows in reversed(self.decode_rows):
-                if rows > t:
-                    continue
-                self._forward(rows, t)  # warm-up: compiles kernels, picks cuBLAS algorithms
-                torch.cuda.synchronize(pw.device)
-                self.graphs[(rows, t)] = capture_graph(lambda: self._forward(rows, t), pool)[0]
+            for rows in self.decode_rows[::order]:
+                if rows <= t:
+                    yield rows, t
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """Inside kernels.launch.compile_ahead(): a forward for each token count and for each decode
+        row count, smallest first (the graphs' (R, T) pairs would cost seconds of forwards; a variant
+        this misses compiles at capture)."""
+        seen_t: set[int] = set()
+        seen_rows: set[int] = set()
+        for rows, t in self._shapes(largest_first=False):
+            if t not in seen_t or rows not in seen_rows:
+                seen_t.add(t)
+                seen_rows.add(rows)
+                self._forward(rows, t)
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Every (R, T) graph, into `pool` (the piecewise graphs'): their temporaries fit in it."""
+        pw = self.pw
+        torch.cuda.empty_cache()  # as in PiecewiseGraphs.capture: measure the pool's growth only
+        before = torch.cuda.memory_reserved(pw.device)
+        for rows, t in self._shapes():
+            self._forward(rows, t)  # warm-up: compiles kernels, picks cuBLAS algorithms
+            torch.cuda.synchronize(pw.device)
+            self.graphs[(rows, t)] = capture_graph(lambda: self._forward(rows, t), pool)[0]
         torch.cuda.synchronize(pw.device)
         torch.cuda.empty_cache()  # the eager warm-ups' memory
         self.pool_bytes = max(0, torch.cuda.memory_reserved(pw.device) - before)

@@ -14,10 +14,19 @@ compiles if needed). Under the interpreter, with launch hooks installed (profile
 arguments of a kind it does not know, every call takes the normal path. CHECK = True
 (PAGEDSERVE_CHECK_LAUNCH=1, set by lab/gpu_suite.sh's tests) asks Triton for its kernel on
 every fast launch and asserts it is the cached one.
+
+`compile_ahead()` makes a dry pass: inside it, a launch of a specialization not seen before is not
+run; its compile goes to a pool of threads (Triton compiles run side by side on threads: 3.4x on
+8 threads, measured) and the exit waits for them. Start-up runs each phase's forwards once this way,
+then for real: a cold start compiled ~33 variants one after another for ~47 s (bench/NOTES.md).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -119,6 +128,90 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _Compiles:
+    """The compiles that a compile_ahead() pass submitted, one per launch key, on its threads."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
+        self.keys: set[tuple] = set()
+        self.pending: dict[object, list[Future]] = {}  # kernel -> its compiles not yet waited for
+        self.count = 0
+
+    def submit(self, fn, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
+        if key is not None:
+            if key in self.keys or any(key in c.keys for c in _BACKGROUND):
+                return
+            self.keys.add(key)
+        self.count += 1
+        future = self.pool.submit(self._compile, _current_device(), fn, grid, args, kwargs)
+        self.pending.setdefault(fn, []).append(future)
+
+    @staticmethod
+    def _compile(device: int, fn, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        torch.cuda.set_device(device)  # a new thread starts on device 0; Triton caches per device
+        fn.warmup(*args, grid=grid, **kwargs)
+
+    def wait(self, fn) -> None:
+        """fn's compiles done (its first launch then finds them in Triton's cache); raise a failure."""
+        for f in self.pending.pop(fn, ()):
+            f.result()
+
+    def wait_all(self) -> None:
+        try:
+            for fn in list(self.pending):
+                self.wait(fn)
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+_DRY: ContextVar[_Compiles | None] = ContextVar("pagedserve_compile_ahead", default=None)
+_BACKGROUND: list[_Compiles] = []  # passes left compiling (wait=False): a launch that misses waits for them
+
+
+@contextmanager
+def compile_ahead(threads: int | None = None, wait: bool = True) -> Iterator[list[int]]:
+    """A dry pass: launches of specializations seen before run as usual; a new one is not run (its
+    outputs keep whatever they held), and its compile is submitted to `threads` threads (default:
+    the CPUs this process may use). Run inside it only forwards whose results nothing reads, then
+    run them again for real. On exit, waits for every compile; with wait=False they go on in the
+    background, and the first launch of a kernel waits for that kernel's compiles (finish_compiles()
+    waits for all). Yields a list that holds, after the exit, the number of compiles submitted. Off
+    (everything runs) under the interpreter, without a GPU, or nested."""
+    count: list[int] = []
+    if os.environ.get("TRITON_INTERPRET") == "1" or _DRY.get() is not None or not torch.cuda.is_available():
+        yield count
+        return
+    compiles = _Compiles(threads or len(os.sched_getaffinity(0)))
+    token = _DRY.set(compiles)
+    try:
+        yield count
+    finally:
+        _DRY.reset(token)
+        count.append(compiles.count)
+        if wait:
+            compiles.wait_all()
+        else:
+            _BACKGROUND.append(compiles)
+
+
+def finish_compiles() -> None:
+    """Wait for every compile left in the background; raise the first failure."""
+    while _BACKGROUND:
+        _BACKGROUND.pop().wait_all()
+
+
+def _compile_now(fn, grid: tuple[int, ...], args: tuple, kwargs: dict):
+    """fn[grid](...) (in a dry pass: its compile submitted, nothing run), after any compile of fn
+    left in the background."""
+    dry = _DRY.get()
+    if dry is not None:
+        dry.submit(fn, grid, args, kwargs, None)
+        return None
+    for compiles in _BACKGROUND:
+        compiles.wait(fn)
+    return fn[grid](*args, **kwargs)
+
+
 def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs), faster when this specialization was launched before. Every
     parameter must be given (positionally, or by name), launch options (num_warps, ...) by name."""
@@ -169,7 +262,7 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = F
     k = _KERNELS.get(fn)
     if k is None:
         if not hasattr(fn, "params") or os.environ.get("TRITON_INTERPRET") == "1":
-            fn[grid](*args, **kwargs)
+            _compile_now(fn, grid, args, kwargs)
             return None
         k = _KERNELS[fn] = _Kernel(fn)
     names = k.names
@@ -177,7 +270,7 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = F
         try:
             full = list(args) + [kwargs[n] for n in names[len(args):]]
         except KeyError:
-            fn[grid](*args, **kwargs)  # a defaulted parameter: not worth a fast path
+            _compile_now(fn, grid, args, kwargs)  # a defaulted parameter: not worth a fast path
             return None
         options = tuple(sorted((n, v) for n, v in kwargs.items() if n not in k.name_set))
     else:
@@ -185,7 +278,7 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = F
         options = tuple(sorted(kwargs.items()))
     key = k.key(full)
     if key is None or _raw_stream is None or _hooks_installed():
-        fn[grid](*args, **kwargs)
+        _compile_now(fn, grid, args, kwargs)
         return None
     device = _current_device()
     key = key + options + (device,)
@@ -194,7 +287,11 @@ def _launch(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, keep: bool = F
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     if kernel is None:
-        kernel = fn[grid](*args, **kwargs)
+        dry = _DRY.get()
+        if dry is not None:
+            dry.submit(fn, grid, args, kwargs, key)
+            return None
+        kernel = _compile_now(fn, grid, args, kwargs)
         if kernel is None:
             return None
         k.compiled[key] = kernel

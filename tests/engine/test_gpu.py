@@ -232,7 +232,9 @@ def test_piecewise_graphs_equal_eager_steps(tiny_models, dtype, kv):
         assert (pw is not None) == piecewise
         out = [o.token_ids for o in llm.generate(ps, GREEDY)]
         if piecewise:
-            assert pw.buckets == [16, 32, 48] and pw.num_runs >= sum(len(p) for p in ps) // 48
+            # 16 or 32 may be left out where the cost model measured a larger forward no slower
+            assert set(pw.buckets) <= {16, 32, 48} and pw.buckets[-1] == 48
+            assert pw.num_runs >= sum(len(p) for p in ps) // 48
         return out
 
     eager, graphs = run(False), run(True)

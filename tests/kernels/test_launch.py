@@ -59,3 +59,24 @@ def test_fast_launches_match_the_normal_path(monkeypatch):
             got = fused.rms_norm(x, w, 1e-6)
             torch.testing.assert_close(got, ref_rms_norm(x, w, 1e-6), rtol=1.6e-2, atol=1.6e-2)
     assert launch.stats()["_rms_norm_kernel"][1] >= before + 6
+
+
+@gpu
+def test_compile_ahead_compiles_without_launching():
+    """Inside compile_ahead(), a new specialization is compiled on a thread and not run (its output
+    keeps what it held); after it, the launch runs the compiled kernel without compiling again."""
+    fn = JITFunction(_scale)  # a fresh function: nothing of it compiled in this process
+    x = torch.randn(100, device="cuda")
+    out = torch.full((100,), -1.0, device="cuda")
+    with launch.compile_ahead(threads=2) as compiled:
+        launch.launch(fn, (1,), x, out, 100, 1, 3.0, BLOCK=128)
+        launch.launch(fn, (1,), x, out, 100, 1, 3.0, BLOCK=128)  # the same key: submitted once
+        launch.launch(fn, (1,), x, out, 100, 1, 3.0, BLOCK=256)
+    assert compiled == [2]
+    torch.cuda.synchronize()
+    assert bool((out == -1).all())  # nothing ran
+    device = torch.cuda.current_device()
+    assert len(fn.device_caches[device][0]) == 2  # both variants sit in Triton's in-memory cache
+    launch.launch(fn, (1,), x, out, 100, 1, 3.0, BLOCK=128)
+    torch.testing.assert_close(out, x * 3.0)
+    assert len(fn.device_caches[device][0]) == 2
