@@ -4,6 +4,7 @@ Against a running OpenAI-compatible server (--url), or one it starts itself (--m
 `serve run`). Closed loop at --concurrency N, or Poisson arrivals at --request-rate R (both: Poisson
 arrivals, at most N in flight). Every request streams random token ids to /v1/completions; the run
 reports throughput, TTFT/TPOT/ITL/E2E latency, goodput and the fraction of the roofline bound.
+Several rates (--request-rate R1,R2,...): one run per rate, and goodput against rate (bench/sweep.py).
 Standalone: python -m bench.cli --help
 """
 from __future__ import annotations
@@ -21,21 +22,34 @@ from typing import Any
 
 from bench.client import CompletionTarget
 from bench.hardware import Measurement, gpu_name, measure_in_subprocess
-from bench.load import (LoadError, LoadPlan, auto_client_processes, client_process_count, discover_model,
-                        probe, run_load)
+from bench.load import (LoadError, LoadPlan, LoadResult, auto_client_processes, client_process_count,
+                        discover_model, probe, run_load)
 from bench.metrics import SLO, compute_metrics
-from bench.plot import check_available, write_plot
+from bench.plot import check_available, write_goodput_plot, write_plot
 from bench.presets import resolve_model
 from bench.report import Roofline, RunInfo, format_report, result_dict
 from bench.roofline import HardwareRates, ModelCost, estimate
 from bench.server import ManagedServer, ServerError, resolve_command
-from bench.workload import WorkloadSpec, arrival_offsets, as_text, make_requests, warmup_requests
+from bench.sweep import Measured, format_table, run_sweep, sweep_dict
+from bench.workload import (BenchRequest, WorkloadSpec, arrival_offsets, as_text, fresh_tokens, make_requests,
+                            warmup_requests)
 from engine.config import ModelConfig, ModelConfigError
 from serve.build import TokenIdTokenizer, load_tokenizer
 from serve.cli_args import OneLineErrorParser
 
 PROG = "serve bench"
 DEFAULT_VOCAB = 32000  # token id range for prompts when no --model tells the real vocabulary
+
+
+def parse_rates(text: str) -> list[float]:
+    """--request-rate: one rate or several, comma-separated, in requests/s (inf: all at once)."""
+    rates = []
+    for part in text.split(","):
+        try:
+            rates.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a number of requests per second") from None
+    return rates
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", type=int, metavar="N", help="at most N requests in flight (closed loop "
                                                                    "when there is no --request-rate)")
-    load.add_argument("--request-rate", type=float, metavar="R", help="Poisson arrivals at R requests/s "
-                                                                      "(default: all at once)")
+    load.add_argument("--request-rate", type=parse_rates, metavar="R[,R...]",
+                      help="Poisson arrivals at R requests/s (default: all at once; inf: all at once); several "
+                           "rates, comma-separated: one run per rate, and a table (and with --plot a plot) of "
+                           "goodput against rate")
     load.add_argument("--num-prompts", type=int, default=64, help="number of requests (default: %(default)s)")
     load.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: %(default)s)")
     load.add_argument("--output-len", type=int, default=128, help="max_tokens of each request (default: %(default)s)")
@@ -98,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="roofline bf16 matmul rate instead of measuring it on this machine's GPU")
     out.add_argument("--num-gpus", type=int, metavar="N",
                      help="GPUs the served model is split over: the roofline sums their copy bandwidth and "
-                     "matmul rate (default: the --tensor-parallel-size in --server-args, else 1)")
+                     "matmul rate (default: the product of the tensor-, pipeline- and data-parallel sizes in "
+                     "--server-args, else 1)")
 
 
 @dataclass(frozen=True)
@@ -113,7 +130,8 @@ class _Setup:
     server_command: list[str] | None  # None: use --url
     server_args: list[str]
     url: str | None
-    request_rate: float | None
+    request_rate: float | None  # the first of request_rates
+    request_rates: list[float | None]  # None: all at once
     client_processes: int
 
 
@@ -128,11 +146,11 @@ def _validate(args: argparse.Namespace) -> _Setup:
                 raise ValueError(f"{flag} applies only when serve bench starts the server (drop --url)")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
-    rate = args.request_rate
-    if rate is not None and (math.isnan(rate) or rate <= 0):
-        raise ValueError(f"--request-rate must be > 0, got {rate}")
-    if rate is not None and math.isinf(rate):
-        rate = None
+    rates: list[float | None] = []
+    for rate in args.request_rate or [None]:
+        if rate is not None and (math.isnan(rate) or rate <= 0):
+            raise ValueError(f"--request-rate must be > 0, got {rate}")
+        rates.append(None if rate is not None and math.isinf(rate) else rate)
     if not 0.0 <= args.temperature <= 100.0:
         raise ValueError(f"--temperature must be in [0, 100], got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
@@ -186,7 +204,7 @@ def _validate(args: argparse.Namespace) -> _Setup:
         workload=workload, slo=slo, model_dir=model_dir, model=model, tokenizer=tokenizer,
         server_command=None if args.url else resolve_command(args.server_command),
         server_args=server_args, url=args.url.rstrip("/").removesuffix("/v1") if args.url else None,
-        request_rate=rate,
+        request_rate=rates[0], request_rates=rates,
         client_processes=args.client_processes or auto_client_processes(args.concurrency, workload.num_prompts))
 
 
@@ -200,15 +218,24 @@ def _hardware(args: argparse.Namespace, setup: _Setup) -> Measurement:
 
 
 def roofline_gpus(num_gpus: int | None, server_args: list[str]) -> int:
-    """GPUs the roofline counts: --num-gpus, else the tensor-parallel size the started server was
-    given. An ideal split: each GPU reads 1/N of the weights and KV and does 1/N of the FLOPs;
-    the all-reduces are not counted, so the bound stays a bound."""
+    """GPUs the roofline counts: --num-gpus, else the tensor-parallel size times the pipeline- and
+    data-parallel sizes the started server was given (P + D for --disaggregate P:D). An ideal split: each GPU reads 1/N of the weights and KV and
+    does 1/N of the FLOPs; the all-reduces are not counted, so the bound stays a bound."""
     if num_gpus is not None:
         return num_gpus
+    for i, arg in enumerate(server_args[:-1]):  # --disaggregate P:D: P + D engines of one GPU each
+        if arg == "--disaggregate" and all(x.isdigit() for x in server_args[i + 1].split(":")):
+            return sum(int(x) for x in server_args[i + 1].split(":"))
+    return (_size_flag(server_args, "--tensor-parallel-size", "-tp") * _size_flag(server_args, "--pipeline-parallel-size", "-pp")
+            * _size_flag(server_args, "--data-parallel-size", "-dp"))
+
+
+def _size_flag(server_args: list[str], name: str, short: str) -> int:
+    """The positive integer given to a `serve run` flag in server_args; 1 when absent or not one."""
     for i, arg in enumerate(server_args):
-        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(server_args):
+        if arg in (name, short) and i + 1 < len(server_args):
             value = server_args[i + 1]
-        elif arg.startswith("--tensor-parallel-size="):
+        elif arg.startswith(name + "="):
             value = arg.split("=", 1)[1]
         else:
             continue
@@ -270,7 +297,7 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         return 1
     target = CompletionTarget(url=base_url + args.endpoint, model=name, ignore_eos=args.ignore_eos,
                               api_key=args.api_key, temperature=args.temperature, top_p=args.top_p)
-    requests = make_requests(setup.workload)
+    requests = ids = make_requests(setup.workload)
     warmups = warmup_requests(setup.workload, max(1, args.num_warmups))
     if setup.tokenizer is not None:
         requests, warmups = as_text(requests, setup.tokenizer), as_text(warmups, setup.tokenizer)
@@ -288,39 +315,19 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         if failed:
             _error(f"{len(failed)} of {len(warmups)} warm-up requests failed: {failed[0].error}")
             return 1
-    arrivals = arrival_offsets(len(requests), setup.request_rate, setup.workload.seed)
-    plan = LoadPlan(arrivals=arrivals, concurrency=args.concurrency, processes=setup.client_processes)
-    processes = client_process_count(plan.processes, plan.concurrency, len(requests))
+    processes = client_process_count(setup.client_processes, args.concurrency, len(requests))
     if processes > 1:
         print(f"{PROG}: {processes} client processes", file=sys.stderr)
+    if len(setup.request_rates) > 1:
+        return _sweep(args, setup, target, hw, base_url, ids)
     try:
-        load = asyncio.run(run_load(target, requests, plan))
+        run = _measure(args, setup, target, hw, base_url, setup.request_rate, requests)
     except LoadError as e:
         _error(str(e))
         return 1
-    metrics = compute_metrics(load.results, load.duration_s, setup.slo)
-
-    rates = hw.rates()
-    roofline = None
-    if rates is not None and setup.model is not None:
-        lengths = [(r.num_prompt_tokens, r.output_len) for r in requests]
-        gpus = roofline_gpus(args.num_gpus, setup.server_args)
-        rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus)
-        roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
-                                     args.concurrency, setup.request_rate), rates, gpus)
-    info = RunInfo(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model, served_model_name=name,
-        url=base_url, gpu=hw.device, workload=setup.workload, concurrency=args.concurrency,
-        request_rate=setup.request_rate, ignore_eos=args.ignore_eos, kv_cache_dtype=args.kv_cache_dtype,
-        server_args=None if setup.url else shlex.join(setup.server_args), temperature=args.temperature,
-        top_p=args.top_p, prompt_format=args.prompt_format)
+    load, metrics, roofline, info = run.load, run.metrics, run.roofline, run.info
     print(format_report(info, metrics, roofline, no_roofline_reason(hw, setup.model)))
-    busy = load.client_cpu_fraction
-    if busy > 0.8:
-        which = "the load generator" if load.client_processes == 1 else \
-            f"the busiest of the {load.client_processes} client processes"
-        print(f"{PROG}: warning: {which} was busy {busy:.0%} of the run; the figures may measure "
-              "the client, not the server (more --client-processes?)", file=sys.stderr)
+    busy = _warn_if_client_bound(load)
     if args.result_json:
         result = result_dict(info, metrics, load.results, roofline, setup.slo)
         result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
@@ -334,6 +341,69 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         write_plot(args.plot, title, load.results, metrics,
                    roofline.estimate.output_throughput if roofline else None)
     return 0 if metrics.completed else 1
+
+
+def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, hw: Measurement, base_url: str,
+             rate: float | None, requests: list[BenchRequest]) -> Measured:
+    """One run at one request rate (None: all at once). Raises LoadError."""
+    arrivals = arrival_offsets(len(requests), rate, setup.workload.seed)
+    plan = LoadPlan(arrivals=arrivals, concurrency=args.concurrency, processes=setup.client_processes)
+    load = asyncio.run(run_load(target, requests, plan))
+    metrics = compute_metrics(load.results, load.duration_s, setup.slo)
+    rates = hw.rates()
+    roofline = None
+    if rates is not None and setup.model is not None:
+        lengths = [(r.num_prompt_tokens, r.output_len) for r in requests]
+        gpus = roofline_gpus(args.num_gpus, setup.server_args)
+        rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus)
+        roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
+                                     args.concurrency, rate), rates, gpus)
+    info = RunInfo(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
+        served_model_name=target.model, url=base_url, gpu=hw.device, workload=setup.workload,
+        concurrency=args.concurrency, request_rate=rate, ignore_eos=args.ignore_eos,
+        kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
+        temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format)
+    return Measured(load, metrics, roofline, info)
+
+
+def _warn_if_client_bound(load: LoadResult, when: str = "") -> float:
+    """Warn when the load generator's own CPU may have capped the figures; returns its busy fraction."""
+    busy = load.client_cpu_fraction
+    if busy > 0.8:
+        which = "the load generator" if load.client_processes == 1 else \
+            f"the busiest of the {load.client_processes} client processes"
+        print(f"{PROG}: warning: {which} was busy {busy:.0%} of the run{when}; the figures may measure "
+              "the client, not the server (more --client-processes?)", file=sys.stderr)
+    return busy
+
+
+def _sweep(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, hw: Measurement, base_url: str,
+           ids: list[BenchRequest]) -> int:
+    """--request-rate R1,R2,...: one run per rate, then the goodput table (and JSON, plot)."""
+    def requests_for(run: int) -> list[BenchRequest]:
+        requests = fresh_tokens(ids, setup.workload, run)
+        return as_text(requests, setup.tokenizer) if setup.tokenizer is not None else requests
+
+    try:
+        runs, points = run_sweep(setup.request_rates, requests_for,
+                                 lambda rate, requests: _measure(args, setup, target, hw, base_url, rate, requests),
+                                 setup.slo, lambda line: print(f"{PROG}: {line}", file=sys.stderr))
+    except LoadError as e:
+        _error(str(e))
+        return 1
+    for run in runs:
+        _warn_if_client_bound(run.load, f" at {run.info.request_rate or 'inf'} req/s")
+    print(format_table(points, setup.slo))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(sweep_dict(runs, points, setup.slo), indent=1) + "\n")
+    if args.plot:
+        w, info = setup.workload, runs[0].info
+        title = (f"{info.model or target.model} on {info.gpu or 'unknown GPU'}: {w.num_prompts} requests per rate, "
+                 f"{w.input_len} in / {w.output_len} out (range ratio {w.range_ratio:g})")
+        label = (shlex.join(setup.server_args) or "serve run") if setup.url is None else setup.url
+        write_goodput_plot(args.plot, title, {label: points}, setup.slo)
+    return 0 if all(p.completed for p in points) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.client import RequestResult
-from bench.metrics import BenchmarkMetrics
+from bench.metrics import SLO, BenchmarkMetrics
+from bench.sweep import SweepPoint
 
 
 def check_available() -> None:
@@ -72,3 +73,48 @@ def _throughput_bars(ax, achieved: float, bound: float | None) -> None:
     if bound:
         ax.set_title(f"{achieved / bound:.1%} of the bound")
     ax.set_ylabel("output tok/s")
+
+
+def write_goodput_plot(path: str | Path, title: str, curves: dict[str, list[SweepPoint]],
+                       slo: SLO | None) -> None:
+    """Goodput and throughput, TTFT and TPOT against the offered request rate; one line per curve
+    (a server setup). Rows of rate inf (all at once) are left out: they have no place on the axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_good, ax_ttft, ax_tpot) = plt.subplots(1, 3, figsize=(17, 5))
+    top = 0.0
+    for k, (label, points) in enumerate(curves.items()):
+        pts = [p for p in points if p.request_rate is not None]
+        if not pts:
+            continue
+        color = f"C{k}"
+        rates = [p.request_rate for p in pts]
+        top = max(top, *rates)
+        ax_good.plot(rates, [p.request_throughput for p in pts], color=color, linestyle=":", marker=".",
+                     label=f"{label}: throughput")
+        if all(p.goodput is not None for p in pts):
+            ax_good.plot(rates, [p.goodput for p in pts], color=color, marker="o", label=f"{label}: goodput")
+        for ax, med, p99 in ((ax_ttft, "median_ttft_ms", "p99_ttft_ms"), (ax_tpot, "median_tpot_ms", "p99_tpot_ms")):
+            ax.plot(rates, [getattr(p, med) for p in pts], color=color, marker="o", label=f"{label}: median")
+            ax.plot(rates, [getattr(p, p99) for p in pts], color=color, linestyle="--", marker="x", label=f"{label}: p99")
+    if top:
+        ax_good.plot([0, top], [0, top], color="gray", linewidth=0.8, label="offered")
+    ax_good.set_ylabel("requests/s")
+    ax_good.set_title("goodput" + (f" ({', '.join(f'{k} <= {v:g}' for k, v in slo.as_dict().items())})" if slo else ""))
+    for ax, name, limit in ((ax_ttft, "TTFT (ms)", slo.ttft_ms if slo else None),
+                            (ax_tpot, "TPOT (ms)", slo.tpot_ms if slo else None)):
+        if limit is not None:
+            ax.axhline(limit, color="tab:red", linewidth=0.8, label="objective")
+        ax.set_yscale("log")
+        ax.set_ylabel(name)
+        ax.set_title(name)
+    for ax in (ax_good, ax_ttft, ax_tpot):
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

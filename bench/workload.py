@@ -101,6 +101,21 @@ def warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
     return make_requests(other)
 
 
+def fresh_tokens(requests: list[BenchRequest], spec: WorkloadSpec, run: int) -> list[BenchRequest]:
+    """The requests of run `run` of a rate sweep: the same lengths and shared prefix, other tokens
+    after it, so that no run finds an earlier run's prompts in the server's prefix cache. Run 0
+    keeps the requests as they are."""
+    if run == 0:
+        return requests
+    rng = np.random.default_rng([spec.seed, 3, run])
+    out = []
+    for r in requests:
+        assert not isinstance(r.prompt, str)
+        suffix = rng.integers(0, spec.vocab_size, size=len(r.prompt) - spec.shared_prefix_len).tolist()
+        out.append(replace(r, prompt=r.prompt[:spec.shared_prefix_len] + suffix))
+    return out
+
+
 def arrival_offsets(num_requests: int, request_rate: float | None, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent: a Poisson process at request_rate
     requests/s, or all at once when request_rate is None or infinite."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.calc import tensor_parallel_problem
+from kvcache.calc import pipeline_parallel_problem, tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -121,6 +121,12 @@ class ModelConfig:
         if why is not None:
             raise ValueError(f"tensor_parallel_size {why}")
 
+    def check_pipeline_parallel(self, size: int) -> None:
+        """Raise ValueError unless `size` stages can each own at least one layer."""
+        why = pipeline_parallel_problem(self, size)
+        if why is not None:
+            raise ValueError(f"pipeline_parallel_size {why}")
+
     def num_params(self) -> int:
         """Parameter count from the shapes (embedding and lm_head counted once when tied)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -187,6 +193,9 @@ class EngineConfig:
     num_scheduler_steps: int | None = None
     # ranks that split each layer (engine/parallel/): one process per GPU, or per share of the CPU
     tensor_parallel_size: int = 1
+    # stages that each own a contiguous range of layers (engine/parallel/stage.py); the world is
+    # tensor_parallel_size x pipeline_parallel_size ranks
+    pipeline_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -208,7 +217,8 @@ class EngineConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         choice("load_format", LOAD_FORMATS)
         choice("backend", BACKENDS)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             positive(name)
         if self.num_scheduler_steps is not None:
             positive("num_scheduler_steps")

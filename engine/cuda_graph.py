@@ -7,6 +7,10 @@ pinned buffer (kernels/graph_inputs.py has the layout), and the graph's launch. 
 the first kernel spreads that buffer into the static inputs (taking pending input tokens from
 `tokens`), and the last one writes each row's greedy token into `tokens`, where the host's copy
 and the next step's pending rows read it.
+
+A pipeline stage's graphs run its layers only: after the first stage they read the carry from the
+static `carry` buffer (the runner copies the received one in before the replay), and before the
+last they end with the carry out (replay_carry()) instead of logits and tokens.
 """
 from __future__ import annotations
 
@@ -96,9 +100,13 @@ class DecodeGraphs:
         self._rows = torch.arange(self.max_bs, dtype=torch.int64, device=device)
         self._uploads = UploadRing(words * 8)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each bucket's output: logits, or a stage's carry out
         self.device = device
         self.pool_bytes = 0
+        self.carry: torch.Tensor | None = None  # [2, max_bs, hidden]: a later pipeline stage's input
+        if model.embed_tokens is None:
+            dtype = next(model.parameters()).dtype
+            self.carry = torch.zeros((2, self.max_bs, model.cfg.hidden_size), dtype=dtype, device=device)
 
     def _forward(self, bs: int) -> torch.Tensor:
         from kernels import graph_inputs  # Triton: only where graphs are captured
@@ -106,9 +114,12 @@ class DecodeGraphs:
         s = self.inputs
         graph_inputs.unpack(self.stage, self.tokens, s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs],
                             s.seq_lens[:bs], s.block_tables, self.block_size)
-        logits = self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs])
-        self.ops.argmax_rows(logits, self.tokens[:bs])
-        return logits
+        carry = None if self.carry is None else self.carry[:, :bs]
+        out = self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs],
+                         carry)
+        if self.model.norm is not None:  # logits (not a pipeline stage's carry)
+            self.ops.argmax_rows(out, self.tokens[:bs])
+        return out
 
     @torch.inference_mode()
     def dry_run(self) -> None:
@@ -150,6 +161,14 @@ class DecodeGraphs:
         bs = self.bucket_for(n)
         self.graphs[bs].replay()
         return self.logits[bs][:n], self.tokens[:n]
+
+    def replay_carry(self, n: int, words: int) -> torch.Tensor:
+        """replay() on a pipeline stage before the last -> its carry out [2, n, hidden], a view of a
+        static buffer that the next replay overwrites."""
+        self._uploads.send(self.stage.view(torch.uint8), words * 8)
+        bs = self.bucket_for(n)
+        self.graphs[bs].replay()
+        return self.logits[bs][:, :n]
 
     def replay_steps(self, n: int, words: int, steps: int) -> torch.Tensor:
         """replay(), then steps - 1 more replays, each on the tokens the one before sampled, one

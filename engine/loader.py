@@ -35,7 +35,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = True) -> None:
     """Each tensor of the checkpoint into its parameter; a sharded parameter (tensor parallel)
-    reads only this rank's slice of it."""
+    reads only this rank's slice of it, and another pipeline stage's tensors are not read at all."""
     params = dict(model.named_parameters())
     shards = model.param_shards()
     wmap = model.hf_weight_map()
@@ -46,7 +46,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name not in wmap:
-                    if name == "lm_head.weight" and model.lm_head is None:
+                    if model.held_elsewhere(name):
+                        continue
+                    if name == "lm_head.weight" and model.global_cfg.tie_word_embeddings:
                         continue  # tied: some checkpoints still store the copy
                     if "rotary_emb" in name:
                         continue
@@ -95,6 +97,8 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     """Random weights with the real shapes (benchmarks: throughput doesn't depend on values).
     Small uniform values keep activations finite in bf16; norms stay 1. A sharded parameter is
     drawn whole and cut: every rank holds its part of the same model, whatever the rank count."""
+    if model.stage.size > 1:
+        return _init_dummy_stage(model, seed)
     g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     shards = model.param_shards()
     for name, p in model.named_parameters():
@@ -109,4 +113,42 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
             full = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
             p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
             del full
+    _zero_padding(model, shards)
+
+
+@torch.no_grad()
+def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
+    """init_dummy_weights for one pipeline stage: the whole model's parameters are drawn in the
+    whole model's order (from a copy of it on the meta device), those of other stages thrown away,
+    so the stages together hold the model that one GPU would (a tied LM head takes the embedding's)."""
+    some = next(model.parameters())
+    device, dtype = some.device, some.dtype
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(model.global_cfg, model.comm)
+    ours = dict(model.named_parameters())
+    shards, whole_shards = model.param_shards(), whole.param_shards()
+    start = model.stage.start
+    for name, meta_p in whole.named_parameters():
+        local = name
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            local = f"layers.{i - start}.{name.split('.', 2)[2]}" if model.stage.owns_layer(i) else None
+        elif name == "embed_tokens.weight" and model.embed_tokens is None and model.lm_head is not None \
+                and model.global_cfg.tie_word_embeddings:
+            local = "lm_head.weight"
+        p = ours.get(local) if local is not None else None
+        if name.endswith("norm.weight"):
+            if p is not None:
+                p.fill_(1.0)
+            continue
+        shard = whole_shards.get(name) if p is None else shards.get(local)
+        shape = list(meta_p.shape)
+        if shard is not None:
+            shape[shard.dim] = shard.global_size
+        full = torch.empty(shape, dtype=dtype, device=device)
+        full.uniform_(-0.02, 0.02, generator=g)
+        if p is not None:
+            p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full)) if shard is not None else p.copy_(full)
+        del full
     _zero_padding(model, shards)

@@ -15,6 +15,11 @@ eagerly on the n real rows between them. Every tensor that crosses a piece bound
 positions, slots, qkv, attention output, residual, final hidden state) lives in a static buffer
 allocated outside the graph pool, so the pool holds one piece's temporaries at a time, shared by all
 pieces and buckets.
+
+On a pipeline stage the pieces cover its layers: after the first stage piece 0 starts from the
+static carry (the previous stage's hidden state and residual) instead of the embedding, and before
+the last the last piece leaves the hidden state and the residual in their buffers (no final norm),
+which run() returns stacked as the carry.
 """
 from __future__ import annotations
 
@@ -47,7 +52,8 @@ class StaticBuffers:
     qkv: torch.Tensor  # [T, q + 2 kv]
     attn_out: torch.Tensor  # [T, q]
     residual: torch.Tensor  # [T, hidden]
-    hidden: torch.Tensor  # [T, hidden], the final norm's output
+    hidden: torch.Tensor  # [T, hidden], the final norm's output (a stage before the last: its hidden state)
+    carry: torch.Tensor | None = None  # [2, T, hidden]: a later pipeline stage's input
 
     @classmethod
     def allocate(cls, model: LlamaForCausalLM, max_tokens: int, dtype: torch.dtype,
@@ -55,9 +61,10 @@ class StaticBuffers:
         cfg = model.cfg
         i64 = dict(dtype=torch.int64, device=device)
         act = dict(dtype=dtype, device=device)
+        carry = None if model.embed_tokens is not None else torch.zeros(2, max_tokens, cfg.hidden_size, **act)
         return cls(torch.zeros(max_tokens, **i64), torch.zeros(max_tokens, **i64), torch.full((max_tokens,), -1, **i64),
                    torch.zeros(max_tokens, cfg.q_size + 2 * cfg.kv_size, **act), torch.zeros(max_tokens, cfg.q_size, **act),
-                   torch.zeros(max_tokens, cfg.hidden_size, **act), torch.zeros(max_tokens, cfg.hidden_size, **act))
+                   torch.zeros(max_tokens, cfg.hidden_size, **act), torch.zeros(max_tokens, cfg.hidden_size, **act), carry)
 
 
 class PiecewiseGraphs:
@@ -66,7 +73,7 @@ class PiecewiseGraphs:
         self.model, self.ops, self.caches = model, ops, caches
         self.buckets = piecewise_buckets(max_tokens, skip)
         self.max_tokens = self.buckets[-1]
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = next(model.parameters()).dtype
         self.buf = StaticBuffers.allocate(model, self.max_tokens, self.dtype, device)
         cfg = model.cfg
         qkv = self.buf.qkv
@@ -84,16 +91,23 @@ class PiecewiseGraphs:
 
     @property
     def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self.buf).values())
+        return sum(t.numel() * t.element_size() for t in vars(self.buf).values() if t is not None)
 
     def _piece(self, i: int, t: int) -> None:
         """Piece i over the first t rows of the static buffers (see the module docstring)."""
         m, ops, b = self.model, self.ops, self.buf
         if i == 0:
-            x, residual = m.embed_tokens(b.input_ids[:t]), None
+            if b.carry is None:
+                x, residual = m.embed_tokens(b.input_ids[:t]), None
+            else:
+                x, residual = b.carry[0, :t], b.carry[1, :t]
         else:
             x, residual = m.layers[i - 1].finish(ops, b.attn_out[:t], b.residual[:t])
         if i == len(m.layers):
+            if m.norm is None:  # a pipeline stage before the last: its carry out
+                b.hidden[:t].copy_(x)
+                b.residual[:t].copy_(residual)
+                return
             x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
             b.hidden[:t].copy_(x)
             return
@@ -139,12 +153,15 @@ class PiecewiseGraphs:
         return smallest_bucket(self.buckets, n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-            logit_indices: torch.Tensor) -> torch.Tensor:
-        """The model's forward for a step of n <= max_tokens tokens -> logits [len(logit_indices), V]."""
+            logit_indices: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward for a step of n <= max_tokens tokens -> logits [len(logit_indices), V]
+        (a pipeline stage: from the previous stage's carry, and before the last its carry out)."""
         n = input_ids.shape[0]
         t = self.bucket_for(n)
         self.num_runs += 1
         b = self.buf
+        if carry is not None:
+            b.carry[:, :n].copy_(carry)
         b.input_ids[:n].copy_(input_ids)
         b.positions[:n].copy_(positions)
         b.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -156,4 +173,6 @@ class PiecewiseGraphs:
         for i, cache in enumerate(self.caches):
             attend(self.ops, q, k, v, cache, meta, self.scales[i], out=out)
             graphs[i + 1].replay()
+        if self.model.norm is None:
+            return torch.stack((b.hidden[:n], b.residual[:n]))
         return self.model.compute_logits(b.hidden[:n][logit_indices])

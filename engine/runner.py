@@ -18,10 +18,12 @@ from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.cuda_graph import DecodeGraphs, head_words
+from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
 from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.topology import Pipe, Sent
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs, step_buckets
@@ -137,18 +139,32 @@ class Launched:
     sampled: list[int]  # indices of the batch items that sample
     num_items: int
     events: tuple | None = None  # CUDA timing events around the step (enable_step_timing)
+    sent: Sent | None = None  # a pipeline stage's carry on its way to the next stage
+    deferred: DeferredSample | None = None  # constrained rows' sampling, waiting for finish()
+
+
+@dataclass
+class DeferredSample:
+    """The sampling of a step with constrained rows whose previous token was still pending at
+    launch: queued by finish() once that token is on the host and their masks can be filled."""
+    logits: torch.Tensor
+    sbatch: SamplingBatch
+    items: list[ScheduledSeq]  # the sampling rows, in order
+    tokens_out: torch.Tensor | None  # where a decode graph that follows reads its pending input tokens
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
-                 max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE) -> None:
+                 max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE, pp: Pipe | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         # tp: this rank's place in the tensor-parallel group; every rank runs this same start-up, whose
         # collectives (forwards, agreed sizes) must come in the same order on each
         self.comm = Comm(tp)
+        # pp: this rank's pipeline stage (its layers, where its carry comes from and goes to); None: the whole model
+        self.pipe = pp
         self.device = resolve_device(cfg.device)
-        if tp.size > 1 and self.device.type == "cuda":
+        if (tp.size > 1 or pp is not None) and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.local_rank)
         self.dtype_name = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.dtype = TORCH_DTYPES[self.dtype_name]
@@ -157,6 +173,7 @@ class ModelRunner:
         self._rows: dict[int, list] = {}  # seq_id -> [block table list, its row index in _row_store, entries filled]
         self.ops, self.pdl = select_ops(self.device, cfg.backend, cfg.pdl)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.grammar: GrammarMasks | None = None  # constrained decoding: set up by serve/build.py
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
@@ -172,7 +189,7 @@ class ModelRunner:
             clock = now
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, self.comm)
+            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage)
         model = model.to_empty(device=self.device).to(self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)
@@ -186,7 +203,7 @@ class ModelRunner:
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
         self.activation_bytes: int | None = None
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
-        self.kv_spec = KVCacheSpec.for_model(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+        self.kv_spec = KVCacheSpec.for_model(model.stage.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
         if self.device.type == "cuda":
             self._compile_early()
@@ -196,11 +213,13 @@ class ModelRunner:
         self.cost_model = self.comm.broadcast_object(self.cost_model)
         if self.cost_model is not None:
             phase("cost model")
+        # a pipeline stage's decode and piecewise graphs cover its layers (the carry's receive and
+        # send stay outside them); it has no whole-step graphs and runs no multi-step rounds
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         # decode steps per scheduling round: multi-step rounds replay the decode graphs; by default
         # only where the host's work per round is a large share of a decode step (a small model)
         self.num_scheduler_steps = 1
-        if graphs:
+        if graphs and pp is None:
             self.num_scheduler_steps = cfg.num_scheduler_steps or (
                 self.cost_model.scheduler_steps(min(64, cfg.max_num_seqs), AUTO_SCHEDULER_STEPS)
                 if self.cost_model is not None else AUTO_SCHEDULER_STEPS)
@@ -219,6 +238,8 @@ class ModelRunner:
             self.step_max_tokens = min(self.step_max_tokens, self.piecewise_max_tokens)
         # the scheduler's blocks must exist on every rank: the fewest any rank can hold
         self.num_blocks = self.comm.min_int(cfg.num_kv_blocks or self._auto_num_blocks())
+        if pp is not None:  # and on every stage (each holds its own layers' KV in as many blocks)
+            self.num_blocks = pp.comm.min_int(self.num_blocks)
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
         phase("kv cache")
         # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
@@ -235,7 +256,7 @@ class ModelRunner:
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
                                                  self.device, self._slow_buckets())
-                if cfg.step_graph_max_tokens and self.ops.work_lists:
+                if cfg.step_graph_max_tokens and self.ops.work_lists and pp is None:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
                                             self.max_blocks_per_seq, self.step_max_tokens, self.device,
                                             self._slow_buckets())
@@ -285,7 +306,7 @@ class ModelRunner:
                 if cfg.piecewise_graphs:  # their pieces' kernels are the cost model forwards'
                     top = min(cfg.max_num_batched_tokens, max(cfg.step_graph_max_tokens, COST_MAX_ROWS))
                     pw = PiecewiseGraphs(self.model, self.ops, pool.layers, top, self.device, frozenset())
-                    if cfg.step_graph_max_tokens and self.ops.work_lists:
+                    if cfg.step_graph_max_tokens and self.ops.work_lists and self.pipe is None:
                         StepGraphs(self.model, self.ops, pool.layers, pw, cfg.max_num_seqs, self.max_blocks_per_seq,
                                    min(cfg.step_graph_max_tokens, top), self.device, frozenset()).dry_run()
             self.warmup(sample=False, layers=pool.layers, eager_decodes=cfg.enforce_eager)
@@ -337,7 +358,7 @@ class ModelRunner:
                                       self.cfg.block_size)
         if self.cfg.piecewise_graphs:
             graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens)
-            if self.cfg.step_graph_max_tokens:
+            if self.cfg.step_graph_max_tokens and self.pipe is None:  # a pipeline stage has none
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
                                                     self.step_max_tokens)
         return graphs
@@ -358,10 +379,11 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.zeros(n, dtype=torch.int64, device=self.device)
         rows = min(n, self.cfg.max_num_seqs)
-        logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device))
+        logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device),
+                            self._blank_carry(n))
         del pool
-        if sample:
-            worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
+        worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
+        if sample and self.model.stage.last:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
 
@@ -411,7 +433,14 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.arange(k) for k in lens]).to(self.device)
         last = i32[len(lens) + 1:].long() - 1
-        return lambda: self.model(self.ops, ids, pos, pool.layers, meta, last)
+        carry = self._blank_carry(n)
+        return lambda: self.model(self.ops, ids, pos, pool.layers, meta, last, carry)
+
+    def _blank_carry(self, n: int) -> torch.Tensor | None:
+        """A pipeline stage's stand-in input for n tokens in start-up forwards (None on the first stage)."""
+        if self.model.embed_tokens is not None:
+            return None
+        return torch.zeros((2, n, self.model_cfg.hidden_size), dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def warmup(self, sample: bool = True, layers: list | None = None, eager_decodes: bool | None = None) -> None:
@@ -449,8 +478,9 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
         last = torch.tensor([0] * nd + ([chunk - 1] if chunk else []), device=self.device)
-        logits = self.model(self.ops, ids, pos, layers, meta, torch.arange(nseq, device=self.device) + last)
-        if not sample:
+        logits = self.model(self.ops, ids, pos, layers, meta, torch.arange(nseq, device=self.device) + last,
+                            self._blank_carry(n))
+        if not sample or not self.model.stage.last:
             return
         sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * nseq, [0] * nseq),
                          self.generator).to_host()
@@ -661,6 +691,10 @@ class ModelRunner:
     def _launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Queue one step on the device (inputs, forward, sampling, the copy of the token ids back)
         without waiting for it. A pending input token is read from prev's samples on the device."""
+        if prev is not None and prev.deferred is not None:
+            self.finish(prev)  # this step may read prev's tokens on the device
+        if self.pipe is not None:
+            return self._launch_stage(batch)
         n = len(batch.items)
         g = self.graphs
         if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
@@ -677,17 +711,80 @@ class ModelRunner:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
         return self._sample(batch, logits, sbatch, sampled)
 
+    def _launch_stage(self, batch: Batch) -> Launched:
+        """launch() on a pipeline stage: the carry from the previous stage (the first embeds), this
+        stage's layers, then the carry on to the next stage, or (the last) the logits and sampling.
+        The batch's sequences have no pending tokens: the scheduler keeps a sequence out of the
+        batches launched while one it is in is still in flight."""
+        pipe = self.pipe
+        assert pipe is not None and batch.num_steps == 1
+        n = len(batch.items)
+        g = self.graphs
+        if g is not None and batch.is_decode_only and n <= g.max_bs:  # decodes: every row samples
+            if pipe.next is None:
+                return self._launch_graph(batch, None, self._recv_carry(n))
+            words = self._graph_inputs(batch.items, None, g.host_inputs())
+            if pipe.prev is not None:
+                g.carry[:, :n].copy_(self._recv_carry(n))
+            # a copy: the next replay overwrites the static output while the send may still read it
+            return Launched(None, {}, [], n, sent=pipe.send_carry(g.replay_carry(n, words).clone()))
+        input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch)
+        carry = self._recv_carry(input_ids.shape[0])
+        if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
+            out = self.piecewise.run(input_ids, positions, meta, logit_idx, carry)
+        else:
+            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx, carry)
+        if pipe.next is not None:
+            return Launched(None, {}, [], n, sent=pipe.send_carry(out))
+        return self._sample(batch, out, sbatch, sampled)
+
+    def _recv_carry(self, num_tokens: int) -> torch.Tensor | None:
+        """The previous pipeline stage's carry for this step (None on the first stage)."""
+        pipe = self.pipe
+        if pipe is None or pipe.prev is None:
+            return None
+        return pipe.recv_carry(num_tokens, self.model_cfg.hidden_size, self.dtype, self.device)
+
     def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
         """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
         n = len(batch.items)
         if not sampled:
             return Launched(None, {}, [], n)
-        samples = sample_on_device(logits, sbatch, self.generator)
-        if self.graphs is not None:  # where a decode graph that follows reads its pending input tokens
-            self.graphs.tokens[:len(sampled)].copy_(samples.tokens)
-        samples.start_copy(self.host_slots)
         rows = {batch.items[i].seq.seq_id: j for j, i in enumerate(sampled)}
-        return Launched(samples, rows, sampled, n)
+        launched = Launched(None, rows, sampled, n)
+        # where a decode graph that follows reads its pending input tokens
+        tokens_out = self.graphs.tokens[:len(sampled)] if self.graphs is not None else None
+        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out)
+        return launched
+
+    def _draw(self, launched: Launched, logits: torch.Tensor, sbatch: SamplingBatch, items: list[ScheduledSeq],
+              tokens_out: torch.Tensor | None) -> None:
+        """Queue the sampling of logits (a row per item) into launched.samples, and the tokens' copy
+        back. Constrained rows are masked first (engine/grammar_mask.py), outside any graph; where
+        one's previous token is still pending on the device, the sampling waits for finish()."""
+        if GrammarMasks.constrained(items):
+            if self.grammar is None:
+                raise RuntimeError("a request asks for constrained decoding, which this engine was not set up for")
+            if not GrammarMasks.tokens_known(items):
+                launched.deferred = DeferredSample(logits, sbatch, items, tokens_out)
+                return
+            masks = self.grammar.masks(items)
+            if masks is not None:
+                apply_token_bitmask(logits, *masks)
+        samples = sample_on_device(logits, sbatch, self.generator)
+        if tokens_out is not None:
+            tokens_out.copy_(samples.tokens)
+        samples.start_copy(self.host_slots)
+        launched.samples = samples
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> None:
+        """Queue a launched step's deferred sampling (constrained rows), once the tokens of the step
+        before it are on the host: the engine core calls it right after processing that step, so the
+        masks are filled while this step's forward runs. Idempotent."""
+        deferred, launched.deferred = launched.deferred, None
+        if deferred is not None:
+            self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out)
 
     def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int]) -> Launched:
         """launch() for a step with prefill tokens that a whole-step graph takes (engine/step_graph.py):
@@ -704,24 +801,28 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logit_rows])
         return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
 
-    def _launch_graph(self, batch: Batch, prev: Launched | None) -> Launched:
+    def _launch_graph(self, batch: Batch, prev: Launched | None, carry: torch.Tensor | None = None) -> Launched:
         """launch() for a decode step in which every row samples, replayed from a decode graph: its
-        inputs go up in one copy and the graph samples greedy rows itself (engine/cuda_graph.py)."""
+        inputs go up in one copy and the graph samples greedy rows itself (engine/cuda_graph.py).
+        carry: the last pipeline stage's input from the stage before."""
         items = batch.items
         n = len(items)
         g = self.graphs
         assert g is not None
         words = self._graph_inputs(items, prev, g.host_inputs())
+        if carry is not None:
+            g.carry[:, :n].copy_(carry)
         params = [it.seq.params for it in items]
         if batch.num_steps > 1:  # greedy rows without logprobs (the scheduler's rule)
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps))
-        elif all(p.temperature == 0.0 and p.logprobs is None for p in params):
+        elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None for p in params):
             samples = DeviceSamples(g.replay(n, words)[1], params)
-        else:
+        else:  # sampled, with logprobs or constrained: from the graph's logits
             logits, tokens = g.replay(n, words)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
-            samples = sample_on_device(logits, sbatch, self.generator)
-            tokens.copy_(samples.tokens)
+            launched = Launched(None, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
+            self._draw(launched, logits, sbatch, items, tokens)
+            return launched
         samples.start_copy(self.host_slots)
         return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
 
@@ -741,6 +842,9 @@ class ModelRunner:
     def collect(self, launched: Launched) -> list[SampleOutput | None]:
         """Wait for a launched step's tokens: one SampleOutput per batch item that samples."""
         outputs: list[SampleOutput | None] = [None] * launched.num_items
+        self.finish(launched)
+        if launched.sent is not None:
+            launched.sent.wait()
         if launched.samples is None:
             return outputs
         tokens, logprobs = launched.samples.to_host()

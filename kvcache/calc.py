@@ -125,10 +125,59 @@ def tensor_parallel_problem(model: ModelShape, size: int) -> str | None:
     return None
 
 
+def stage_layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """The layers [start, end) of each pipeline stage: an even split, the first num_layers % stages
+    stages one layer more (the last stage also runs the LM head)."""
+    assert 1 <= stages <= num_layers, f"{stages} stages for {num_layers} layers"
+    per, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        end = start + per + (1 if s < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def pipeline_parallel_problem(model: ModelShape, size: int) -> str | None:
+    """Why `size` pipeline stages can't split the model, or None (each stage needs a layer)."""
+    if size < 1:
+        return f"{size} must be 1 or more"
+    if size > model.num_layers:
+        return f"{size} is more than the model's {model.num_layers} layers; use at most {model.num_layers} stages"
+    return None
+
+
 def check_tensor_parallel(model: ModelShape, tensor_parallel_size: int) -> None:
     why = tensor_parallel_problem(model, tensor_parallel_size)
     if why is not None:
         raise KVCalcInputError(f"--tensor-parallel-size {why}")
+
+
+def check_pipeline_parallel(model: ModelShape, pipeline_parallel_size: int) -> None:
+    why = pipeline_parallel_problem(model, pipeline_parallel_size)
+    if why is not None:
+        raise KVCalcInputError(f"--pipeline-parallel-size {why}")
+
+
+def stage_weight_bytes(model: ModelShape, dtype: str, tensor_parallel_size: int, num_layers: int, first: bool,
+                       last: bool) -> int:
+    """Weights held by one rank of a pipeline stage of num_layers layers: its share of each layer
+    (heads, KV heads kept whole where ranks share one, MLP columns), the embedding's vocabulary rows
+    on the first stage, the final norm and the LM head's rows on the last (a tied head there is the
+    embedding's copy, unless one stage has both)."""
+    tp = tensor_parallel_size
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_heads // tp * hd, max(1, model.num_kv_heads // tp) * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * (model.intermediate_size // tp) + 2 * h
+    if model.attention_bias:
+        per_layer += q + 2 * kv
+    if model.qk_norm:
+        per_layer += 2 * hd
+    vocab_rows = -(-model.vocab_size // tp) * h
+    params = num_layers * per_layer + (vocab_rows if first else 0) + (h + vocab_rows if last else 0)
+    if first and last and getattr(model, "tie_word_embeddings", False):
+        params -= vocab_rows
+    return params * DTYPE_BYTES[dtype]
 
 
 def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
@@ -277,6 +326,9 @@ class KVPlan:
     graph_bytes: int
     kv_cache_bytes: int
     warnings: tuple[str, ...] = ()
+    # with several stages the figures are those of the GPU with the fewest blocks, which every
+    # stage's cache then holds (the engine agrees on the smallest)
+    pipeline_parallel_size: int = 1
 
     @property
     def kv_dtype(self) -> str:
@@ -332,6 +384,7 @@ class KVPlan:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "num_params": self.num_params,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_utilization": self.memory_utilization,
@@ -377,12 +430,16 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
          max_model_len: int | None = None, tensor_parallel_size: int = 1,
          activation_bytes: int | None = None, graph_bytes: int = 0, *,
          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, model_name: str = "the model") -> KVPlan:
+         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, model_name: str = "the model",
+         pipeline_parallel_size: int = 1) -> KVPlan:
     """Size one GPU's KV cache. Raises KVCalcInputError for unusable values, WeightsDontFitError
-    when the weights exceed the budget, NoRoomForKVCacheError when not one block is left."""
+    when the weights exceed the budget, NoRoomForKVCacheError when not one block is left. With
+    several pipeline stages: the stage whose GPU holds the fewest blocks (each stage's cache holds
+    its own layers' KV)."""
     weight_dtype = resolve_model_dtype(dtype, model)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
     check_tensor_parallel(model, tensor_parallel_size)
+    check_pipeline_parallel(model, pipeline_parallel_size)
     if block_size is None:
         block_size = default_block_size(kv_dtype)
     for name, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
@@ -400,12 +457,15 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(model, weight_dtype, tensor_parallel_size, max_num_batched_tokens,
                                                      max_num_seqs, max_len).total_bytes
+    if pipeline_parallel_size > 1:
+        spec, weights = _binding_stage(model, weight_dtype, spec, tensor_parallel_size, pipeline_parallel_size,
+                                       gpu_memory_bytes, memory_utilization, activation_bytes, graph_bytes)
     kv_bytes = kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, activation_bytes, graph_bytes)
 
     budget = int(gpu_memory_bytes * memory_utilization)
     available = f"{_gib(gpu_memory_bytes)} x {memory_utilization:.2f} = {_gib(budget)} is available per GPU"
     if weights >= budget:
-        per_gpu = " per GPU" if tensor_parallel_size > 1 else ""
+        per_gpu = " per GPU" if tensor_parallel_size * pipeline_parallel_size > 1 else ""
         tp = _smallest_tp_that_fits(model, weight_dtype, kv_dtype, block_size, gpu_memory_bytes, memory_utilization,
                                     None if estimated else activation_bytes, graph_bytes, tensor_parallel_size,
                                     max_num_batched_tokens, max_num_seqs, max_len)
@@ -422,11 +482,27 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
 
     warnings = []
     result = KVPlan(spec, weight_dtype, gpu_memory_bytes, memory_utilization, max_len, tensor_parallel_size,
-                    model.num_params(), weights, activation_bytes, estimated, graph_bytes, kv_bytes)
+                    model.num_params(), weights, activation_bytes, estimated, graph_bytes, kv_bytes,
+                    pipeline_parallel_size=pipeline_parallel_size)
     if result.max_concurrent_seqs == 0:
         warnings.append(f"the cache holds {result.max_tokens:,} tokens, fewer than one sequence of --max-model-len "
                         f"{max_len:,}; the engine would lower max_model_len to {result.max_tokens:,}")
     return replace(result, warnings=tuple(warnings))
+
+
+def _binding_stage(model: ModelShape, dtype: str, whole: KVCacheSpec, tp: int, pp: int, gpu_memory_bytes: int,
+                   memory_utilization: float, activation_bytes: int, graph_bytes: int) -> tuple[KVCacheSpec, int]:
+    """(KV spec, weight bytes) of the stage whose GPU holds the fewest KV blocks."""
+    best: tuple[int, KVCacheSpec, int] | None = None
+    for s, (start, end) in enumerate(stage_layer_ranges(model.num_layers, pp)):
+        spec = replace(whole, num_layers=end - start)
+        weights = stage_weight_bytes(model, dtype, tp, end - start, s == 0, s == pp - 1)
+        blocks = spec.num_blocks_for(kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, activation_bytes,
+                                                    graph_bytes))
+        if best is None or (blocks, -weights) < (best[0], -best[2]):
+            best = (blocks, spec, weights)
+    assert best is not None
+    return best[1], best[2]
 
 
 def table_kv_dtypes(base: KVPlan) -> tuple[str, ...]:

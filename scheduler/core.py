@@ -5,11 +5,18 @@ With an executor that can launch a step without waiting for it (a GPU runner), s
 step() schedules and launches step N+1 first, then waits for step N's tokens and does N's host
 work (update, detokenize) while the GPU runs N+1. The outputs of a step come back from the next
 call of step(). Torch-free: it talks to an Executor (the model runner) and a tokenizer it is given.
+
+An executor of several pipeline stages (max_concurrent_batches > 1) runs a batch queue instead: up
+to that many batches launched and not yet collected, each of sequences in no other one (a stage
+works on one micro-batch while the next stage works on the one before), so no sequence has a token
+pending on the device and none is chained to the step before. step() launches a batch while the
+queue has room, and collects the oldest when it is full or nothing more could be scheduled.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +44,12 @@ class OverlapExecutor(Executor, Protocol):
     def collect(self, handle: Any) -> list[SampleOutput | None]: ...
 
 
+class QueueExecutor(OverlapExecutor, Protocol):
+    """Runs several batches at once, of disjoint sequences (pipeline stages): launch() is called
+    with prev None, and up to max_concurrent_batches launches are collected in order."""
+    max_concurrent_batches: int
+
+
 @dataclass
 class _InFlight:
     batch: Batch
@@ -50,6 +63,7 @@ class EngineStats:
     num_step_failures: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    max_in_flight: int = 0  # the most batches launched and not yet collected at once
 
 
 class EngineCore:
@@ -64,7 +78,13 @@ class EngineCore:
         self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
         self.stats = EngineStats()
         self.lost: str | None = None  # why the executor can run no more steps (ExecutorLost), once it can't
-        self._in_flight: _InFlight | None = None
+        # batches launched and not yet collected, oldest first: with overlap, step N+1 is launched
+        # (chained to N: its pending tokens are read on the device) before N is collected; a batch
+        # queue holds up to max_concurrent_batches of disjoint sequences
+        self._in_flight: deque[_InFlight] = deque()
+        queue = int(getattr(executor, "max_concurrent_batches", 1))
+        self._exclusive = queue > 1
+        self._max_in_flight = queue if self._exclusive else 2 if self.overlaps else 1
         self.trace = StepTrace.from_env()
         if self.trace is not None and hasattr(executor, "enable_step_timing"):
             executor.enable_step_timing()
@@ -91,13 +111,13 @@ class EngineCore:
         return self.scheduler.abort(seq_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     def hold_wait(self) -> float:
         """Seconds the caller may sleep (waking for new requests) before the next step: nothing is
         on the device and new prompts are held for the rest of their burst (scheduler/policy.py)."""
         release = self.scheduler.hold_release
-        if release is None or self._in_flight is not None or self.scheduler.running:
+        if release is None or self._in_flight or self.scheduler.running:
             return 0.0
         return max(0.0, release - time.monotonic())
 
@@ -128,36 +148,47 @@ class EngineCore:
     def _lose(self, message: str) -> list[StepOutput]:
         log.error("the engine can't go on: %s", message)
         self.lost = message
-        self._in_flight = None
+        self._in_flight.clear()
         return self._fail(list(self.scheduler.seqs.values()), message)
 
     def _step(self) -> list[StepOutput]:
         trace = self.trace
-        before = self.scheduler.num_preemptions
-        held = self.scheduler.num_held_steps
-        batch = self.scheduler.schedule()
-        if trace is not None and batch is not None:
-            trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items), steps=batch.num_steps,
-                       held=self.scheduler.num_held_steps - held)
-        self.stats.num_preemptions += self.scheduler.num_preemptions - before
-        prev, self._in_flight = self._in_flight, None
+        queue = self._in_flight
         outputs: list[StepOutput] = []
-        if batch is not None:
-            self.stats.num_steps += 1
-            if self.overlaps:
-                try:
-                    self._in_flight = _InFlight(batch, self.executor.launch(batch, prev.handle if prev else None))
-                except Exception as e:
-                    outputs += self._step_failed(batch, e)
-                if trace is not None:
-                    trace.mark("t_launch")
+        launched = False
+        if len(queue) < self._max_in_flight:
+            before = self.scheduler.num_preemptions
+            held = self.scheduler.num_held_steps
+            if self._exclusive:
+                batch = self._schedule_micro_batch()
             else:
-                assert prev is None
-                try:
-                    samples = self.executor.execute(batch)
-                except Exception as e:
-                    return self._step_failed(batch, e)
-                return self._process(batch, samples)
+                batch = self.scheduler.schedule()
+            if trace is not None and batch is not None:
+                trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items), steps=batch.num_steps,
+                           held=self.scheduler.num_held_steps - held)
+            self.stats.num_preemptions += self.scheduler.num_preemptions - before
+            if batch is not None:
+                self.stats.num_steps += 1
+                if self.overlaps:
+                    chained = queue[-1].handle if queue and not self._exclusive else None
+                    try:
+                        queue.append(_InFlight(batch, self.executor.launch(batch, chained)))
+                        launched = True
+                        if len(queue) > self.stats.max_in_flight:
+                            self.stats.max_in_flight = len(queue)
+                    except Exception as e:
+                        outputs += self._step_failed(batch, e)
+                    if trace is not None:
+                        trace.mark("t_launch")
+                else:
+                    assert not queue
+                    try:
+                        samples = self.executor.execute(batch)
+                    except Exception as e:
+                        return self._step_failed(batch, e)
+                    return self._process(batch, samples)
+        # the oldest batch's tokens: once the queue is full, or when nothing more went out
+        prev = queue.popleft() if queue and (len(queue) >= self._max_in_flight or not launched) else None
         if prev is not None:
             try:
                 samples = self.executor.collect(prev.handle)
@@ -168,7 +199,32 @@ class EngineCore:
                 times = self.executor.gpu_times(prev.handle) if hasattr(self.executor, "gpu_times") else None
                 trace.mark("t_collect", **({} if times is None else {"prev_gpu_ms": times[0], "prev_idle_ms": times[1]}))
             outputs += self._process(prev.batch, samples)
+            outputs += self._finish_launched()
         return outputs
+
+    def _finish_launched(self) -> list[StepOutput]:
+        """Tell the executor the tokens just processed are known: a launched step whose sampling
+        waited for them (constrained rows' masks, engine/runner.py finish()) queues it now, while
+        its forward still runs. A failure there fails that step's requests."""
+        finish = getattr(self.executor, "finish", None)
+        outputs: list[StepOutput] = []
+        if finish is None:
+            return outputs
+        for f in list(self._in_flight):
+            try:
+                finish(f.handle)
+            except Exception as e:
+                self._in_flight.remove(f)
+                outputs += self._step_failed(f.batch, e)
+        return outputs
+
+    def _schedule_micro_batch(self) -> Batch | None:
+        """A batch queue's next batch: of sequences in no batch in flight, and at most its share of
+        the unfinished ones (the rest go to the next batches), so every stage gets work."""
+        queue, sched = self._in_flight, self.scheduler
+        busy = {it.seq.seq_id for f in queue for it in f.batch.items}
+        share = -(-sched.num_unfinished // self._max_in_flight)
+        return sched.schedule(busy=busy, max_seqs=max(1, share))
 
     def _step_failed(self, batch: Batch, e: Exception) -> list[StepOutput]:
         """A fault in the model step fails this step's requests, not the engine (unless it is

@@ -20,8 +20,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Any, Protocol, TypeVar
@@ -141,28 +142,22 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
                       b.num_cached_tokens or a.num_cached_tokens)
 
 
-class RequestStream:
-    """The outputs of one HTTP request's sequences (n choices, several prompts).
+class OutputStream:
+    """The outputs of one HTTP request's sequences (n choices, several prompts), by sequence index.
 
     `async for batch in stream` yields, per iteration, a non-empty list of (index, StepOutput):
     everything that arrived since the last iteration, merged per sequence. Iteration ends once
-    every sequence has finished. abort() stops the unfinished ones (idempotent).
+    every sequence has finished. Subclasses feed it with _put() and say how abort() works.
     """
 
-    def __init__(self, engine: "AsyncEngine", seq_ids: list[int]) -> None:
-        self._engine = engine
-        self.seq_ids = seq_ids
-        self._index = {sid: i for i, sid in enumerate(seq_ids)}
-        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._unfinished = set(seq_ids)
-        self._live = set(seq_ids)  # not yet finished as far as the engine side knows
+    def __init__(self, num_seqs: int) -> None:
+        self._queue: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
+        self._unfinished = set(range(num_seqs))
 
-    def _push(self, out: StepOutput) -> None:
-        if out.finished:
-            self._live.discard(out.seq_id)
-        self._queue.put_nowait(out)
+    def _put(self, index: int, out: StepOutput) -> None:
+        self._queue.put_nowait((index, out))
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> "OutputStream":
         return self
 
     async def __anext__(self) -> list[tuple[int, StepOutput]]:
@@ -172,17 +167,83 @@ class RequestStream:
         while not self._queue.empty():
             got.append(self._queue.get_nowait())
         merged: dict[int, StepOutput] = {}
-        for out in got:
-            prev = merged.get(out.seq_id)
-            merged[out.seq_id] = out if prev is None else merge_outputs(prev, out)
+        for index, out in got:
+            prev = merged.get(index)
+            merged[index] = out if prev is None else merge_outputs(prev, out)
             if out.finished:
-                self._unfinished.discard(out.seq_id)
-        return [(self._index[sid], out) for sid, out in merged.items()]
+                self._unfinished.discard(index)
+        return list(merged.items())
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class RequestStream(OutputStream):
+    """An OutputStream fed by one AsyncEngine. abort() stops the unfinished sequences (idempotent)."""
+
+    def __init__(self, engine: "AsyncEngine", seq_ids: list[int]) -> None:
+        super().__init__(len(seq_ids))
+        self._engine = engine
+        self.seq_ids = seq_ids
+        self._index = {sid: i for i, sid in enumerate(seq_ids)}
+        self._live = set(seq_ids)  # not yet finished as far as the engine side knows
+
+    def _push(self, out: StepOutput) -> None:
+        if out.finished:
+            self._live.discard(out.seq_id)
+        self._put(self._index[out.seq_id], out)
 
     def abort(self) -> None:
         if self._live:
             self._engine.abort(list(self._live))
             self._live.clear()
+
+
+async def wait_set(event: asyncio.Event, timeout_s: float) -> None:
+    """Until event is set, for timeout_s seconds at most."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+def unavailable(failure: str | None, running: bool) -> EngineUnavailable:
+    """Why an engine (or a set of them) takes no request: its failure, else shutting down or not started."""
+    return EngineUnavailable(failure or ("the server is shutting down" if running else "the engine is not running"))
+
+
+class Admission:
+    """The limits add_requests applies before a request's sequences go on: the queue limit
+    (QueueFull, with a retry-after) and the optional rate limit (asyncio-throttle). num_adding
+    counts the sequences admitted and not yet handed on, for the owner's num_waiting."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        self.config = config
+        self.num_adding = 0
+        rate = config.max_request_rate
+        self._throttler = None if rate is None else Throttler(rate_limit=max(1, math.ceil(rate)),
+                                                             period=max(1, math.ceil(rate)) / rate)
+
+    def check_room(self, n: int, num_waiting: int, observer: LoopObserver, retry_after_s: Callable[[], int]) -> None:
+        """Raise QueueFull (told to the observer) when n more sequences would make more than
+        max_waiting_requests wait."""
+        if num_waiting + n > self.config.max_waiting_requests:
+            observer.request_rejected("queue_full")
+            raise QueueFull(f"the server is at capacity ({num_waiting} requests waiting); retry later",
+                            retry_after_s())
+
+    @asynccontextmanager
+    async def adding(self, n: int) -> AsyncIterator[None]:
+        """Wait until the rate limit lets n sequences in; they count in num_adding from now until
+        the block ends."""
+        self.num_adding += n
+        try:
+            if self._throttler is not None:
+                for _ in range(n):
+                    await self._throttler.acquire()
+            yield
+        finally:
+            self.num_adding -= n
 
 
 def add_all(core: EngineCore, seq_ids: Seq[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None:
@@ -342,11 +403,8 @@ class AsyncEngine:
         self._accepting = False
         self._streams: dict[int, RequestStream] = {}
         self._records: dict[int, RequestRecord] = {}
-        self._num_adding = 0  # sequences between admission and the core
+        self._admission = Admission(self.config)  # its num_adding: sequences between admission and the core
         self._finish_times: deque[float] = deque(maxlen=512)
-        rate = self.config.max_request_rate
-        self._throttler = None if rate is None else Throttler(rate_limit=max(1, math.ceil(rate)),
-                                                             period=max(1, math.ceil(rate)) / rate)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -369,7 +427,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences admitted but not yet running: in the core's queue or on their way to it."""
-        return self.snapshot.num_waiting + self._num_adding
+        return self.snapshot.num_waiting + self._admission.num_adding
 
     async def start(self) -> None:
         if self.running:
@@ -382,10 +440,7 @@ class AsyncEngine:
         the rest (their streams end with finish_reason "abort")."""
         self._accepting = False
         if self._streams:
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_set(self._idle, timeout_s)
         if self._streams:
             log.warning("shutdown: aborting %d unfinished requests", len(self._streams))
             await self._abort_now(list(self._streams))
@@ -408,16 +463,9 @@ class AsyncEngine:
         if n == 0:
             raise ValueError("no sequences to add")
         self._check_accepting()
-        if self.num_waiting + n > self.config.max_waiting_requests:
-            self.observer.request_rejected("queue_full")
-            raise QueueFull(f"the server is at capacity ({self.num_waiting} requests waiting); retry later",
-                            self.retry_after_s())
-        self._num_adding += n
-        try:
-            if self._throttler is not None:
-                for _ in range(n):
-                    await self._throttler.acquire()
-                self._check_accepting()
+        self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
+        async with self._admission.adding(n):
+            self._check_accepting()  # again: the rate limit may have held it while the engine stopped
             seq_ids = [next_seq_id() for _ in range(n)]
             stream = RequestStream(self, seq_ids)
             now = time.monotonic()
@@ -436,8 +484,6 @@ class AsyncEngine:
                     self._forget(sid)
                 raise
             return stream
-        finally:
-            self._num_adding -= n
 
     def abort(self, seq_ids: Seq[int]) -> None:
         """Stop these sequences (fire and forget). Their streams end with finish_reason "abort";
@@ -497,8 +543,7 @@ class AsyncEngine:
 
     def _check_accepting(self) -> None:
         if not self.accepting:
-            raise EngineUnavailable(self.failure or ("the server is shutting down" if self.running
-                                                     else "the engine is not running"))
+            raise unavailable(self.failure, self.running)
 
     async def _abort_now(self, seq_ids: list[int]) -> None:
         try:

@@ -94,11 +94,15 @@ class Scheduler:
         self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
 
-    def schedule(self, now: float | None = None) -> Batch | None:
-        """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold."""
+    def schedule(self, now: float | None = None, busy: set[int] | None = None,
+                 max_seqs: int | None = None) -> Batch | None:
+        """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold. A
+        batch queue's micro-batch (scheduler/core.py): busy, the ids of sequences in batches still
+        in flight, which no other batch may carry (they may still be preempted), and max_seqs, the
+        most sequences this batch takes, so that the queue's batches share the work."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []
-        preempted = self._schedule_decodes(decodes)
+        preempted = self._schedule_decodes(decodes, busy, max_seqs)
         budget = self.config.max_num_batched_tokens - len(decodes)
         # multi-step with a prompt budget: after a step with prompt tokens comes a round of decode
         # steps, prompts waiting (one round at most), so that the host's work per round is paid once
@@ -110,12 +114,13 @@ class Scheduler:
         elif decodes and budgeted:
             # it.end: the decode's context, its new token included
             budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes)))
-        budget, preempted_for_prompt = self._schedule_prefills(budget, others, may_preempt=not decodes)
+        room = None if max_seqs is None else max_seqs - len(decodes)
+        budget, preempted_for_prompt = self._schedule_prefills(budget, others, not decodes, busy, room)
         preempted = preempted or preempted_for_prompt
         self.hold_release = None
         # admitting new work right after a preemption would only thrash: wait for room
         if not preempted and not self._hold(budget, now):
-            self._admit_waiting(budget, decodes, others)
+            self._admit_waiting(budget, decodes, others, busy, max_seqs)
         items = decodes + others if others else decodes
         if not items:
             return None
@@ -136,7 +141,7 @@ class Scheduler:
         paid once for all of them, which keeps the GPU busy where that work takes about as long as
         a step (a small model). Only while no prompt waits for its turn (with a prompt budget a
         round of decodes follows a step with prompt tokens: prompts wait one round at most), for
-        greedy rows without logprobs (the decode graphs sample those themselves), and never past a
+        unconstrained greedy rows without logprobs (the decode graphs sample those themselves), and never past a
         sequence's end by length, so no row idles; a stop token can still end a row
         early (update() drops its later tokens; a stop string, found by the detokenizer after
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
@@ -148,8 +153,8 @@ class Scheduler:
         for it in decodes:
             seq = it.seq
             p = seq.params
-            if p.temperature != 0.0 or p.logprobs is not None:
-                return 1
+            if p.temperature != 0.0 or p.logprobs is not None or p.grammar is not None:
+                return 1  # a constrained row's mask needs the token before it on the host
             total = len(seq.token_ids) + seq.num_pending  # the tokens once those in flight are known
             k = min(k, max_len - total)
             if p.max_tokens is not None:
@@ -162,15 +167,19 @@ class Scheduler:
                 return 1  # blocks already added to other rows stay theirs, for their next steps
         return k
 
-    def _schedule_decodes(self, decodes: list[ScheduledSeq]) -> bool:
+    def _schedule_decodes(self, decodes: list[ScheduledSeq], busy: set[int] | None = None,
+                          max_seqs: int | None = None) -> bool:
         """Every running sequence whose next step is one token, oldest first; preempts the newest
         when the cache is full. Returns whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
-        most = self.config.max_num_batched_tokens
+        most = self.config.max_num_batched_tokens if max_seqs is None else min(max_seqs, self.config.max_num_batched_tokens)
         preempted = False
         i = 0
         while i < len(running) and len(decodes) < most:
             seq = running[i]
+            if busy and seq.seq_id in busy:
+                i += 1
+                continue
             pending = seq.num_pending
             start = seq.num_computed_tokens
             if (pending and seq.last_by_length()) or len(seq.token_ids) + pending - start != 1:
@@ -189,7 +198,8 @@ class Scheduler:
                 i += 1
         return preempted
 
-    def _schedule_prefills(self, budget: int, others: list[ScheduledSeq], may_preempt: bool) -> tuple[int, bool]:
+    def _schedule_prefills(self, budget: int, others: list[ScheduledSeq], may_preempt: bool,
+                           busy: set[int] | None = None, room: int | None = None) -> tuple[int, bool]:
         """Running sequences' unfinished prompts, oldest first, within the budget. A chunk that finds
         no free blocks waits while decodes run (they free blocks as they finish; preempting for a
         prompt would only thrash); with none running it preempts the newest unscheduled sequence,
@@ -198,7 +208,12 @@ class Scheduler:
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
+            if room is not None and len(others) >= room:
+                break
             seq = running[i]
+            if busy and seq.seq_id in busy:
+                i += 1
+                continue
             pending = seq.num_pending
             start = seq.num_computed_tokens
             need = len(seq.token_ids) + pending - start
@@ -236,13 +251,16 @@ class Scheduler:
         self.hold_release = release
         return True
 
-    def _admit_waiting(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq]) -> None:
+    def _admit_waiting(self, budget: int, decodes: list[ScheduledSeq], others: list[ScheduledSeq],
+                       busy: set[int] | None = None, max_seqs: int | None = None) -> None:
         """Waiting sequences in arrival order, as chunked prefills for the budget left."""
         bm, bs = self.bm, self.bm.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if max_seqs is not None and len(decodes) + len(others) >= max_seqs:
+                break
             seq = self.waiting[0]
-            if seq.num_pending:
-                break  # preempted while its last step was in flight: wait for that step's token
+            if seq.num_pending or (busy and seq.seq_id in busy):
+                break  # preempted while its last step was in flight: wait for that step
             num_tokens = len(seq.token_ids)
             hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
             if len(hits) * bs >= num_tokens:

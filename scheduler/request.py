@@ -12,6 +12,16 @@ import time
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class KVTransferParams:
+    """hand_off (a prefill engine): keep the prompt's KV blocks after the first token, for a decode
+    engine to pull. remote_tokens (a decode engine): the KV of the first remote_tokens tokens arrives
+    from a prefill engine; the tokens after them were generated there."""
+
+    hand_off: bool = False
+    remote_tokens: int = 0
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings (the OpenAI fields plus a few vLLM extensions).
@@ -29,6 +39,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrained decoding: every sampled token keeps the output inside this grammar (an llguidance
+    # grammar string, built and checked by engine/grammar.py); the grammar lets end-of-sequence
+    # through only where its output is complete
+    grammar: str | None = None
+    # disaggregated prefill/decode (scheduler/disagg.py): where this sequence's KV comes from or goes
+    kv_transfer: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,12 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
 from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
+from serve.grammar_check import GrammarChecker
 from serve.guards import ApiKeyGuard, BodyLimit
 from serve.metrics import HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
 from serve.prompts import Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                             ErrorResponse, ModelCard, ModelList)
+from serve.disagg import DisaggregatedEngine, DisaggregatedSet
+from serve.replicas import ReplicaSet, ReplicatedEngine
 from serve.server_config import ServerConfig
 from serve.streaming import ClientGone, EngineStreamingResponse, collect_while_connected, sse_events
 
@@ -44,8 +47,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 @dataclass
 class ServerState:
-    engine: "Engine | ProcessEngine"
-    loop: AsyncEngine
+    engine: "Engine | ProcessEngine | ReplicatedEngine | DisaggregatedEngine"
+    loop: AsyncEngine | ReplicaSet | DisaggregatedSet
     metrics: Metrics
     config: ServerConfig
     planner: RequestPlanner
@@ -55,26 +58,33 @@ class ServerState:
     # Tokenizing a text prompt (~1 ms for 512 tokens) would stall every stream on the event loop;
     # one thread runs it beside the loop (the Rust tokenizer releases the GIL) and never two at once
     tokenize: ThreadPoolExecutor
+    grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
 
 
-def create_app(engine: "Engine | ProcessEngine", config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | DisaggregatedEngine",
+               config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    loop = AsyncEngine(engine.core, LoopConfig(config.max_waiting_requests, config.max_request_rate))
+    loop_config = LoopConfig(config.max_waiting_requests, config.max_request_rate)
+    several = isinstance(engine, (ReplicatedEngine, DisaggregatedEngine))
+    loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config)
     name = config.served_model_name or engine.model_name
     state = ServerState(engine, loop, Metrics(name, loop), config,
                         RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config),
                         TokenStrings(engine.tokenizer), name, time.time(),
-                        ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"))
+                        ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
+                        GrammarChecker(engine, config.grammar_timeout_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await loop.start()
+        state.grammars.warm()
         try:
             yield
         finally:
             await loop.drain(config.shutdown_timeout_s)
             await loop.stop()
             state.tokenize.shutdown(wait=False, cancel_futures=True)
+            state.grammars.shutdown()
 
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
@@ -94,12 +104,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         _check_model(st, body.model)
         text = isinstance(body.prompt, str) or bool(body.prompt) and isinstance(body.prompt[0], str)
         plan = await _off_loop(st, st.planner.completion, body) if text else st.planner.completion(body)
+        await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, CompletionFormat(plan, st.model_name, st.strings, st.engine.tokenizer))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(st, body.model)
         plan = await _off_loop(st, st.planner.chat, body)
+        await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
@@ -108,6 +120,9 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if isinstance(st.loop, (ReplicaSet, DisaggregatedSet)):
+            status, body = st.loop.health()
+            return JSONResponse(body, status_code=status)
         if st.loop.accepting:
             return JSONResponse({"status": "ok"})
         if st.loop.failure:

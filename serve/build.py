@@ -117,10 +117,11 @@ def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozens
 
 
 def model_folder_config(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, ModelConfig]:
-    """The model folder and its config, checked against the tensor-parallel size."""
+    """The model folder and its config, checked against the tensor- and pipeline-parallel sizes."""
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
     model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+    model_cfg.check_pipeline_parallel(cfg.pipeline_parallel_size)
     return path, model_cfg
 
 
@@ -138,7 +139,7 @@ def resolve_model(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, 
 def is_follower_rank(cfg: EngineConfig) -> bool:
     """A rank other than 0 of a tensor-parallel engine that a launcher (torchrun) started: it serves
     nothing itself, it follows rank 0 (run_follower)."""
-    return (cfg.tensor_parallel_size > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    return (cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
             and os.environ.get("RANK", "0") != "0")
 
 
@@ -149,25 +150,26 @@ def run_follower(cfg: EngineConfig) -> None:
     follow_from_env(model_cfg, path, cfg, max_len)
 
 
-def build_engine(cfg: EngineConfig, show_progress: bool = True) -> Engine:
+def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type[EngineCore] = EngineCore) -> Engine:
+    """core_class: EngineCore, or a role of disaggregated serving (scheduler/disagg.py)."""
     path, model_cfg, max_len = resolve_model(cfg, show_progress)
-    if cfg.tensor_parallel_size > 1:
+    if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1:
         from engine.parallel.executor import start_tensor_parallel
 
         executor = start_tensor_parallel(model_cfg, path, cfg, max_len, show_progress)
         try:
-            return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor)
+            return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor, core_class)
         except BaseException:
             executor.close()
             raise
     from engine.runner import ModelRunner
 
     runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress)
-    return _assemble(cfg, path, model_cfg, max_len, runner, runner)
+    return _assemble(cfg, path, model_cfg, max_len, runner, runner, core_class)
 
 
 def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: int, runner: ModelRunner,
-              executor: Any) -> Engine:
+              executor: Any, core_class: type[EngineCore] = EngineCore) -> Engine:
     """The core around a built runner; executor: the runner, or the tensor-parallel executor around it."""
     capacity = runner.num_blocks * cfg.block_size
     if capacity < max_len and cfg.num_kv_blocks is None:
@@ -178,12 +180,30 @@ def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: in
     if cfg.num_scheduler_steps is not None and cfg.num_scheduler_steps > steps:
         log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running %d",
                     cfg.num_scheduler_steps, steps)
-    core = EngineCore(executor, tokenizer,
+    core = core_class(executor, tokenizer,
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
                                       cfg.prefill_hold_ms / 1e3, steps,
                                       runner.prompt_budget),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
+    if executor is runner:  # one process runs every step: constrained decoding (not yet across ranks)
+        runner.grammar = grammar_masks(tokenizer, model_cfg.vocab_size, core.eos_token_ids, runner.device)
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
     log.info("engine started in %.1f s (%s)", sum(runner.startup_s.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in runner.startup_s.items()))
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)
+
+
+def grammar_masks(tokenizer: Any, vocab_size: int, eos: frozenset[int], device: Any) -> Any:
+    """The runner's constrained-decoding state (engine/grammar_mask.py), or None where the tokenizer
+    can't drive a grammar. Its vocabulary index (~0.6 s) is built on a thread now, not on the first
+    constrained step."""
+    import threading
+
+    from engine.grammar import GrammarTokenizer
+    from engine.grammar_mask import GrammarMasks
+
+    if GrammarTokenizer.supported(tokenizer) is not None:
+        return None
+    grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size, sorted(eos))
+    threading.Thread(target=grammar_tokenizer.get, name="grammar-vocabulary", daemon=True).start()
+    return GrammarMasks(grammar_tokenizer, device, threads=min(8, os.cpu_count() or 1))

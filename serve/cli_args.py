@@ -55,6 +55,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split each layer over N ranks: one process per GPU (N GPUs), or N processes sharing "
                         "the CPU; N must divide the attention heads. Under torchrun, pass the launcher's world size")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="split the layers into N stages, one after the other, with N micro-batches in flight; "
+                        "combines with -tp (TP x PP processes, one per GPU); under torchrun the world size is TP x PP")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -68,4 +71,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         step_graph_max_tokens=args.step_graph_max_tokens, prefill_hold_ms=args.prefill_hold_ms,
                         max_step_ms=args.max_step_ms,
                         num_scheduler_steps=args.num_scheduler_steps,
-                        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed)

@@ -28,7 +28,8 @@ class EngineInfo:
     dtype_name: str
 
 
-def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, EngineInfo]:
+def build_core(cfg: EngineConfig, show_progress: bool,
+               core_class: type[EngineCore] = EngineCore) -> tuple[EngineCore, EngineInfo]:
     """Runs in the child."""
     import threading
 
@@ -43,7 +44,7 @@ def build_core(cfg: EngineConfig, show_progress: bool) -> tuple[EngineCore, Engi
     # child during its build (scheduler/engine_proc.py: child_main).
     tqdm.set_lock(threading.RLock())
 
-    engine = build_engine(cfg, show_progress)
+    engine = build_engine(cfg, show_progress, core_class)
     watch = getattr(engine.core.executor, "watch_workers", None)
     if watch is not None:
         # a tensor-parallel rank that dies while this process waits for requests (or, on a GPU, inside

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", default=None,
                         help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
+    parser.add_argument("--pipeline-parallel-size", "-pp", default="1",
+                        help="stages the layers are split into (TP x PP GPUs); the figures are the GPU's that holds "
+                        "the fewest KV blocks")
     parser.add_argument("--max-num-batched-tokens", default=str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
                         help="most tokens in one step: sizes the activation estimate (default %(default)s)")
     parser.add_argument("--max-num-seqs", default=str(DEFAULT_MAX_NUM_SEQS),
@@ -63,6 +66,7 @@ class CalcRequest:
     tensor_parallel_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    pipeline_parallel_size: int = 1
 
 
 def _parse_int(flag: str, value: Any) -> int:
@@ -114,6 +118,7 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         block_size=None if args.block_size in (None, "") else _parse_int("--block-size", args.block_size),
         max_model_len=max_len,
         tensor_parallel_size=_parse_int("--tensor-parallel-size", args.tensor_parallel_size),
+        pipeline_parallel_size=_parse_int("--pipeline-parallel-size", getattr(args, "pipeline_parallel_size", 1)),
         max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
         max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
     )
@@ -126,12 +131,13 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     max_len = req.max_model_len or req.model.max_context_len
     block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
     graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
-              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size)
-              + estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS))
+              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size))
+    if req.pipeline_parallel_size == 1:  # pipeline stages capture no whole-step graphs
+        graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS)
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
-                model_name=req.model_name)
+                model_name=req.model_name, pipeline_parallel_size=req.pipeline_parallel_size)
 
 
 def format_bytes(n: int) -> str:
@@ -157,6 +163,9 @@ def _line(label: str, value: str, note: str = "") -> str:
 
 def format_text(req: CalcRequest, base: KVPlan) -> str:
     tp = f", tensor parallel {base.tensor_parallel_size} (figures per GPU)" if base.tensor_parallel_size > 1 else ""
+    if base.pipeline_parallel_size > 1:
+        tp = (f", tensor parallel {base.tensor_parallel_size} x pipeline parallel {base.pipeline_parallel_size} "
+              f"(figures per GPU: a stage of {base.spec.num_layers} layers)")
     act = (f"estimate: {req.max_num_batched_tokens:,} batched tokens + CUDA runtime; --measure measures it"
            if base.activation_estimated else "measured")
     seq_len = f"{base.max_model_len:,}"
@@ -238,7 +247,8 @@ def _run_measure(args: argparse.Namespace) -> int:
                            block_size=req.block_size, max_model_len=req.max_model_len,
                            max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
                            gpu_memory_utilization=req.memory_utilization,
-                           tensor_parallel_size=req.tensor_parallel_size)
+                           tensor_parallel_size=req.tensor_parallel_size,
+                           pipeline_parallel_size=req.pipeline_parallel_size)
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
         engine.shutdown()

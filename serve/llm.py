@@ -33,7 +33,8 @@ class LLM:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0, backend: str = "auto",
                  async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool | None = None,
                  step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int | None = None,
-                 max_step_ms: float | None = None, tensor_parallel_size: int = 1, show_progress: bool = False) -> None:
+                 max_step_ms: float | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -43,7 +44,8 @@ class LLM:
                                    async_scheduling=async_scheduling, piecewise_graphs=piecewise_graphs, pdl=pdl,
                                    step_graph_max_tokens=step_graph_max_tokens,
                                    num_scheduler_steps=num_scheduler_steps, max_step_ms=max_step_ms,
-                                   tensor_parallel_size=tensor_parallel_size, seed=seed)
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   pipeline_parallel_size=pipeline_parallel_size, seed=seed)
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 
@@ -56,7 +58,7 @@ class LLM:
         return self
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks this LLM started (also at exit, or `with LLM(...) as llm:`)."""
+        """Stop the tensor/pipeline-parallel ranks this LLM started (also at exit, or `with LLM(...) as llm:`)."""
         self.engine.shutdown()
 
     def __enter__(self) -> "LLM":

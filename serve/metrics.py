@@ -6,14 +6,17 @@ has its own registry: nothing global.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.loop import AsyncEngine, RequestRecord
+from scheduler.loop import AsyncEngine, EngineSnapshot, RequestRecord
+from serve.disagg import ROLES, DisaggregatedSet
+from serve.replicas import ReplicaSet, total_snapshot
 
 PREFIX = "pagedserve:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -22,49 +25,111 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 KNOWN_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 
 
+@dataclass(frozen=True)
+class _Source:
+    """One row of engine figures: a whole server, or one data-parallel replica of it."""
+
+    labels: tuple[str, ...]
+    snapshot: EngineSnapshot
+    num_waiting: int
+    num_loop_faults: int
+    up: bool = True
+
+
 class _EngineCollector(Collector):
-    def __init__(self, model: str, engine: AsyncEngine) -> None:
+    def __init__(self, model: str, engine: "AsyncEngine | ReplicaSet") -> None:
         self.model = model
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.engine.snapshot
+    def sources(self) -> tuple[list[str], list[_Source]]:
+        """The label names, and a row per series: with replicas, the total (replica="", i.e. no
+        label to Prometheus) and then one per replica."""
+        e = self.engine
+        if isinstance(e, DisaggregatedSet):  # a row per role (prefill, decode) beside the total (role="")
+            rows = [_Source((self.model, ""), e.snapshot, e.num_waiting, e.num_loop_faults)]
+            rows += [_Source((self.model, role), total_snapshot(e.engine_snapshots(role)),
+                             sum(x.num_waiting for x in e.engines[role]),
+                             sum(x.num_loop_faults for x in e.engines[role]), any(e.engine_up(role)))
+                     for role in ROLES]
+            return ["model_name", "role"], rows
+        if not isinstance(e, ReplicaSet):
+            return ["model_name"], [_Source((self.model,), e.snapshot, e.num_waiting, e.num_loop_faults)]
+        up = e.replica_up()
+        rows = [_Source((self.model, ""), e.snapshot, e.num_waiting, e.num_loop_faults)]
+        rows += [_Source((self.model, str(i)), snap, r.num_waiting, r.num_loop_faults, up[i])
+                 for i, (r, snap) in enumerate(zip(e.replicas, e.replica_snapshots()))]
+        return ["model_name", "replica"], rows
 
-        def metric(kind: type, name: str, doc: str, value: float):
-            m = kind(PREFIX + name, doc, labels=["model_name"])
-            m.add_metric([self.model], value)
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        names, rows = self.sources()
+
+        def metric(kind: type, name: str, doc: str, value: Callable[[_Source], float | None]):
+            m = kind(PREFIX + name, doc, labels=names)
+            for row in rows:
+                v = value(row)
+                if v is not None:
+                    m.add_metric(list(row.labels), v)
             return m
 
-        yield metric(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", s.num_running)
+        def snap(field: str) -> Callable[[_Source], float | None]:
+            return lambda row: getattr(row.snapshot, field)
+
+        if isinstance(self.engine, ReplicaSet):
+            yield metric(GaugeMetricFamily, "replica_up", "Replicas serving (per replica: 1 serving, 0 failed or stopped).",
+                         lambda row: sum(self.engine.replica_up()) if row.labels[-1] == "" else float(row.up))
+        if isinstance(self.engine, DisaggregatedSet):
+            yield from self._transfer_metrics(self.engine)
+        yield metric(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", snap("num_running"))
         yield metric(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to run (admitted, not yet running).",
-                     self.engine.num_waiting)
-        yield metric(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
-        yield metric(GaugeMetricFamily, "kv_cache_used_blocks", "KV-cache blocks in use.", s.num_blocks - s.num_free_blocks)
-        yield metric(GaugeMetricFamily, "kv_cache_total_blocks", "KV-cache blocks in the pool.", s.num_blocks)
+                     lambda row: row.num_waiting)
+        yield metric(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                     lambda row: row.snapshot.kv_usage)
+        yield metric(GaugeMetricFamily, "kv_cache_used_blocks", "KV-cache blocks in use.",
+                     lambda row: row.snapshot.num_blocks - row.snapshot.num_free_blocks)
+        yield metric(GaugeMetricFamily, "kv_cache_total_blocks", "KV-cache blocks in the pool.", snap("num_blocks"))
         yield metric(CounterMetricFamily, "num_preemptions", "Preemptions (sequences evicted to be recomputed).",
-                     s.num_preemptions)
-        yield metric(CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens)
-        yield metric(CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield metric(CounterMetricFamily, "engine_steps", "Engine steps run.", s.num_steps)
+                     snap("num_preemptions"))
+        yield metric(CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled.", snap("prompt_tokens"))
+        yield metric(CounterMetricFamily, "generation_tokens", "Tokens generated.", snap("generation_tokens"))
+        yield metric(CounterMetricFamily, "engine_steps", "Engine steps run.", snap("num_steps"))
         yield metric(CounterMetricFamily, "engine_step_failures",
-                     "Model steps that raised; their requests failed with an error.", s.num_step_failures + self.engine.num_loop_faults)
-        if s.prefix_cache_queries is not None:
+                     "Model steps that raised; their requests failed with an error.",
+                     lambda row: row.snapshot.num_step_failures + row.num_loop_faults)
+        if any(row.snapshot.prefix_cache_queries is not None for row in rows):
             yield metric(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                         s.prefix_cache_queries)
-        if s.prefix_cache_hits is not None:
+                         snap("prefix_cache_queries"))
+        if any(row.snapshot.prefix_cache_hits is not None for row in rows):
             yield metric(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                         s.prefix_cache_hits)
+                         snap("prefix_cache_hits"))
+
+
+    def _transfer_metrics(self, e: DisaggregatedSet) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily(PREFIX + "engine_up", "Engines serving, per role (prefill, decode).",
+                               labels=["model_name", "role"])
+        for role in ROLES:
+            up.add_metric([self.model, role], sum(e.engine_up(role)))
+        yield up
+        t = e.transfers
+        for name, doc, value in (("kv_transfers", "Prompts whose KV moved from a prefill to a decode engine.",
+                                  t.num_transfers),
+                                 ("kv_transfer_bytes", "KV bytes moved from prefill to decode engines.", t.num_bytes)):
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric([self.model], value)
+            yield m
 
 
 class Metrics:
-    """The app's registry; also the AsyncEngine's LoopObserver (it attaches itself)."""
+    """The app's registry; also the AsyncEngine's (or ReplicaSet's) LoopObserver (it attaches itself).
+    With replicas every series comes per replica (label replica="0", "1", ...) and for the whole
+    server (replica="", which Prometheus stores without the label: select it with {replica=""})."""
 
-    def __init__(self, model: str, engine: AsyncEngine) -> None:
+    def __init__(self, model: str, engine: "AsyncEngine | ReplicaSet") -> None:
         self.model = model
+        self.replicated = isinstance(engine, ReplicaSet)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model, engine))
         engine.observer = self
-        r, m = self.registry, ["model_name"]
+        r, m = self.registry, ["model_name", "replica"] if self.replicated else ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", m,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first.",
@@ -78,20 +143,32 @@ class Metrics:
         self.finished = Counter(PREFIX + "request_success", "Finished sequences by finish reason "
                                 "(stop, length, abort, error).", [*m, "finished_reason"], registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused at admission, by reason.",
-                                [*m, "reason"], registry=r)
+                                ["model_name", "reason"], registry=r)
+        if isinstance(engine, DisaggregatedSet):
+            transfer = Histogram(PREFIX + "kv_transfer_seconds", "Time to receive one prompt's KV on a decode engine.",
+                                 ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
+            engine.on_transfer = lambda got: transfer.labels(self.model).observe(got.seconds)
         self.http = Counter(PREFIX + "http_requests", "HTTP responses by path and status.", ["path", "status"], registry=r)
 
     # LoopObserver
-    def request_finished(self, rec: RequestRecord) -> None:
-        self.finished.labels(self.model, rec.finish_reason or "unknown").inc()
-        self.prompt_len.labels(self.model).observe(rec.num_prompt_tokens)
-        self.output_len.labels(self.model).observe(rec.num_output_tokens)
+    def request_finished(self, rec: RequestRecord, replica: int | None = None) -> None:
+        if not self.replicated:
+            self._observe(rec, (self.model,))
+            return
+        self._observe(rec, (self.model, ""))
+        if replica is not None:
+            self._observe(rec, (self.model, str(replica)))
+
+    def _observe(self, rec: RequestRecord, labels: tuple[str, ...]) -> None:
+        self.finished.labels(*labels, rec.finish_reason or "unknown").inc()
+        self.prompt_len.labels(*labels).observe(rec.num_prompt_tokens)
+        self.output_len.labels(*labels).observe(rec.num_output_tokens)
         if rec.finish is not None:
-            self.e2e.labels(self.model).observe(rec.finish - rec.arrival)
+            self.e2e.labels(*labels).observe(rec.finish - rec.arrival)
         if rec.first_token is not None:
-            self.ttft.labels(self.model).observe(rec.first_token - rec.arrival)
+            self.ttft.labels(*labels).observe(rec.first_token - rec.arrival)
             if rec.finish is not None and rec.num_output_tokens > 1:
-                self.tpot.labels(self.model).observe((rec.finish - rec.first_token) / (rec.num_output_tokens - 1))
+                self.tpot.labels(*labels).observe((rec.finish - rec.first_token) / (rec.num_output_tokens - 1))
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model, reason).inc()

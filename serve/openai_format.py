@@ -17,7 +17,9 @@ from scheduler.token_bytes import token_bytes_table
 from serve.prompts import Plan
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                            Delta, PromptTokensDetails, TopLogprob, Usage)
+                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptTokensDetails, ToolCall,
+                            TopLogprob, Usage)
+from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
 class TokenStrings:
@@ -164,6 +166,15 @@ class CompletionFormat(_TokenIds):
         return self._response(out, u)
 
 
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """A turn that ends by itself after calling tools ends with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if num_calls and reason == "stop" else reason
+
+
 class ChatFormat(_TokenIds):
     def __init__(self, plan: Plan, model: str, strings: TokenStrings) -> None:
         self.plan = plan
@@ -171,6 +182,7 @@ class ChatFormat(_TokenIds):
         self.strings = strings
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its tool-call parser (streaming)
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token, raw = self.strings.get(token_id)
@@ -196,16 +208,53 @@ class ChatFormat(_TokenIds):
     def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
         if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
             return None
-        return self._chunk([ChatChunkChoice(index=choice.index, delta=Delta(content=out.new_text or None),
+        delta, reason = Delta(content=out.new_text or None), out.finish_reason
+        if self.plan.tool_parser is not None:
+            delta, reason = self._tool_delta(choice.index, out)
+            if (delta.content is None and delta.tool_calls is None and not out.finished and not out.logprobs
+                    and not self.plan.return_token_ids):
+                return None  # text held back: it may begin a tool call
+        return self._chunk([ChatChunkChoice(index=choice.index, delta=delta,
                                             logprobs=self._logprobs(out.logprobs),
-                                            finish_reason=out.finish_reason if out.finished else None,
+                                            finish_reason=reason if out.finished else None,
                                             token_ids=self._ids(out.new_token_ids))])
+
+    def _tool_delta(self, index: int, out: StepOutput) -> tuple[Delta, str | None]:
+        """The step's text through the choice's tool-call parser: content, and tool calls in
+        OpenAI's stream shape (the first delta of a call: its id, type and name; then argument text)."""
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = ToolCallParser(self.plan.tool_parser)
+        events = parser.feed(out.new_text) + (parser.close() if out.finished else [])
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        calls: list[DeltaToolCall] = []
+        for e in events:
+            if isinstance(e, CallStart):
+                calls.append(DeltaToolCall(index=e.index, id=tool_call_id(), type="function",
+                                           function=DeltaFunction(name=e.name, arguments="")))
+            elif isinstance(e, CallArgs):
+                if calls and calls[-1].index == e.index:
+                    calls[-1].function.arguments = (calls[-1].function.arguments or "") + e.text
+                else:
+                    calls.append(DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.text)))
+        return Delta(content=content or None, tool_calls=calls or None), chat_finish_reason(out.finish_reason,
+                                                                                           parser.num_calls)
+
+    def _message(self, c: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        if self.plan.tool_parser is None:
+            return AssistantMessage(content=c.text), c.finish_reason
+        content, calls = parse_all(c.text, self.plan.tool_parser)
+        tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=k.name, arguments=k.arguments)) for k in calls]
+        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None)
+        return message, chat_finish_reason(c.finish_reason, len(calls))
 
     def usage_chunk(self, u: Usage) -> BaseModel:
         return self._chunk([], u)
 
     def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel:
-        return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=u,
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
-                                finish_reason=c.finish_reason, token_ids=self._ids(c.token_ids)) for c in choices])
+        out = []
+        for c in choices:
+            message, reason = self._message(c)
+            out.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                                  finish_reason=reason, token_ids=self._ids(c.token_ids)))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=u, choices=out)

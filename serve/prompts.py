@@ -6,13 +6,15 @@ here and raised as APIError(400) with a message that says what to change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler.request import SamplingParams
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve.server_config import ServerConfig
+from serve.structured import request_grammar
+from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
 
 MAX_CHARS_PER_TOKEN = 64
 
@@ -35,6 +37,10 @@ class Plan:
     include_usage: bool = False
     continuous_usage: bool = False
     return_token_ids: bool = False
+    tool_parser: str | None = None  # chat with tools: the format the output's tool calls are parsed in
+    # (grammar, the request field it comes from, whether decoding needs it): each must compile before the
+    # request runs (serve/api.py); one not needed only checks the tools' schemas (tool_choice "auto")
+    grammars: list[tuple[str, str, bool]] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -56,6 +62,9 @@ def check_text(value: str, name: str) -> str:
 class RequestPlanner:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: ServerConfig) -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser = resolve_tool_parser(config.tool_parser, template if isinstance(template, str) else None)
+        self.template_has_tools = template_renders_tools(template if isinstance(template, str) else None)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -78,17 +87,14 @@ class RequestPlanner:
         return self._plan(req, prompts, req.max_tokens, req.logprobs, echo=req.echo)
 
     def chat(self, req: ChatCompletionRequest) -> Plan:
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+        tools = plan_tools(req, self.tool_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._plan(req, [self._chat_prompt(req)], max_tokens, logprobs)
+        return self._plan(req, [self._chat_prompt(req, tools)], max_tokens, logprobs, tools=tools)
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -124,15 +130,17 @@ class RequestPlanner:
         except ValueError as e:  # e.g. a model folder without a tokenizer
             raise APIError(400, str(e), param="prompt") from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> PromptInput:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         messages = []
         for i, m in enumerate(req.messages):
             messages.append({"role": m.role, "content": check_text(m.text(), f"messages[{i}].content"),
                              **({"name": check_text(m.name, f"messages[{i}].name")} if m.name else {})})
+        messages = chat_messages(messages, req.messages, tools, self.tool_parser, self.template_has_tools)
+        extra = {"tools": tools.tools} if tools.tools and self.template_has_tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as e:  # the template's own raise_exception(), or a template error
             reason = str(e).splitlines()[0][:200] if str(e) else "it raised an error"
             raise APIError(400, f"the chat template cannot render these messages: {reason}", param="messages") from None
@@ -141,8 +149,20 @@ class RequestPlanner:
     # -- shared checks -------------------------------------------------------------------------
 
     def _plan(self, req: SamplingFields, prompts: list[PromptInput], max_tokens: int | None,
-              logprobs: int | None, echo: bool = False) -> Plan:
+              logprobs: int | None, echo: bool = False, tools: ToolPlan | None = None) -> Plan:
         self._check_unsupported(req)
+        asked = request_grammar(req)
+        grammar = asked[0] if asked is not None else None
+        tools = tools or ToolPlan()
+        if grammar is not None and tools.grammar is not None:
+            raise APIError(400, "tool_choice \"required\" or a named function decides the output's form; leave out "
+                                "response_format and the guided_* fields", param="tool_choice")
+        checks = [(*asked, True)] if asked is not None else []
+        if tools.check is not None:
+            checks.append((tools.check, "tools", tools.grammar is not None))
+        grammar = grammar or tools.grammar
+        if grammar is not None and req.ignore_eos:
+            raise APIError(400, "ignore_eos cannot go with structured output: the grammar ends the output", param="ignore_eos")
         self._check_count(len(prompts), req.n)
         if max_tokens is not None and max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens} but this server allows at most {self.max_tokens_limit}",
@@ -152,7 +172,7 @@ class RequestPlanner:
         if max_tokens is None and self.max_tokens_limit < self.max_model_len:
             max_tokens = self.max_tokens_limit
         try:
-            base = self._sampling_params(req, max_tokens, logprobs)
+            base = replace(self._sampling_params(req, max_tokens, logprobs), grammar=grammar)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         # n samples of one prompt must differ: choice i draws from seed + i.
@@ -161,7 +181,7 @@ class RequestPlanner:
         return Plan(prompts, params, logprobs=logprobs, echo=echo, stream=req.stream,
                     include_usage=bool(req.stream and opts and opts.include_usage),
                     continuous_usage=bool(req.stream and opts and opts.continuous_usage_stats),
-                    return_token_ids=req.return_token_ids)
+                    return_token_ids=req.return_token_ids, tool_parser=tools.parser, grammars=checks)
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

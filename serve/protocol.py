@@ -24,6 +24,13 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
 
 
+class StructuredOutputs(RequestModel):
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -44,6 +51,16 @@ class SamplingFields(RequestModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="not supported; leave empty")
     user: str | None = None
+    # structured output (serve/structured.py): at most one of these
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}')
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension (vLLM): one of json, regex, "
+                                                                           "choice, grammar")
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema")
+    guided_regex: str | None = Field(None, description="extension (vLLM): a regular expression")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM): the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): a Lark or GBNF grammar")
 
 
 class CompletionRequest(SamplingFields):
@@ -61,16 +78,30 @@ class TextPart(RequestModel):
     text: str
 
 
+class CalledFunction(RequestModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(RequestModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
-        # null content belongs to an assistant message that carries tool_calls, which this server
-        # does not take; a message without content would be rendered as an empty turn
-        if self.content is None:
+        # null content belongs only to an assistant message that carries tool_calls; any other
+        # message without content would be rendered as an empty turn
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content (a string or a list of text parts); got null")
         return self
 
@@ -82,14 +113,38 @@ class ChatMessage(RequestModel):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="letters, digits, _ . -; at most 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported; leave empty")
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" (the default with tools), "none", "required", or {"type": "function", '
+                          '"function": {"name": ...}}')
+    parallel_tool_calls: bool = True
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -144,9 +199,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -166,9 +240,29 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class _NoNones(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_NoNones):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_NoNones):
+    """A tool call's first delta carries its id, type and name; the later ones argument text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -44,12 +44,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body accepted")
     g.add_argument("--max-n", type=int, default=16, help="most choices (n) per prompt")
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the context length)")
+    g.add_argument("--tool-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                   help="the format of the model's tool calls: hermes (<tool_call> tags) or llama3_json; auto: "
+                        "llama3_json for a Llama 3 chat template, else hermes")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--engine-loop", default="process", choices=("thread", "process"),
                    help="process (default): the engine runs in a child process of its own, and the server process "
                         "only does HTTP, tokenization and streaming; thread: the engine steps on a worker thread of "
                         "the server process (one GIL for both). Measured on an H100, 64 streaming clients: process "
                         "serves 1.4x (Llama-3-8B) to 1.9x (Qwen2.5-0.5B) the tokens/s of thread")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="N replicas of the engine, each in a process of its own on GPUs of its own (replica i on "
+                        "GPUs i*T .. i*T+T-1 of those visible, T = tensor x pipeline parallel size), or sharing the CPU, "
+                        "behind this one server: each request goes to the replica that holds the longest cached "
+                        "prefix of its prompt, else to the least loaded one")
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="P prefill engines and D decode engines, each in a process of its own on a GPU of its own "
+                        "(or sharing the CPU): a prefill engine computes the prompt and the first token, then the "
+                        "prompt's KV cache moves to a decode engine, which streams the rest (e.g. 1:1)")
     add_engine_arguments(p)
 
 
@@ -57,7 +69,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                        max_tokens_limit=args.max_tokens_limit)
+                        max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser)
 
 
 def is_loopback(host: str) -> bool:
@@ -87,8 +99,23 @@ def sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def build(engine_loop: str, cfg: EngineConfig) -> Any:
-    """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields)."""
+def build(engine_loop: str, cfg: EngineConfig, data_parallel_size: int = 1,
+          disaggregate: tuple[int, int] | None = None) -> Any:
+    """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields), or for
+    --data-parallel-size N > 1 a serve.replicas.ReplicatedEngine, or for --disaggregate P:D a
+    serve.disagg.DisaggregatedEngine."""
+    if disaggregate is not None:
+        if engine_loop != "process":
+            raise ValueError("--disaggregate runs each engine in a process of its own: drop --engine-loop thread")
+        if data_parallel_size != 1:
+            raise ValueError("--disaggregate and --data-parallel-size don't combine yet: pick one")
+        from serve.disagg import start_disaggregated
+        return start_disaggregated(cfg, *disaggregate)
+    if data_parallel_size != 1:
+        if engine_loop != "process":
+            raise ValueError("--data-parallel-size runs each replica in a process of its own: drop --engine-loop thread")
+        from serve.replicas import start_replicas
+        return start_replicas(cfg, data_parallel_size)
     if engine_loop == "process":
         from serve.engine_process import start_engine_process
         return start_engine_process(cfg)
@@ -101,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535; got {args.port}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1; got {args.data_parallel_size}")
+    disaggregate = None
+    if args.disaggregate is not None:
+        from serve.disagg import parse_disaggregate
+        disaggregate = parse_disaggregate(args.disaggregate)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     with sigint_deferred():
         import uvicorn  # imported late, like torch: `serve --help` stays fast
@@ -114,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         run_follower(engine_cfg)
         return 0
     try:
-        engine = build(args.engine_loop, engine_cfg)
+        engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate)
     except KeyboardInterrupt:
         # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
         logging.getLogger().setLevel(logging.WARNING)
@@ -127,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
               f"{engine.runner.dtype_name}); KV cache {engine.kv_capacity_tokens} tokens "
               f"({engine.runner.num_blocks} blocks of {engine_cfg.block_size}, {engine_cfg.kv_cache_dtype}); "
               f"context {engine.max_model_len} tokens; engine loop: {args.engine_loop}", flush=True)
+        if args.data_parallel_size > 1:
+            print(f"pagedserve: {args.data_parallel_size} data-parallel replicas: {engine.describe()}", flush=True)
+        if disaggregate is not None:
+            print(f"pagedserve: disaggregated prefill/decode: {engine.describe()}", flush=True)
         print(f"pagedserve: OpenAI API at {url}/v1{' (API key required)' if server_cfg.api_key else ''}", flush=True)
         if not is_loopback(args.host) and not server_cfg.api_key:
             print(f"pagedserve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",

@@ -18,6 +18,8 @@ class ServerConfig:
     # Stop strings are matched on every generated token: bound the work one request can ask for.
     max_stop_strings: int = 8
     max_stop_string_chars: int = 128
+    tool_parser: str = "auto"  # the format of the model's tool calls: auto, hermes, llama3_json (serve/tools.py)
+    grammar_timeout_s: float = 10.0  # a grammar or schema not compiled within this is refused (400)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_sequences_per_request",

@@ -6,6 +6,12 @@ weights), so each layer runs four matmuls. Ops and attention metadata arrive as 
 Tensor parallel (a Comm of several ranks): the layers hold this rank's heads, MLP columns and
 vocabulary rows (engine/parallel/layers.py); o_proj and down_proj all-reduce their outputs, the
 embedding all-reduces its lookups, and the LM head gathers the full vocabulary's logits.
+
+Pipeline parallel (a Stage of several): the model holds only its stage's layers (numbered from 0
+here, from stage.start in the checkpoint), the embedding on the first stage, the final norm and the
+LM head on the last (a tied LM head there loads the checkpoint's embedding). A stage other than the
+last returns its carry, the hidden state and the residual stream stacked [2, T, hidden], which the
+next stage's forward takes in place of the embedding.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from engine.config import ModelConfig
 from engine.parallel.comm import Comm
 from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                                     VocabParallelEmbedding, even_split, head_split, vocab_logits)
+from engine.parallel.stage import Stage, whole_model
 from kvcache.pool import LayerCache
 
 
@@ -153,26 +160,34 @@ class LlamaForCausalLM(nn.Module):
     """cfg: the whole model's config. self.cfg is this rank's view of it (rank_config), which the
     graphs' static buffers are shaped by; self.global_cfg the whole model's."""
 
-    def __init__(self, cfg: ModelConfig, comm: Comm | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None, stage: Stage | None = None) -> None:
         super().__init__()
         self.comm = comm = comm or Comm()
+        self.stage = stage = stage or whole_model(cfg.num_layers)
         self.global_cfg = cfg
         self.cfg = rank_config(cfg, comm)
         # the parameters are left empty (no normal_ init, which imports torch._dynamo and with it
         # triton wherever that is installed); the loader fills every weight
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm) if stage.first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(stage.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
+        own_head = stage.last and not (cfg.tie_word_embeddings and stage.first)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm) if own_head else None
         self.cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim], set by the runner
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttnMetadata, logit_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [len(logit_indices), vocab] in float32."""
-        x = self.embed_tokens(input_ids)
-        residual = None
+                meta: AttnMetadata, logit_indices: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logit_indices), vocab] in float32; a pipeline
+        stage after the first reads carry (the last stage's output) instead of input_ids, and a stage
+        before the last returns its carry [2, T, hidden] instead of logits."""
+        if self.embed_tokens is not None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = carry[0], carry[1]
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(ops, x, residual, positions, self.cos_sin, cache, meta)
+        if self.norm is None:
+            return torch.stack((x, residual))
         x, _ = ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         return self.compute_logits(x[logit_indices])
 
@@ -181,6 +196,17 @@ class LlamaForCausalLM(nn.Module):
         # in the model's dtype: greedy rows take the argmax as is (the same token as in float32);
         # the sampler converts for the rows and logprobs that need float32
         return vocab_logits(h, w, self.comm, self.global_cfg.vocab_size)
+
+    def held_elsewhere(self, hf_name: str) -> bool:
+        """Whether a checkpoint tensor belongs to another pipeline stage (the loader skips it)."""
+        stage = self.stage
+        if stage.size == 1:
+            return False
+        if hf_name.startswith("model.layers."):
+            return not stage.owns_layer(int(hf_name.split(".")[2]))
+        if hf_name == "model.embed_tokens.weight":
+            return not stage.first and not (stage.last and self.global_cfg.tie_word_embeddings)
+        return hf_name in ("model.norm.weight", "lm_head.weight") and not stage.last
 
     def param_shards(self) -> dict[str, Shard]:
         """Our parameter name -> how this rank's tensor is cut from the global one; parameters
@@ -191,13 +217,16 @@ class LlamaForCausalLM(nn.Module):
     def hf_weight_map(self) -> dict[str, tuple[str, int | None]]:
         """Hugging Face tensor name -> (our parameter name, the segment of its shard the tensor is,
         e.g. 1 for k_proj in qkv_proj); None: the tensor is the whole parameter (not sharded)."""
-        cfg = self.global_cfg
-        m: dict[str, tuple[str, int | None]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0),
-                                                 "model.norm.weight": ("norm.weight", None)}
-        if self.lm_head is not None:
-            m["lm_head.weight"] = ("lm_head.weight", 0)
-        for i in range(cfg.num_layers):
-            hf, our = f"model.layers.{i}.", f"layers.{i}."
+        cfg, stage = self.global_cfg, self.stage
+        m: dict[str, tuple[str, int | None]] = {}
+        if stage.first:
+            m["model.embed_tokens.weight"] = ("embed_tokens.weight", 0)
+        if stage.last:
+            m["model.norm.weight"] = ("norm.weight", None)
+        if self.lm_head is not None:  # a tied head on a later stage than the embedding loads the embedding
+            m["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"] = ("lm_head.weight", 0)
+        for i in range(stage.start, stage.end):
+            hf, our = f"model.layers.{i}.", f"layers.{i - stage.start}."
             for seg, part in enumerate(("q_proj", "k_proj", "v_proj")):
                 m[hf + f"self_attn.{part}.weight"] = (our + "self_attn.qkv_proj.weight", seg)
                 if cfg.attention_bias:

@@ -1,3 +1,4 @@
-"""Tensor parallelism: the process group (group.py), its collectives (comm.py), the parallel layers
-and weight shards (layers.py), and the workers that follow rank 0's steps (wire.py, worker.py,
-executor.py). With one rank nothing here creates a process group and the model runs as before."""
+"""Tensor and pipeline parallelism: the process groups (group.py, topology.py), their collectives
+(comm.py), the parallel layers and weight shards (layers.py), a stage's layers (stage.py), and the
+ranks that follow rank 0's steps (wire.py, channel.py, worker.py, executor.py, pipeline.py). With one
+rank nothing here creates a process group and the model runs as before."""

@@ -61,7 +61,8 @@ class Comm:
         if self.size == 1:
             return obj
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group.control)
+        # group_src: the group's first rank, which is not global rank 0 in a later pipeline stage
+        dist.broadcast_object_list(box, group=self.group.control, group_src=0)
         return box[0]
 
 

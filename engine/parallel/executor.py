@@ -1,5 +1,6 @@
-"""Rank 0's side of tensor parallelism: start the other ranks, and the executor that sends each step
-to them before rank 0's own runner runs it.
+"""Rank 0's side of tensor (and pipeline) parallelism: start the other ranks, and the executor that
+sends each step to them before rank 0's own runner runs it (engine/parallel/pipeline.py's executor
+for several stages).
 
 start_tensor_parallel() spawns ranks 1..N-1 (multiprocessing, spawn) with the standard environment
 variables pointing at rank 0's rendezvous store, waits until each has arrived (watching the
@@ -30,7 +31,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.comm import Comm
-from engine.parallel.group import TPGroup, destroy_group, host_store, init_group, launched_externally, rank_env
+from engine.parallel.group import TPGroup, destroy_group, host_store, launched_externally, rank_env
+from engine.parallel.topology import Topology, join, rank_role, world_size
 from engine.parallel.wire import BatchEncoder
 from engine.parallel.worker import cpu_threads, worker_main
 from engine.runner import Launched, ModelRunner, resolve_device
@@ -45,6 +47,10 @@ class Worker:
     rank: int
     proc: BaseProcess
     conn: Connection  # rank 0's end: the rank reports a failure here; its EOF ends the rank
+    role: str = ""  # how messages name it: "tensor-parallel rank 1"
+
+    def __post_init__(self) -> None:
+        self.role = self.role or f"tensor-parallel rank {self.rank}"
 
     def error(self) -> str | None:
         """What the rank reported before it exited, if anything."""
@@ -72,7 +78,7 @@ class Workers:
                 w.proc.join(5.0)  # its end of the sentinel closes a moment before it can be reaped
             if w.proc.exitcode is not None:
                 why = w.error()
-                return (f"tensor-parallel rank {w.rank} exited ({describe_exit(w.proc.exitcode)})"
+                return (f"{w.role} exited ({describe_exit(w.proc.exitcode)})"
                         + (f": {why}" if why else ""))
         return None
 
@@ -81,7 +87,7 @@ class Workers:
         for w in self.list:
             w.proc.join(max(0.0, deadline - time.monotonic()))
             if w.proc.is_alive():
-                log.warning("tensor-parallel rank %d did not stop within %.0f s; killing it", w.rank, timeout_s)
+                log.warning("%s did not stop within %.0f s; killing it", w.role, timeout_s)
                 w.proc.kill()
                 w.proc.join(5.0)
         for w in self.list:
@@ -156,16 +162,21 @@ class TPExecutor:
             return
         self._closing = True
         atexit.unregister(self.close)
-        if self.workers is not None and self.lost is None and self.workers.dead() is None:
+        # under torchrun (no workers of ours) the ranks are told too: they exit once told
+        if self.group.size > 1 and self.lost is None and (self.workers is None or self.workers.dead() is None):
             try:
-                self.comm.broadcast_object(("stop",))
+                self._stop_ranks()
             except Exception:
                 log.warning("could not tell the tensor-parallel ranks to stop; killing them")
         # leave the group before waiting for the ranks, which leave it as they stop: NCCL's teardown
         # may wait for every rank (on two GPUs, rank 0 joining first made stopping take > 10 s)
+        told = time.monotonic()
         destroy_group(self.group)
+        left = time.monotonic()
         if self.workers is not None:
             self.workers.join_or_kill(STOP_TIMEOUT_S if self.lost is None else 0.5)
+        log.info("ranks stopped: rank 0 left the group in %.2f s, the others exited %.2f s later",
+                 left - told, time.monotonic() - left)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -176,9 +187,16 @@ class TPExecutor:
         if why is not None:
             raise self._lose(why)
         try:
-            self.comm.broadcast_object(msg)
+            self._post(msg)
         except Exception as e:
             raise self._lose(None, e) from e
+
+    def _post(self, msg: tuple) -> None:
+        """msg to every other rank (worker.py's follow() reads it)."""
+        self.comm.broadcast_object(msg)
+
+    def _stop_ranks(self) -> None:
+        self._post(("stop",))
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -198,31 +216,35 @@ class TPExecutor:
 
 
 def check_devices(cfg: EngineConfig, device_type: str) -> None:
-    n = cfg.tensor_parallel_size
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    n = world_size(tp, pp)
     if device_type == "cuda" and n > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} are visible "
-                         "(CUDA_VISIBLE_DEVICES)")
+        what = f"tensor_parallel_size {tp}" if pp == 1 else f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+        raise ValueError(f"{what} needs {n} GPUs; {torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
 
 
 def start_tensor_parallel(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig, max_model_len: int,
                           show_progress: bool = True) -> TPExecutor:
-    """Rank 0: the other ranks started (or, under torchrun, joined), the group made, rank 0's runner
-    built -> the executor. Raises ValueError/RuntimeError with a one-line reason when a rank fails."""
-    size = cfg.tensor_parallel_size
+    """Rank 0: the other ranks started (or, under torchrun, joined), the groups made, rank 0's runner
+    built -> the executor (a PipelineExecutor with several stages). Raises ValueError/RuntimeError
+    with a one-line reason when a rank fails."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    size = world_size(tp, pp)
     device_type = resolve_device(cfg.device).type
     check_devices(cfg, device_type)
     if launched_externally(os.environ):
         if int(os.environ["WORLD_SIZE"]) != size or os.environ.get("RANK") != "0":
             raise ValueError(f"launched as rank {os.environ.get('RANK')} of {os.environ['WORLD_SIZE']}: rank 0 "
-                             f"serves, and WORLD_SIZE must equal tensor_parallel_size ({size})")
-        group = init_group(os.environ, device_type)
+                             f"serves, and WORLD_SIZE must equal tensor_parallel_size x pipeline_parallel_size ({size})")
+        topo = join(os.environ, device_type, tp, pp, model_cfg.num_layers)
         workers = None
     else:
         if device_type == "cpu":
             cpu_threads(size)
-        group, workers = _spawn_ranks(model_cfg, model_path, cfg, max_model_len, device_type)
+        topo, workers = _spawn_ranks(model_cfg, model_path, cfg, max_model_len, device_type)
+    group = topo.world
     try:
-        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress, tp=group)
+        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress, tp=topo.tp, pp=topo.pipe)
     except BaseException as e:
         why = workers.dead(wait_s=2.0) if workers is not None else None
         if workers is not None:
@@ -233,12 +255,17 @@ def start_tensor_parallel(model_cfg: ModelConfig, model_path: Path | None, cfg: 
         if why is not None:
             raise RuntimeError(f"{why} while the engine started") from e
         raise
+    if topo.pipe is not None:
+        from engine.parallel.pipeline import PipelineExecutor  # it builds on TPExecutor
+
+        return PipelineExecutor(runner, topo, workers)
     return TPExecutor(runner, group, workers)
 
 
 def _spawn_ranks(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig, max_model_len: int,
-                 device_type: str) -> tuple[TPGroup, Workers]:
-    size = cfg.tensor_parallel_size
+                 device_type: str) -> tuple[Topology, Workers]:
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    size = world_size(tp, pp)
     store = host_store(size)
     ctx = mp.get_context("spawn")
     workers: list[Worker] = []
@@ -248,12 +275,12 @@ def _spawn_ranks(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineCon
     try:
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"pagedserve-tp{rank}", daemon=True, args=(
+            proc = ctx.Process(target=worker_main, name=f"pagedserve-rank{rank}", daemon=True, args=(
                 rank_env("127.0.0.1", store.port, rank, size), model_cfg, model_path, cfg, max_model_len, theirs,
                 logging.getLogger().getEffectiveLevel()))
             proc.start()
             theirs.close()
-            workers.append(Worker(rank, proc, ours))
+            workers.append(Worker(rank, proc, ours, rank_role(rank, tp, pp)))
     finally:
         if swap:
             signal.signal(signal.SIGINT, previous)
@@ -265,10 +292,10 @@ def _spawn_ranks(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineCon
                 w = waiting.pop(ready, None)
                 if w is None or w.conn.recv()[0] != "arrived":
                     raise RuntimeError(f"{ranks.dead(wait_s=5.0) or 'a tensor-parallel rank failed'} while the engine started")
-        group = init_group(rank_env("127.0.0.1", store.port, 0, size), device_type, store=store)
+        topo = join(rank_env("127.0.0.1", store.port, 0, size), device_type, tp, pp, model_cfg.num_layers, store=store)
     except BaseException:
         for w in workers:
             w.proc.kill()
         ranks.join_or_kill(5.0)
         raise
-    return group, ranks
+    return topo, ranks

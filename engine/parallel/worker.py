@@ -1,24 +1,32 @@
 """A follower rank: it builds its ModelRunner (the same start-up as rank 0's, with the same
 collectives in the same order), then runs every step rank 0 sends it and drops the results.
 
-Messages (Comm.broadcast_object over the control group):
+Tensor parallel (follow), messages by Comm.broadcast_object over the control group:
     ("launch", step, prev step or None, wire.Message, sync)  ("stop",)
 The follower launches the step on prev's samples, as rank 0 does, then collects the steps before it
-(rank 0 does the same right after); sync: collect this one too (rank 0 ran execute())."""
+(rank 0 does the same right after); sync: collect this one too (rank 0 ran execute()).
+
+Pipeline parallel (follow_stages), messages posted by rank 0 to each rank (channel.py):
+    ("launch", step, wire.Message)  ("stop",)
+Each rank runs its stage of the step (receiving the carry from the stage before, sending it on) and
+collects it; the last stage's first rank posts (step, samples) back to rank 0."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
 import threading
+from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.parallel.channel import SAMPLES_TAG, STEP_TAG, Posted, post, receive
 from engine.parallel.comm import Comm
-from engine.parallel.group import TPGroup, connect_store, destroy_group, init_group
+from engine.parallel.group import connect_store, destroy_group
+from engine.parallel.topology import Topology, join
 from engine.parallel.wire import BatchDecoder
 from engine.runner import ModelRunner, resolve_device
 
@@ -42,6 +50,34 @@ def follow(runner: ModelRunner, comm: Comm) -> None:
             runner.collect(handle)
         else:
             handles[step] = handle
+
+
+def follow_stages(runner: ModelRunner, topo: Topology) -> None:
+    """Run this rank's stage of rank 0's steps until it says stop."""
+    assert topo.pipe is not None
+    decoder = BatchDecoder()
+    control = topo.world.control
+    replies = topo.pipe.next is None and topo.tp.rank == 0
+    posted: deque[Posted] = deque()
+    while True:
+        msg = receive(0, control, STEP_TAG)
+        if msg[0] == "stop":
+            break
+        _, step, payload = msg
+        samples = runner.collect(runner.launch(decoder.decode(payload)))
+        if replies:
+            posted.append(post((step, samples), [0], control, SAMPLES_TAG))
+            while posted and posted[0].done():
+                posted.popleft()
+    for p in posted:
+        p.wait()
+
+
+def follow_any(runner: ModelRunner, topo: Topology) -> None:
+    if topo.pipe is None:
+        follow(runner, Comm(topo.tp))
+    else:
+        follow_stages(runner, topo)
 
 
 def cpu_threads(size: int) -> None:
@@ -74,34 +110,39 @@ def worker_main(env: dict[str, str], model_cfg: ModelConfig, model_path: Path | 
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {env['RANK']}]: %(message)s")
     os.environ.update(env)  # as torchrun would have started it
     threading.Thread(target=_exit_with_parent, args=(conn,), name="parent-watch", daemon=True).start()
-    group: TPGroup | None = None
+    topo: Topology | None = None
     try:
         device_type = resolve_device(cfg.device).type
         if device_type == "cpu":
             cpu_threads(int(env["WORLD_SIZE"]))
         conn.send(("arrived", None))  # rank 0 joins once every rank is here (watching them until then)
-        group = init_group(env, device_type, store=connect_store(env))
-        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress=False, tp=group)
+        topo = join(env, device_type, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, model_cfg.num_layers,
+                    store=connect_store(env))
+        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress=False, tp=topo.tp, pp=topo.pipe)
     except Exception as e:
-        log.exception("tensor-parallel rank %s failed to start", env["RANK"])
+        log.exception("rank %s failed to start", env["RANK"])
         conn.send(("error", one_line(e)))
         raise SystemExit(1)
     try:
-        follow(runner, Comm(group))
+        follow_any(runner, topo)
     except Exception as e:
-        log.exception("tensor-parallel rank %d failed", group.rank)
+        log.exception("rank %d failed", topo.world.rank)
         conn.send(("error", one_line(e)))
         raise SystemExit(1)
-    destroy_group(group)
+    destroy_group(topo.world)
+    # rank 0 waits for this exit: skip the interpreter's teardown (CUDA graphs, NCCL, the caching
+    # allocator), which has nothing left to save
+    logging.shutdown()
+    os._exit(0)
 
 
 def follow_from_env(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig, max_model_len: int) -> None:
     """A rank other than 0 that a launcher (torchrun) started: join the group from the environment,
     build this rank's runner, follow rank 0's steps until it stops."""
     device_type = resolve_device(cfg.device).type
-    group = init_group(os.environ, device_type)
+    topo = join(os.environ, device_type, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, model_cfg.num_layers)
     try:
-        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress=False, tp=group)
-        follow(runner, Comm(group))
+        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress=False, tp=topo.tp, pp=topo.pipe)
+        follow_any(runner, topo)
     finally:
-        destroy_group(group)
+        destroy_group(topo.world)

@@ -30,6 +30,7 @@ class FakeBehaviour:
     tokens_per_chunk: tuple[int, ...] = (1,)
     fail_every: int = 0
     model_name: str = "fake-model"
+    serial_first_tokens: bool = False  # one request's ttft_s at a time: later arrivals queue, like a saturated server
     seen: list[dict] = field(default_factory=list)  # request bodies, with their arrival time "t"
     streaming: int = 0  # streams open now
     max_streaming: int = 0  # the most streams open at once
@@ -38,6 +39,7 @@ class FakeBehaviour:
 def create_app(b: FakeBehaviour) -> FastAPI:
     app = FastAPI()
     counter = itertools.count()
+    first_tokens = asyncio.Lock()
 
     @app.get("/health")
     async def health() -> dict:
@@ -58,7 +60,7 @@ def create_app(b: FakeBehaviour) -> FastAPI:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         b.streaming += 1  # the app runs on one event loop: no lock needed
         b.max_streaming = max(b.max_streaming, b.streaming)
-        return StreamingResponse(_counted(b, _stream(b, body)), media_type="text/event-stream")
+        return StreamingResponse(_counted(b, _stream(b, body, first_tokens)), media_type="text/event-stream")
 
     return app
 
@@ -71,12 +73,16 @@ async def _counted(b: FakeBehaviour, events):
         b.streaming -= 1
 
 
-async def _stream(b: FakeBehaviour, body: dict):
+async def _stream(b: FakeBehaviour, body: dict, first_tokens: asyncio.Lock):
     max_tokens = int(body["max_tokens"])
     prompt_tokens = len(body["prompt"])
     sizes = itertools.cycle(b.tokens_per_chunk)
     sent = 0
-    await asyncio.sleep(b.ttft_s)
+    if b.serial_first_tokens:
+        async with first_tokens:
+            await asyncio.sleep(b.ttft_s)
+    else:
+        await asyncio.sleep(b.ttft_s)
     while sent < max_tokens:
         k = min(next(sizes), max_tokens - sent)
         ids = list(range(sent, sent + k))

@@ -58,4 +58,7 @@ def test_roofline_gpus_come_from_the_started_servers_tensor_parallel_size():
     assert roofline_gpus(None, []) == 1
     assert roofline_gpus(None, ["--enforce-eager", "--tensor-parallel-size", "4"]) == 4
     assert roofline_gpus(None, ["--tensor-parallel-size=2"]) == 2
+    assert roofline_gpus(None, ["-tp", "2", "--pipeline-parallel-size", "2"]) == 4
+    assert roofline_gpus(None, ["--pipeline-parallel-size=3"]) == 3
+    assert roofline_gpus(None, ["--disaggregate", "1:2"]) == 3
     assert roofline_gpus(3, ["--tensor-parallel-size", "2"]) == 3  # --num-gpus says

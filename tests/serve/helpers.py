@@ -3,14 +3,23 @@
 build() gives an engine whose core steps on a thread of this process; build_process() one whose core
 runs in a child process (`--engine-loop process`). ServerThread.call(fn) runs fn(core) where the core
 is: in process mode fn must be a module-level function, hence the small functions below.
+
+For a `serve run` subprocess (tests/serve/test_shutdown.py's start_server): client_of() and the
+/metrics readers below it; serve_run_usage_error() for flags it refuses.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +36,7 @@ from serve.uvicorn_server import DrainingServer
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -109,6 +119,58 @@ class ServerThread:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
+
+
+@dataclass
+class SubprocessServer:
+    """A `serve run` child process and a client for it."""
+
+    proc: subprocess.Popen
+    url: str
+    http: httpx.Client
+
+
+@contextmanager
+def client_of(proc: subprocess.Popen, port: int) -> Iterator[SubprocessServer]:
+    """The server started as proc, listening on port; at the end it gets SIGTERM and is waited for,
+    unless it has exited."""
+    url = f"http://{HOST}:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            yield SubprocessServer(proc, url, http)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+
+
+def serve_run_usage_error(model_dir: Path, *args: str) -> list[str]:
+    """`serve run` with these flags and no GPU visible must exit 2 at once: its stderr lines."""
+    cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--port", str(free_port()), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    return r.stderr.strip().splitlines()
+
+
+def metric_samples(http: httpx.Client, name: str, **labels: str) -> list[Any]:
+    """The samples of the series `name` on /metrics that have these labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for family in text_string_to_metric_families(http.get("/metrics").text) for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def wait_gauges(read: Callable[[str], Any], idle: Any, timeout: float) -> None:
+    """Until read(gauge) == idle for the gauges of running, waiting and KV blocks used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = [read(f"pagedserve:{name}")
+                  for name in ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks")]
+        if gauges == [idle] * 3:
+            return
+        assert time.monotonic() < deadline, f"not idle after {timeout}s: running, waiting, blocks {gauges}"
+        time.sleep(0.02)
 
 
 def build(model_dir: Path, **overrides: Any) -> Engine:

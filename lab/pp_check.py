@@ -1,0 +1,102 @@
+"""Pipeline parallelism on the GPU: greedy output of LLM(pipeline_parallel_size=N) against one GPU,
+each layout in its own process on the same dummy-weight model (the same seed gives every stage its
+layers of one model), and the decode rate: `batch` sequences of `context` prompt tokens decoding
+together, timed over `steps` engine steps once every prompt is in.
+
+    python -m lab.pp_check --model Llama-3-8B --layouts 1x1,1x2 --out pp_check.json
+
+A layout is TPxPP, with an "e" after it for --enforce-eager (no CUDA graphs), e.g. 1x2e. bf16 sums run in the same order on one GPU and on stages (the layers are the
+same kernels), so outputs should match; a near-tie may still flip a token where batch shapes
+differ (two micro-batches of half the rows): the report gives how many sequences match exactly
+and where the others first differ. Decode: ms per engine step (one micro-batch of about
+batch / PP rows while the other stages work on the others) and output tokens per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
+    from scheduler.request import SamplingParams
+    from serve.llm import LLM
+
+    tp, pp = (int(x) for x in layout.rstrip("e").split("x"))
+    kw = dict(load_format="dummy", tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=a.dtype,
+              enforce_eager=layout.endswith("e"), gpu_memory_utilization=a.gpu_memory_utilization)
+    with LLM(model, **kw) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        rng = random.Random(0)
+        ids = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.prompts)]
+        outs = llm.generate(ids, SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True))
+        greedy = [list(o.token_ids) for o in outs]
+
+        core = llm.engine.core
+        params = SamplingParams(max_tokens=a.steps * 4 + 64, temperature=0, ignore_eos=True)
+        seqs = [core.add_request([rng.randrange(vocab) for _ in range(a.context)], params) for _ in range(a.batch)]
+        while any(s.num_output_tokens < 2 for s in seqs):  # every prompt in, every sequence decoding
+            core.step()
+        for _ in range(8):  # warm: graphs replayed, the queue full
+            core.step()
+        before = core.stats.generation_tokens
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            core.step()
+        elapsed = time.perf_counter() - t0
+        tokens = core.stats.generation_tokens - before
+        for s in seqs:
+            core.abort(s.seq_id)
+        while core.has_unfinished():
+            core.step()
+        return {"greedy": greedy, "step_ms": elapsed / a.steps * 1e3, "decode_tok_s": tokens / elapsed,
+                "max_in_flight": core.stats.max_in_flight, "num_blocks": llm.engine.runner.num_blocks,
+                "startup_s": llm.engine.runner.startup_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.pp_check")
+    p.add_argument("--model", required=True, help="a model folder or preset (dummy weights)")
+    p.add_argument("--layouts", default="1x1,1x2,1x2e", help="TPxPP[e] layouts, the first is the reference")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="decoding sequences in the timed steps")
+    p.add_argument("--context", type=int, default=512, help="their prompt tokens")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--out", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: this layout only
+    a = p.parse_args(argv)
+    if a.one is not None:
+        print(json.dumps(run_one(a.model, a.one, a)))
+        return 0
+    runs = {}
+    for layout in a.layouts.split(","):
+        cmd = [sys.executable, "-m", "lab.pp_check", "--model", a.model, "--one", layout]
+        for flag in ("prompts", "input_len", "output_len", "batch", "context", "steps", "dtype", "gpu_memory_utilization"):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"layout {layout} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        runs[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+    base = runs[a.layouts.split(",")[0]]["greedy"]
+    report = {k: getattr(a, k) for k in ("model", "dtype", "prompts", "input_len", "output_len", "batch", "context", "steps")}
+    for layout, run in runs.items():
+        firsts = [next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), None) for o, b in zip(run["greedy"], base)]
+        report[layout] = {"equal": sum(f is None for f in firsts), "first_differences": [f for f in firsts if f is not None],
+                          **{k: v for k, v in run.items() if k != "greedy"}}
+    print(json.dumps(report))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

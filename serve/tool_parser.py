@@ -1,0 +1,298 @@
+"""Tool calls out of a model's text, incrementally: text in (any split), events out (content, a call's
+name, fragments of its JSON arguments), the same events whatever the split, so streamed deltas
+assemble to the non-streamed message.
+
+Two formats:
+- hermes (Hermes 2 Pro, Qwen 2.5/3, and our own prompt for templates without tools):
+  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, text around the calls is content.
+- llama3_json (Llama 3.1+): the output is `{"name": "f", "parameters": {...}}`, several separated
+  by ";"; an output that does not start with "{" is content.
+
+A call's arguments stream as the exact text of its arguments object, from "{" to its matching "}".
+A call whose object ends without the usual `{"name": ..., "arguments": ...}` order is parsed whole
+at its end; one that does not parse is content, as it was written.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+HERMES_OPEN = "<tool_call>"
+HERMES_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:')
+TOOL_PARSERS = ("hermes", "llama3_json")
+HEADER_CHARS = 256  # `{"name": "<64 characters at most>", "arguments":` with room for whitespace
+
+
+@dataclass
+class Content:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int
+    name: str
+
+
+@dataclass
+class CallArgs:
+    index: int
+    text: str
+
+
+Event = Content | CallStart | CallArgs
+
+
+class _JsonDepth:
+    """Where a JSON value that starts with "{" or "[" ends, one character at a time."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def step(self, ch: str) -> bool:
+        """Whether ch closed the value."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return False
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins tag (kept back: it may be the tag's start)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class _Call:
+    text: str = ""  # the call's JSON object so far
+    object_depth: _JsonDepth = field(default_factory=_JsonDepth)
+    args_at: int | None = None  # where in text the arguments value starts, once the header is read
+    args_depth: _JsonDepth | None = None
+    args_done: bool = False
+    index: int | None = None  # the call's index once its name is out
+
+
+class ToolCallParser:
+    def __init__(self, fmt: str) -> None:
+        if fmt not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {fmt!r}; one of {', '.join(TOOL_PARSERS)}")
+        self.fmt = fmt
+        self.pending = ""  # text not yet turned into events
+        self.state = "start" if fmt == "llama3_json" else "text"
+        self.call: _Call | None = None
+        self.num_calls = 0
+        self.between_calls = False  # hermes: whitespace after a call's closing tag is dropped
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        events: list[Event] = []
+        while self.pending and self._advance(events):
+            pass
+        return _merge(events)
+
+    def close(self) -> list[Event]:
+        """The end of the output: held-back text is content; a call cut off before its name is out
+        is content too (one cut later keeps its partial arguments, as streamed)."""
+        events: list[Event] = []
+        call = self.call
+        if call is not None and call.index is None:
+            events.append(Content((HERMES_OPEN if self.fmt == "hermes" else "") + call.text))
+        self.call = None
+        if self.pending and self.state != "after_call":
+            events.append(Content(self.pending))
+        self.pending = ""
+        return _merge(events)
+
+    # -- the states; each returns whether it made progress ------------------------------------
+
+    def _advance(self, events: list[Event]) -> bool:
+        if self.state == "text":
+            return self._text(events)
+        if self.state == "start":
+            return self._start(events)
+        if self.state == "call":
+            return self._in_call(events)
+        if self.state == "after_call":
+            return self._after_call(events)
+        events.append(Content(self.pending))  # "content": the rest is plain text
+        self.pending = ""
+        return False
+
+    def _text(self, events: list[Event]) -> bool:
+        if self.between_calls:
+            self.pending = self.pending.lstrip()
+            if not self.pending:
+                return False
+            self.between_calls = False
+        at = self.pending.find(HERMES_OPEN)
+        if at < 0:
+            keep = _held_prefix(self.pending, HERMES_OPEN)
+            if len(self.pending) > keep:
+                events.append(Content(self.pending[:len(self.pending) - keep]))
+                self.pending = self.pending[len(self.pending) - keep:]
+            return False
+        if at:
+            events.append(Content(self.pending[:at]))
+        self.pending = self.pending[at + len(HERMES_OPEN):].lstrip()
+        self.call, self.state = _Call(), "call"
+        return True
+
+    def _start(self, events: list[Event]) -> bool:
+        """llama3_json: a call if the output (past whitespace and the python tag) opens an object."""
+        text = self.pending.lstrip()
+        if text.startswith(PYTHON_TAG):
+            text = text[len(PYTHON_TAG):].lstrip()
+        if not text or (len(text) < len(PYTHON_TAG) and PYTHON_TAG.startswith(text)):
+            return False  # nothing decisive yet
+        if text[0] == "{":
+            self.pending = text
+            self.call, self.state = _Call(), "call"
+        else:
+            self.state = "content"
+        return True
+
+    def _in_call(self, events: list[Event]) -> bool:
+        call = self.call
+        assert call is not None
+        if not call.text:
+            self.pending = self.pending.lstrip()
+            if not self.pending:
+                return False
+            if self.pending[0] != "{":  # not a JSON object after all: content, as written
+                events.append(Content(HERMES_OPEN if self.fmt == "hermes" else ""))
+                self.call, self.state = None, "text" if self.fmt == "hermes" else "content"
+                return True
+        for i, ch in enumerate(self.pending):
+            call.text += ch
+            if call.args_at is None:
+                # past HEADER_CHARS without the usual header the call is parsed whole at its end (and
+                # the match, tried per character, stays cheap)
+                m = _HEADER.match(call.text) if len(call.text) <= HEADER_CHARS else None
+                if m is not None:
+                    call.args_at = m.end()
+            elif call.args_depth is None and not call.args_done:
+                if ch.isspace():
+                    call.args_at = len(call.text)
+                elif ch in "{[":
+                    call.args_at = len(call.text) - 1
+                    call.args_depth = _JsonDepth()
+                    self._start_call(call, events)
+                else:
+                    call.args_done = True  # not an object: parsed whole at the call's end
+            if call.args_depth is not None and not call.args_done:
+                events.append(CallArgs(call.index, ch))
+                if call.args_depth.step(ch):
+                    call.args_done = True
+            if call.object_depth.step(ch):
+                self.pending = self.pending[i + 1:]
+                self._end_call(call, events)
+                return True
+        self.pending = ""
+        return False
+
+    def _start_call(self, call: _Call, events: list[Event]) -> None:
+        m = _HEADER.match(call.text)
+        assert m is not None
+        call.index = self.num_calls
+        self.num_calls += 1
+        events.append(CallStart(call.index, json.loads(f'"{m.group(1)}"')))
+
+    def _end_call(self, call: _Call, events: list[Event]) -> None:
+        self.call = None
+        self.state = "after_call"
+        if call.index is not None and call.args_done:
+            return
+        if call.index is None:  # not in the usual order: the whole object decides
+            try:
+                obj = json.loads(call.text)
+                name = obj["name"]
+                args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+                if not isinstance(name, str):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                events.append(Content((HERMES_OPEN if self.fmt == "hermes" else "") + call.text))
+                self.state = "text" if self.fmt == "hermes" else "content"
+                return
+            index = self.num_calls
+            self.num_calls += 1
+            events.append(CallStart(index, name))
+            events.append(CallArgs(index, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+
+    def _after_call(self, events: list[Event]) -> bool:
+        """Past a call's object: hermes' closing tag, llama3_json's ";" before the next call."""
+        text = self.pending.lstrip()
+        if not text:
+            self.pending = ""
+            return False
+        if self.fmt == "hermes":
+            if text.startswith(HERMES_CLOSE):
+                self.pending = text[len(HERMES_CLOSE):]
+                self.state, self.between_calls = "text", True
+                return True
+            if HERMES_CLOSE.startswith(text):
+                self.pending = text
+                return False
+            self.pending, self.state = text, "text"
+            return True
+        if text[0] == ";":
+            self.pending, self.state = text[1:], "start"
+            return True
+        self.pending, self.state = text, "content"
+        return True
+
+
+def _merge(events: list[Event]) -> list[Event]:
+    """Adjacent content, or adjacent fragments of one call's arguments, as one event."""
+    out: list[Event] = []
+    for e in events:
+        last = out[-1] if out else None
+        if isinstance(e, Content) and isinstance(last, Content) or isinstance(e, CallArgs) and isinstance(last, CallArgs) and last.index == e.index:
+            last.text += e.text
+        elif not (isinstance(e, (Content, CallArgs)) and not e.text):
+            out.append(e)
+    return out
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str = ""
+
+
+def assemble(events: list[Event]) -> tuple[str, list[ParsedCall]]:
+    """The content and the calls that a sequence of events adds up to."""
+    content = ""
+    calls: list[ParsedCall] = []
+    for e in events:
+        if isinstance(e, Content):
+            content += e.text
+        elif isinstance(e, CallStart):
+            calls.append(ParsedCall(e.name))
+        else:
+            calls[e.index].arguments += e.text
+    return content, calls
+
+
+def parse_all(text: str, fmt: str) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(fmt)
+    return assemble(parser.feed(text) + parser.close())

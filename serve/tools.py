@@ -1,0 +1,143 @@
+"""Tool calling on /v1/chat/completions: which format the model calls tools in, how the tools and
+earlier calls reach the prompt, and the grammar that enforces `tool_choice` "required" or a named
+function (so that every call's arguments parse and match the function's schema).
+
+The format (--tool-parser): hermes (`<tool_call>` tags, Hermes 2 Pro / Qwen) or llama3_json;
+auto picks llama3_json for a Llama 3 chat template and hermes otherwise. A chat template that
+renders `tools` itself (it mentions them) gets them through transformers' apply_chat_template; for
+one that does not (the default SmolLM2's), the tools are described in the system message in the
+chosen format, and earlier calls and results are written into the turns as that format has them.
+tool_choice "none" leaves the tools out of the prompt; "auto" lets the model choose (its output is
+parsed, not constrained).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.grammar import GrammarError, tool_call_grammar
+from serve.errors import APIError
+from serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json")
+
+
+def resolve_tool_parser(choice: str, chat_template: str | None) -> str:
+    if choice not in TOOL_PARSER_CHOICES:
+        raise ValueError(f"tool parser must be one of {', '.join(TOOL_PARSER_CHOICES)}; got {choice!r}")
+    if choice != "auto":
+        return choice
+    template = chat_template or ""
+    if "<|python_tag|>" in template or "<|eom_id|>" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+@dataclass
+class ToolPlan:
+    parser: str | None = None  # the format the output is parsed in; None: no tool calls expected
+    grammar: str | None = None  # what the output must be ("required", a named function)
+    check: str | None = None  # a grammar that must compile: the tools' schemas are valid
+    tools: list[dict[str, Any]] | None = None  # to render in the prompt
+
+
+def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice needs tools; send tools or leave tool_choice out", param="tool_choice")
+        return ToolPlan()
+    choice = choice or "auto"
+    if choice == "none":
+        return ToolPlan()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools have duplicate names; give each function its own name", param="tools")
+    chosen = tools
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not chosen:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                f"({', '.join(names)})", param="tool_choice")
+    try:
+        grammar = tool_call_grammar(chosen, fmt, parallel=req.parallel_tool_calls and choice == "required")
+    except GrammarError as e:
+        raise APIError(400, f"tools: {e}", param="tools") from None
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    return ToolPlan(fmt, grammar if forced else None, grammar, tools)
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+
+HERMES_SYSTEM = """# Tools
+
+You may call one or more of the functions below to help with the user's request. Each is described \
+as a JSON schema inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with its name and arguments as a JSON object inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+
+LLAMA3_SYSTEM = """# Tools
+
+You may call one of the functions below to help with the user's request. Each is described as a JSON schema:
+{tools}
+
+To call a function, answer with only a JSON object of the form \
+{{"name": <function name>, "parameters": <arguments as a JSON object>}}."""
+
+
+def _arguments(text: str) -> Any:
+    """An earlier call's arguments as the templates want them: an object where they parse."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _call_text(name: str, arguments: str, fmt: str) -> str:
+    args = json.dumps(_arguments(arguments), ensure_ascii=False)
+    if fmt == "hermes":
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n</tool_call>'
+    return f'{{"name": {json.dumps(name)}, "parameters": {args}}}'
+
+
+def chat_messages(messages: list[dict[str, Any]], originals: list[ChatMessage], plan: ToolPlan, fmt: str,
+                  template_has_tools: bool) -> list[dict[str, Any]]:
+    """The messages for apply_chat_template: earlier tool calls and results in the shape the
+    template takes (its own, or our format written into plain turns), and our tool description in
+    the system message where the template cannot render tools."""
+    out = []
+    for m, orig in zip(messages, originals):
+        if orig.tool_calls:
+            if template_has_tools:
+                m = {**m, "tool_calls": [{"id": c.id, "type": "function",
+                                          "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                         for c in orig.tool_calls]}
+            else:
+                calls = "\n".join(_call_text(c.function.name, c.function.arguments, fmt) for c in orig.tool_calls)
+                m = {**m, "content": (m["content"] + "\n" if m["content"] else "") + calls}
+        if orig.role == "tool":
+            if template_has_tools:
+                m = {**m, **({"tool_call_id": orig.tool_call_id} if orig.tool_call_id else {})}
+            elif fmt == "hermes":
+                m = {**m, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if plan.tools and not template_has_tools:
+        lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools)
+        text = (HERMES_SYSTEM if fmt == "hermes" else LLAMA3_SYSTEM).format(tools=lines)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out

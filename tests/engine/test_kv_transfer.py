@@ -1,0 +1,99 @@
+"""engine/kv_transfer.py between two processes on the CPU (gloo): a prefill side sends some of its
+pool's blocks (pages and, for int8, scales) and a decode side receives them into other block ids;
+a drained transfer leaves the pool alone; a pool of another layout fails the handshake."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvcache.pool import KVPool
+from kvcache.spec import KVCacheSpec
+
+SENT, INTO = [3, 1, 4], [0, 5, 2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes (random bytes read as floats include NaNs, which equal nothing)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _pool(dtype: str, seed: int, heads: int = 2) -> KVPool:
+    pool = KVPool(KVCacheSpec(2, heads, 8, 4, dtype), 6, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    pool.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv.view(torch.uint8).shape, generator=g,
+                                                  dtype=torch.uint8))
+    if pool.scales is not None:
+        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g))
+    return pool
+
+
+def _side(rank: int, port: int, out: dict) -> None:
+    from engine.kv_transfer import PoolTransport, join_group, leave_group
+
+    torch.set_num_threads(1)
+    join_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=60)
+    # a decode pool of one KV head against a prefill pool of two
+    try:
+        PoolTransport(_pool("float32", seed=rank, heads=2 - rank)).handshake([0], [1], rank)
+        out[("handshake", rank)] = "passed"
+    except RuntimeError as e:
+        out[("handshake", rank)] = str(e)
+    for tag, dtype in enumerate(("float32", "int8")):
+        pool = _pool(dtype, seed=rank)
+        transport = PoolTransport(pool)
+        transport.handshake([0], [1], rank)
+        if rank == 0:
+            transport.send(SENT, 1, tag=2 * tag)
+            transport.send(SENT[:1], 1, tag=2 * tag + 1)
+            for works, _ in transport._sending:
+                for w in works:
+                    w.wait()
+            scales = None if pool.scales is None else pool.scales[:, SENT].clone()
+            out[(dtype, rank)] = (pool.kv[:, :, SENT].clone(), scales)
+        else:
+            before = pool.kv.clone()
+            n = transport.recv(INTO, 0, tag=2 * tag)
+            transport.discard(1, 0, tag=2 * tag + 1)
+            untouched = [b for b in range(6) if b not in INTO]
+            scales = None if pool.scales is None else pool.scales[:, INTO].clone()
+            out[(dtype, rank)] = (pool.kv[:, :, INTO].clone(), scales, n,
+                                  torch.equal(_raw(pool.kv[:, :, untouched]), _raw(before[:, :, untouched])))
+    leave_group()
+
+
+@pytest.fixture(scope="module")
+def exchanged() -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_side, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    return dict(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_blocks_arrive_in_other_block_ids(exchanged, dtype):
+    kv, scales = exchanged[(dtype, 0)]
+    got_kv, got_scales, n, untouched = exchanged[(dtype, 1)]
+    assert torch.equal(_raw(got_kv), _raw(kv)) and untouched
+    if dtype == "int8":
+        assert torch.equal(got_scales, scales)
+    assert n == kv.numel() * kv.element_size() + (0 if scales is None else scales.numel() * 4)
+
+
+def test_a_pool_of_another_layout_fails_the_handshake(exchanged):
+    assert exchanged[("handshake", 0)] == "passed"
+    assert "start both from the same flags" in exchanged[("handshake", 1)]
