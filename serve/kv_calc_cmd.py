@@ -16,7 +16,7 @@ from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, 
                           DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
                           resolve_model_dtype, table_kv_dtypes)
-from kvcache.gpus import PresetError, resolve_gpu_memory
+from kvcache.gpus import GPUMemory, PresetError, resolve_gpu_memory
 from kvcache.spec import default_block_size
 
 
@@ -103,13 +103,25 @@ def _check_engine_limits(req: CalcRequest) -> None:
         raise KVCalcInputError(str(e)) from None
 
 
+def local_gpu() -> GPUMemory | None:
+    """This machine's first CUDA GPU, if it has one (torch is imported only to ask)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return GPUMemory(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
+
+
 def read_request(args: argparse.Namespace) -> CalcRequest:
     if not args.model:
         raise KVCalcInputError("--model is required: a model folder, a config.json, or a preset such as Llama-3-8B")
-    if not args.gpu_memory:
-        raise KVCalcInputError("--gpu-memory is required: a size such as 80GiB or a GPU such as H100")
+    gpu = resolve_gpu_memory(str(args.gpu_memory)) if args.gpu_memory else local_gpu()
+    if gpu is None:
+        raise KVCalcInputError("--gpu-memory is required on a machine without a GPU: a size such as 80GiB or a GPU "
+                               "such as H100")
     model = resolve_model(args.model)
-    gpu = resolve_gpu_memory(str(args.gpu_memory))
     max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
     req = CalcRequest(
         model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.channel import SAMPLES_TAG, STEP_TAG, Posted, post, receive
@@ -110,6 +111,9 @@ def worker_main(env: dict[str, str], model_cfg: ModelConfig, model_path: Path | 
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {env['RANK']}]: %(message)s")
     os.environ.update(env)  # as torchrun would have started it
     threading.Thread(target=_exit_with_parent, args=(conn,), name="parent-watch", daemon=True).start()
+    # tqdm's default lock is a multiprocessing semaphore: the os._exit below would leave it for the
+    # resource tracker, which then warns of a leak when the server stops
+    tqdm.set_lock(threading.RLock())
     topo: Topology | None = None
     try:
         device_type = resolve_device(cfg.device).type

@@ -13,7 +13,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.presets import MODEL_PRESETS, resolve_model
 from kvcache import calc
 from kvcache.calc import plan
-from kvcache.gpus import GiB, resolve_gpu_memory
+from kvcache.gpus import GiB, GPUMemory, resolve_gpu_memory
 from serve import kv_calc_cmd as cmd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,3 +152,14 @@ def test_defaults_match_the_engine():
         assert EngineConfig(kv_cache_dtype=kv).block_size == block_size
         assert calc.plan(preset("llama3-8b"), 80 * GiB, kv_cache_dtype=kv).block_size == block_size
         assert EngineConfig(kv_cache_dtype=kv, block_size=64).block_size == 64
+
+
+def test_gpu_memory_defaults_to_this_machines_gpu(monkeypatch, capsys):
+    """Without --gpu-memory the calculator sizes for the local GPU, named as the driver names it;
+    with no GPU it asks for the flag in one line."""
+    monkeypatch.setattr(cmd, "local_gpu", lambda: GPUMemory("NVIDIA H100 80GB HBM3", H100))
+    req = cmd.read_request(parse("--model", "Llama-3-8B"))
+    assert req.gpu_label == "NVIDIA H100 80GB HBM3" and req.gpu_memory_bytes == H100
+    monkeypatch.setattr(cmd, "local_gpu", lambda: None)
+    with pytest.raises(cmd.KVCalcInputError, match="--gpu-memory is required on a machine without a GPU"):
+        cmd.read_request(parse("--model", "Llama-3-8B"))
