@@ -4,20 +4,16 @@ model's layers is one line and exit status 2; a stage rank killed mid-stream fai
 the reason, and the server exits non-zero instead of hanging."""
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from tests.models import hf_greedy
 from tests.serve.helpers import free_port
 from tests.serve.test_shutdown import REPO, start_server
-from tests.serve.test_tensor_parallel_server import MAX_NEW, PROMPTS, complete, rank_pids, stop
+from tests.serve.test_tensor_parallel_server import MAX_NEW, PROMPTS, complete, kill_rank_mid_stream, stop
 
 
 def test_streamed_and_whole_completions_equal_transformers(model_dir):
@@ -64,30 +60,9 @@ def test_a_size_larger_than_the_layers_is_one_line(model_dir):
 
 
 def test_a_stage_rank_killed_mid_stream_fails_the_request_and_the_server_exits(model_dir):
-    proc, port = start_server(model_dir, "--pipeline-parallel-size", "2")
-    try:
-        (rank1,) = rank_pids(proc.pid)
-        chunks, error = 0, None
-        body = {"prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    error = data["error"]["message"]
-                    continue
-                chunks += 1
-                if chunks == 1:
-                    os.kill(rank1, signal.SIGKILL)
-        assert chunks < 480
-        assert error is not None and "pipeline-parallel rank 1 (stage 1) exited (killed by signal SIGKILL)" in error
-        out, _ = proc.communicate(timeout=30)  # the server stops on its own
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, out
+    error, code, out = kill_rank_mid_stream(model_dir, "--pipeline-parallel-size", "2")
+    assert error is not None and "pipeline-parallel rank 1 (stage 1) exited (killed by signal SIGKILL)" in error
+    assert code == 1, out
     assert ("pagedserve: error: the engine stopped: pipeline-parallel rank 1 (stage 1) exited (killed by signal "
             "SIGKILL)") in out
 

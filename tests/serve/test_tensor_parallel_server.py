@@ -75,8 +75,10 @@ def rank_pids(server_pid: int) -> list[int]:
     return [p for p in child_pids(engine) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
-def test_a_rank_killed_mid_stream_fails_the_request_and_the_server_exits(model_dir):
-    proc, port = start_server(model_dir, "--tensor-parallel-size", "2")
+def kill_rank_mid_stream(model_dir: Path, *server_args: str) -> tuple[str | None, int, str]:
+    """Start a server with server_args, stream a long completion, SIGKILL rank 1 once the first
+    chunk arrives. -> (the stream's error message, the server's exit status, its output)."""
+    proc, port = start_server(model_dir, *server_args)
     try:
         (rank1,) = rank_pids(proc.pid)
         chunks, error = 0, None
@@ -94,11 +96,16 @@ def test_a_rank_killed_mid_stream_fails_the_request_and_the_server_exits(model_d
                 if chunks == 1:
                     os.kill(rank1, signal.SIGKILL)
         assert chunks < 480
-        assert error is not None and "tensor-parallel rank 1 exited (killed by signal SIGKILL)" in error
         out, _ = proc.communicate(timeout=30)  # the server stops on its own
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 1, out
+    return error, proc.returncode, out
+
+
+def test_a_rank_killed_mid_stream_fails_the_request_and_the_server_exits(model_dir):
+    error, code, out = kill_rank_mid_stream(model_dir, "--tensor-parallel-size", "2")
+    assert error is not None and "tensor-parallel rank 1 exited (killed by signal SIGKILL)" in error
+    assert code == 1, out
     assert "pagedserve: error: the engine stopped: tensor-parallel rank 1 exited (killed by signal SIGKILL)" in out
