@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from lab.tp_check import agreement
+
 
 def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
     from scheduler.request import SamplingParams
@@ -89,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     base = runs[a.layouts.split(",")[0]]["greedy"]
     report = {k: getattr(a, k) for k in ("model", "dtype", "prompts", "input_len", "output_len", "batch", "context", "steps")}
     for layout, run in runs.items():
-        firsts = [next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), None) for o, b in zip(run["greedy"], base)]
-        report[layout] = {"equal": sum(f is None for f in firsts), "first_differences": [f for f in firsts if f is not None],
-                          **{k: v for k, v in run.items() if k != "greedy"}}
+        report[layout] = {**agreement(run["greedy"], base), **{k: v for k, v in run.items() if k != "greedy"}}
     print(json.dumps(report))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))

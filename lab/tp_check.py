@@ -28,6 +28,12 @@ def run_one(model: str, size: int, prompts: int, input_len: int, output_len: int
         return [list(o.token_ids) for o in outs]
 
 
+def agreement(outs: list[list[int]], base: list[list[int]]) -> dict:
+    """How many sequences equal the reference's exactly, and where each other one first differs."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), None) for o, b in zip(outs, base)]
+    return {"equal": sum(f is None for f in firsts), "first_differences": [f for f in firsts if f is not None]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.tp_check")
     p.add_argument("--model", required=True)
@@ -54,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     base = runs[min(runs)]
     report = {"model": a.model, "dtype": a.dtype, "prompts": a.prompts, "input_len": a.input_len, "output_len": a.output_len}
     for size, outs in runs.items():
-        firsts = [next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), None) for o, b in zip(outs, base)]
-        report[f"tp{size}"] = {"equal": sum(f is None for f in firsts), "first_differences": [f for f in firsts if f is not None]}
+        report[f"tp{size}"] = agreement(outs, base)
     print(json.dumps(report))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
