@@ -153,6 +153,24 @@ class DeferredSample:
     tokens_out: torch.Tensor | None  # where a decode graph that follows reads its pending input tokens
 
 
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Storage, uninitialised, for a model built on the meta device: every floating parameter and
+    buffer in dtype, on device (a tensor shared by two modules stays shared). Module.to_empty() does
+    this through torch._refs, whose first use imports sympy, and on the GPU machines torch._dynamo
+    with it: seconds of start-up."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                table[name] = made[id(t)]
+    return model
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
                  max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE, pp: Pipe | None = None) -> None:
@@ -177,6 +195,7 @@ class ModelRunner:
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
+        log.debug("start-up: building the model runner")
         clock = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # start-up phase -> seconds, in order (serve/build.py logs them)
 
@@ -190,7 +209,7 @@ class ModelRunner:
 
         with torch.device("meta"):
             model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = materialize(model, self.device, self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)
         else:
@@ -205,12 +224,10 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec.for_model(model.stage.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
-        if self.device.type == "cuda":
-            self._compile_early()
-        # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step
-        self.cost_model = self.measure_step_costs() if self.device.type == "cuda" else None
-        # every rank derives its graphs from the cost model: rank 0's measurement for all
-        self.cost_model = self.comm.broadcast_object(self.cost_model)
+        # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step;
+        # every rank derives its graphs from it: rank 0's measurement for all. A start that measures
+        # compiles the Triton kernels of every phase meanwhile, on threads.
+        self.cost_model = self.step_costs(early=self._compile_early) if self.device.type == "cuda" else None
         if self.cost_model is not None:
             phase("cost model")
         # a pipeline stage's decode and piecewise graphs cover its layers (the carry's receive and
@@ -387,6 +404,56 @@ class ModelRunner:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
         torch.cuda.synchronize(self.device)
 
+    def step_costs(self, early: Callable[[], None] | None = None) -> StepCostModel:
+        """The cost model from the disk cache (engine/cost_cache.py) where this GPU, code and
+        configuration were measured before, else measured now and stored. Rank 0 decides for all.
+        early: run before measuring only. A start that finds the model finds the kernels it compiled
+        in Triton's cache too (whose directory is in the key): an early compile pass would only
+        repeat ~100 forwards in Python (~6 s of an 8B warm start on an H100)."""
+        from engine import cost_cache
+
+        key = cost_cache.cost_key(self._cost_conditions())
+        stored = self.comm.broadcast_object(cost_cache.load(key) if self.comm.rank == 0 else None)
+        if stored is not None:
+            try:
+                model = StepCostModel(tuple(stored["rows"]), tuple(stored["forward_ms"]),
+                                      float(stored["kv_ms_per_token"]), self.cfg.max_num_batched_tokens,
+                                      self.cfg.max_step_ms)
+            except (KeyError, TypeError, ValueError):
+                model = None  # a damaged file: measure (every rank got the same file, so all do)
+            if model is not None:
+                self._log_step_costs(model, self.kv_spec.bytes_per_token / model.kv_ms_per_token * 1e3,
+                                     f" (measured before: {cost_cache.cache_dir() / key})")
+                return model
+        if early is not None:
+            early()
+        model = self.comm.broadcast_object(self.measure_step_costs())
+        if self.comm.rank == 0:
+            cost_cache.store(key, {"rows": list(model.rows), "forward_ms": list(model.forward_ms),
+                                   "kv_ms_per_token": model.kv_ms_per_token})
+        return model
+
+    def _cost_conditions(self) -> dict:
+        """What the cost model's forwards depend on: the GPU and its software, the model, this
+        rank's share of it, the engine's configuration (engine/cost_cache.py adds the sources)."""
+        import dataclasses
+
+        import triton
+
+        try:
+            from triton import knobs
+            triton_cache = knobs.cache.dir
+        except (ImportError, AttributeError):  # pragma: no cover (triton < 3.4)
+            triton_cache = os.environ.get("TRITON_CACHE_DIR", "")
+        props = torch.cuda.get_device_properties(self.device)
+        stage = self.model.stage
+        return {"gpu": props.name, "gpu_memory": props.total_memory, "sms": props.multi_processor_count,
+                "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__, "triton_cache": triton_cache,
+                "model": dataclasses.asdict(self.model_cfg), "dtype": self.dtype_name,
+                "kv": dataclasses.asdict(self.kv_spec), "engine": dataclasses.asdict(self.cfg),
+                "tp": [self.comm.rank, self.comm.size], "stage": [stage.start, stage.end],
+                "max_model_len": self.max_model_len, "sizes": self._cost_sizes()}
+
     @torch.inference_mode()
     def measure_step_costs(self, timer: Callable[[Callable[[], object]], float] | None = None) -> StepCostModel:
         """The device time of forwards of a few sizes (prompt chunks of CHUNK tokens, writing no KV)
@@ -406,13 +473,17 @@ class ModelRunner:
         bandwidth = 2 * nbytes / (copy_ms / 1e3)  # bytes read + written per second
         model = StepCostModel(tuple(sizes), tuple(forward_ms), self.kv_spec.bytes_per_token / bandwidth * 1e3,
                               self.cfg.max_num_batched_tokens, self.cfg.max_step_ms)
+        self._log_step_costs(model, bandwidth)
+        return model
+
+    def _log_step_costs(self, model: StepCostModel, bandwidth: float, source: str = "") -> None:
         d = min(64, self.cfg.max_num_seqs)
         slow = sorted(model.dominated)
-        log.info("step cost model: a forward of %s rows %s ms%s, copy %.2f TB/s; %d decodes take up to %d prompt "
-                 "tokens beside them", "/".join(map(str, sizes)), "/".join(f"{t:.2f}" for t in model.forward_ms),
+        log.info("step cost model%s: a forward of %s rows %s ms%s, copy %.2f TB/s; %d decodes take up to %d prompt "
+                 "tokens beside them", source, "/".join(map(str, model.rows)),
+                 "/".join(f"{t:.2f}" for t in model.forward_ms),
                  f" ({'/'.join(map(str, slow))} rows pad to a faster size)" if slow else "",
                  bandwidth / 1e12, d, model.prompt_budget(d, d * 512))
-        return model
 
     def _cost_sizes(self) -> list[int]:
         """The forward sizes the cost model times: the token counts the graphs capture, what a step pays."""

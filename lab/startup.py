@@ -1,6 +1,7 @@
 """Start-up time of `serve run`: from the command to the first answer of GET /health, with a cold
 Triton cache (an empty TRITON_CACHE_DIR: what a fresh machine compiles) and a warm one (the same
-directory again), and the engine's own phases (the "engine started in" log line).
+directory again), the engine's own phases (the "engine started in" log line), and a timeline: when
+each start-up mark arrived (the server runs with --log-level debug for its "start-up:" marks).
 
     python -m lab.startup --model llama3-8b --model qwen2.5-0.5b --out startup.json [--server-args "..."]
 """
@@ -16,12 +17,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 PHASES = re.compile(r"engine started in ([\d.]+) s \((.*)\)")
+# the lines worth a time stamp: start-up's own debug marks, the engine's phases, the server's start
+TIMELINE = re.compile(r"start-up:|step cost model|captured|engine started|pagedserve: model|Application startup|Uvicorn running")
 
 
 def free_port() -> int:
@@ -33,11 +37,16 @@ def free_port() -> int:
 def time_start(model: str, triton_cache: Path, server_args: list[str], timeout_s: float) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "serve", "run", "--model", model, "--load-format", "dummy", "--port", str(port),
-           *server_args]
-    env = dict(os.environ, TRITON_CACHE_DIR=str(triton_cache), PYTHONUNBUFFERED="1")
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+           "--log-level", "debug", *server_args]
+    # cold and warm: the Triton cache and the cost model's (engine/cost_cache.py) start empty, then are found
+    env = dict(os.environ, TRITON_CACHE_DIR=str(triton_cache), PAGEDSERVE_CACHE=f"{triton_cache}.pagedserve",
+               PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    lines: list[tuple[float, str]] = []  # (seconds since the command, line): the start-up's timeline
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - t0, line.rstrip("\n"))
+                                                          for line in proc.stdout), daemon=True)
+    reader.start()
     ready = None
     while time.perf_counter() - t0 < timeout_s and proc.poll() is None:
         try:
@@ -52,7 +61,8 @@ def time_start(model: str, triton_cache: Path, server_args: list[str], timeout_s
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    text = Path(log.name).read_text()
+    reader.join(10)
+    text = "\n".join(line for _, line in lines)
     m = PHASES.search(text)
     phases = {}
     if m:
@@ -60,8 +70,9 @@ def time_start(model: str, triton_cache: Path, server_args: list[str], timeout_s
             name, value = part.rsplit(" ", 2)[0], float(part.rsplit(" ", 2)[1])
             phases[name] = value
     notes = [line for line in text.splitlines() if "step cost model" in line or "captured" in line]
+    timeline = [[round(t, 2), line[:160]] for t, line in lines if (ready is None or t <= ready) and TIMELINE.search(line)]
     return {"ready_s": ready, "engine_s": float(m.group(1)) if m else None, "phases_s": phases, "notes": notes,
-            "exit_code": proc.returncode, "log_tail": text[-1500:] if ready is None else ""}
+            "timeline": timeline, "exit_code": proc.returncode, "log_tail": text[-1500:] if ready is None else ""}
 
 
 def compiled_kernels(cache: Path) -> dict:

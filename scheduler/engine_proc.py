@@ -88,6 +88,7 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
     # with SIGINT ignored (spawn()), so spawn's own imports are not interrupted either.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    log.debug("start-up: engine process running")
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         if commands.poll():
@@ -110,6 +111,7 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
     # occasional full collection stalled a step by ~20-40 ms (step traces, H100 machine).
     gc.collect()
     gc.freeze()
+    log.debug("start-up: engine ready")
     try:
         results.send(("ready", info, EngineSnapshot.of(core)))
         _serve(core, commands, results)

@@ -101,8 +101,30 @@ def load_tokenizer(path: Path, vocab_size: int | None = None) -> Any:
     """The folder's tokenizer, or a TokenIdTokenizer (of vocab_size ids, if given) when it has none."""
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return TokenIdTokenizer(vocab_size)
+    return tokenizer_class(path).from_pretrained(str(path))
+
+
+def tokenizer_class(path: Path) -> Any:
+    """The class tokenizer_config.json names (its fast variant first, as AutoTokenizer picks),
+    imported alone; else AutoTokenizer. AutoTokenizer's module pulls in transformers' model and
+    generation code, and with it torch._dynamo and scikit-learn: 9 s on the H100 machines
+    (2026-11-26, lab/startup_profile.py --imports), which no tokenizer uses."""
+    import transformers
+
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if isinstance(name, str) and name.isidentifier():
+        for candidate in (name,) if name.endswith("Fast") else (name + "Fast", name):
+            try:
+                cls = getattr(transformers, candidate)
+            except (AttributeError, ImportError):  # not in this version; a lazy name that fails to import
+                continue
+            if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+                return cls
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer
 
 
 def eos_token_ids(path: Path, model_cfg: ModelConfig, tokenizer: Any) -> frozenset[int]:
@@ -152,30 +174,37 @@ def run_follower(cfg: EngineConfig) -> None:
 
 def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type[EngineCore] = EngineCore) -> Engine:
     """core_class: EngineCore, or a role of disaggregated serving (scheduler/disagg.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     path, model_cfg, max_len = resolve_model(cfg, show_progress)
+    # The tokenizer (with transformers' import, 1-3 s) loads on a thread while the runner builds,
+    # whose start-up mostly waits on the device with the GIL released.
+    loader = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    tokenizer = loader.submit(load_tokenizer, path, model_cfg.vocab_size)
+    loader.shutdown(wait=False)
     if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1:
         from engine.parallel.executor import start_tensor_parallel
 
         executor = start_tensor_parallel(model_cfg, path, cfg, max_len, show_progress)
         try:
-            return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor, core_class)
+            return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor, tokenizer.result(), core_class)
         except BaseException:
             executor.close()
             raise
     from engine.runner import ModelRunner
 
     runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress)
-    return _assemble(cfg, path, model_cfg, max_len, runner, runner, core_class)
+    return _assemble(cfg, path, model_cfg, max_len, runner, runner, tokenizer.result(), core_class)
 
 
 def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: int, runner: ModelRunner,
-              executor: Any, core_class: type[EngineCore] = EngineCore) -> Engine:
+              executor: Any, tokenizer: Any, core_class: type[EngineCore] = EngineCore) -> Engine:
     """The core around a built runner; executor: the runner, or the tensor-parallel executor around it."""
     capacity = runner.num_blocks * cfg.block_size
     if capacity < max_len and cfg.num_kv_blocks is None:
         log.warning("the KV cache holds %d tokens, less than the context length %d; lowering max_model_len", capacity, max_len)
         max_len = capacity
-    tokenizer = load_tokenizer(path, model_cfg.vocab_size)
+    log.debug("start-up: the engine's tokenizer loaded")
     steps = runner.num_scheduler_steps
     if cfg.num_scheduler_steps is not None and cfg.num_scheduler_steps > steps:
         log.warning("num_scheduler_steps %d needs the decode CUDA graphs (a GPU, no --enforce-eager); running %d",

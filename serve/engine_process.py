@@ -6,6 +6,7 @@ figures the server prints and serves. See scheduler/engine_proc.py for the loop 
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from engine.config import EngineConfig, ModelConfig
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
 from serve.build import load_tokenizer, model_folder_config
+
+log = logging.getLogger("pagedserve")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ def build_core(cfg: EngineConfig, show_progress: bool,
 
     from serve.build import build_engine
 
+    log.debug("start-up: engine imports done")
     # The child's progress bars need no lock shared with other processes. tqdm's default one is a
     # multiprocessing semaphore, which the resource tracker reported as leaked ("UserWarning:
     # resource_tracker: There appear to be 1 leaked semaphore objects") when a Ctrl-C ended the
@@ -107,6 +111,7 @@ def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> Proce
     try:
         core.spawn()
         tokenizer = load_tokenizer(path)
+        log.debug("start-up: the server's tokenizer loaded")
         info = core.wait_ready()
     except BaseException:
         core.kill()

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     from serve.build import is_follower_rank, run_follower
 
+    logging.getLogger("pagedserve").debug("start-up: server imports done")
+
     if is_follower_rank(engine_cfg):  # under torchrun: rank 0 serves, this rank follows its steps
         run_follower(engine_cfg)
         return 0

@@ -85,3 +85,35 @@ def test_the_runner_measures_every_size_and_builds_a_model(tiny_models):
     logits = calls[-2]  # the 300-token forward: one logit row per chunk of 256
     assert isinstance(logits, torch.Tensor) and logits.shape[0] == 2
     assert m.kv_ms_per_token > 0 and m.prompt_budget(4, 64) >= MIN_PROMPT_TOKENS
+
+
+def test_the_runner_keeps_its_measurement_on_disk(tiny_models, tmp_path, monkeypatch):
+    """A second start with the same conditions reads the curve instead of timing it; other
+    conditions (here another configuration), or a damaged file, measure afresh."""
+    from engine import cost_cache
+    from engine.config import EngineConfig
+    from serve import LLM
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    runner = LLM.from_config(EngineConfig(model=str(tiny_models["qwen2"]), device="cpu", dtype="float32",
+                                          max_num_batched_tokens=300)).engine.runner
+    measured = []
+
+    def measure(timer=None):
+        measured.append(1)
+        return StepCostModel((16, 64, 300), (1.0, 1.5 + len(measured), 4.0), 0.001, 300)
+
+    conditions = {"gpu": "stand-in", "engine": "a"}
+    monkeypatch.setattr(runner, "measure_step_costs", measure)
+    monkeypatch.setattr(runner, "_cost_conditions", lambda: dict(conditions))
+    early = []  # the compile pass that overlaps a measurement: not run for a stored curve
+    first = runner.step_costs(early=lambda: early.append(1))
+    again = runner.step_costs(early=lambda: early.append(1))
+    assert len(measured) == 1 and again == first and again.forward_ms == (1.0, 2.5, 4.0) and early == [1]
+    conditions["engine"] = "b"
+    assert runner.step_costs().forward_ms == (1.0, 3.5, 4.0) and len(measured) == 2
+    [path] = [p for p in tmp_path.iterdir() if cost_cache.cost_key(conditions) == p.name]
+    path.write_text('{"version": 1, "rows": [16], "forward_ms": "x"}')
+    assert runner.step_costs().forward_ms == (1.0, 4.5, 4.0) and len(measured) == 3
+    path.write_text("not json")
+    assert runner.step_costs() is not None and len(measured) == 4
