@@ -216,7 +216,18 @@ def test_cancelling_the_run_stops_the_client_processes(fake_server):
     assert _client_pids() == []
 
 
-def test_ctrl_c_stops_everything(fake_server):
+@pytest.fixture
+def sigint_handled():
+    """Ctrl-C reaches this process and what it starts. A shell starts a background job with SIGINT
+    ignored, and a process keeps an ignored signal ignored across exec: a suite run in the
+    background failed both Ctrl-C tests (exit 0, the run never interrupted). A handled signal is
+    reset to the default in an exec'd child, so Python there raises KeyboardInterrupt again."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_everything(fake_server, sigint_handled):
     """SIGINT to the whole process group, as a terminal's Ctrl-C: exit 130, one line, no traceback,
     no client process left."""
     srv = fake_server(ttft_s=0.01, chunk_interval_s=0.5)  # the 2-token test request: 0.5 s; the others 10 s
@@ -249,7 +260,7 @@ def test_ctrl_c_stops_everything(fake_server):
     assert not any(Path(f"/proc/{pid}").exists() for pid in clients)  # stopped and reaped
 
 
-def test_ctrl_c_while_the_client_processes_start_is_not_lost(fake_server, monkeypatch):
+def test_ctrl_c_while_the_client_processes_start_is_not_lost(fake_server, monkeypatch, sigint_handled):
     """A SIGINT that comes between the start of one client process and the next: the parent blocks
     SIGINT while it starts them (so that they start with it blocked), and handles it once they are
     started. Ignoring it instead lost it: the run went on to its end and `serve bench` exited 0."""
