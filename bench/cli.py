@@ -23,16 +23,16 @@ from typing import Any
 from bench.client import CompletionTarget
 from bench.hardware import Measurement, gpu_name, measure_in_subprocess
 from bench.load import (LoadError, LoadPlan, LoadResult, auto_client_processes, client_process_count,
-                        discover_model, probe, run_load)
-from bench.metrics import SLO, compute_metrics
+                        discover_model, probe, run_conversations, run_load)
+from bench.metrics import SLO, TurnSplit, compute_metrics
 from bench.plot import check_available, write_goodput_plot, write_plot
 from bench.presets import resolve_model
 from bench.report import Roofline, RunInfo, format_report, result_dict
 from bench.roofline import HardwareRates, ModelCost, estimate
 from bench.server import ManagedServer, ServerError, resolve_command
 from bench.sweep import Measured, format_table, run_sweep, sweep_dict
-from bench.workload import (BenchRequest, WorkloadSpec, arrival_offsets, as_text, fresh_tokens, make_requests,
-                            warmup_requests)
+from bench.workload import (BenchRequest, WorkloadSpec, arrival_offsets, as_text, fresh_tokens, make_conversations,
+                            make_requests, max_conversation_tokens, warmup_requests)
 from engine.config import ModelConfig, ModelConfigError
 from serve.build import TokenIdTokenizer, load_tokenizer
 from serve.cli_args import OneLineErrorParser
@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--num-warmups", type=int, default=0, metavar="N",
                       help="first send N unmeasured requests of the same shape (other tokens, another shared "
                            "prefix), at the same concurrency: compiles and warms the server (default: %(default)s)")
+    load.add_argument("--multi-turn", type=int, default=1, metavar="T",
+                      help="conversations of T turns: --num-prompts conversations, each turn's prompt the "
+                           "conversation so far (earlier prompts and replies, as token ids) plus new tokens; a "
+                           "turn is sent when the previous reply is in. Reports follow-up turns' TTFT apart "
+                           "from first turns' (default: 1, single requests)")
+    load.add_argument("--turn-len", type=int, default=None, metavar="N",
+                      help="new tokens of each follow-up turn with --multi-turn (default: --input-len)")
     load.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (default: %(default)s)")
     load.add_argument("--client-processes", type=int, metavar="N",
                       help="send the requests from N processes sharing the concurrency cap and the arrival "
@@ -175,6 +182,16 @@ def _validate(args: argparse.Namespace) -> _Setup:
             raise ValueError(f"{flag}: the folder of {path} does not exist")
     if args.plot:
         check_available()
+    if args.multi_turn < 1:
+        raise ValueError(f"--multi-turn must be >= 1 turns, got {args.multi_turn}")
+    if args.turn_len is not None and args.turn_len < 1:
+        raise ValueError(f"--turn-len must be >= 1, got {args.turn_len}")
+    if args.multi_turn > 1:
+        for flag, bad in (("--request-rate", args.request_rate), ("--prompt-format text", args.prompt_format == "text"),
+                          ("--plot", args.plot), ("--client-processes", (args.client_processes or 1) > 1)):
+            if bad:
+                raise ValueError(f"--multi-turn sends each turn after the previous reply, as token ids, from one "
+                                 f"client process: drop {flag}")
     slo = SLO.parse(args.goodput)
     try:
         server_args = shlex.split(args.server_args)
@@ -315,6 +332,8 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         if failed:
             _error(f"{len(failed)} of {len(warmups)} warm-up requests failed: {failed[0].error}")
             return 1
+    if args.multi_turn > 1:
+        return _multi_turn(args, setup, target, hw, base_url)
     processes = client_process_count(setup.client_processes, args.concurrency, len(requests))
     if processes > 1:
         print(f"{PROG}: {processes} client processes", file=sys.stderr)
@@ -365,6 +384,33 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
         kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
         temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format)
     return Measured(load, metrics, roofline, info)
+
+
+def _multi_turn(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, hw: Measurement,
+                base_url: str) -> int:
+    """--multi-turn T: the conversations, then the report with follow-up turns apart (no roofline:
+    the bound needs each request's length before the run, and a turn's length follows the replies)."""
+    turn_len = args.turn_len or args.input_len
+    convs = make_conversations(setup.workload, args.multi_turn, turn_len)
+    print(f"{PROG}: {len(convs)} conversations of {args.multi_turn} turns, up to "
+          f"{max_conversation_tokens(convs):,} tokens each", file=sys.stderr)
+    load = asyncio.run(run_conversations(target, convs, args.concurrency))
+    metrics = compute_metrics(load.results, load.duration_s, setup.slo)
+    split = TurnSplit.of(load.results)
+    info = RunInfo(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
+        served_model_name=target.model, url=base_url, gpu=hw.device, workload=setup.workload,
+        concurrency=args.concurrency, request_rate=None, ignore_eos=args.ignore_eos,
+        kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
+        temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format,
+        num_turns=args.multi_turn, turn_len=turn_len)
+    print(format_report(info, metrics, None, "not computed for --multi-turn runs", split))
+    busy = _warn_if_client_bound(load)
+    if args.result_json:
+        result = result_dict(info, metrics, load.results, None, setup.slo)
+        result["client_cpu_fraction"] = round(busy, 4)
+        Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if metrics.completed else 1
 
 
 def _warn_if_client_bound(load: LoadResult, when: str = "") -> float:

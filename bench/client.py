@@ -35,6 +35,9 @@ class RequestResult:
     # (seconds after the request was sent, tokens in that chunk), token-carrying chunks only
     chunks: list[tuple[float, int]] = field(default_factory=list)
     e2el_s: float = 0.0  # until the stream ended
+    turn: int = 0  # a multi-turn run's turn (0: the first, or a single-turn run)
+    conversation: int | None = None  # a multi-turn run's conversation
+    output_ids: list[int] | None = None  # the generated token ids, when asked for (keep_ids)
 
     @property
     def ttft_s(self) -> float | None:
@@ -119,10 +122,12 @@ class _ChunkCounter:
 
 
 async def stream_completion(session: aiohttp.ClientSession, target: CompletionTarget, request: BenchRequest,
-                            run_start: float, max_tokens: int | None = None) -> RequestResult:
+                            run_start: float, max_tokens: int | None = None, keep_ids: bool = False) -> RequestResult:
     """Send one request and time its stream. Never raises for a server or network failure: the
-    result says success=False and why."""
+    result says success=False and why. keep_ids: collect the output's token ids (result.output_ids)
+    from the chunks' token_ids (a multi-turn run sends them back as the next turn's history)."""
     result = RequestResult(index=request.index, prompt_len=request.num_prompt_tokens)
+    ids: list[int] | None = [] if keep_ids else None
     counter = _ChunkCounter()
     counted = 0
     usage_output: int | None = None
@@ -157,6 +162,8 @@ async def stream_completion(session: aiohttp.ClientSession, target: CompletionTa
                         result.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                         return result
                     k = counter.count(chunk)
+                    if ids is not None and chunk.get("choices"):
+                        ids.extend(chunk["choices"][0].get("token_ids") or ())
                     if k:
                         result.chunks.append((now - sent, k))
                         counted += k
@@ -172,6 +179,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: CompletionTa
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.output_tokens = usage_output if usage_output is not None else counted
+    result.output_ids = ids
     if not result.chunks:
         result.error = "the stream carried no tokens"
         return result

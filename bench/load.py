@@ -31,7 +31,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.client import CompletionTarget, RequestResult, list_models, stream_completion
-from bench.workload import BenchRequest
+from bench.workload import BenchRequest, Conversation
 
 STREAMS_PER_PROCESS = 32  # auto: one client process per 32 concurrent streams (see auto_client_processes)
 MAX_AUTO_PROCESSES = 4
@@ -392,3 +392,54 @@ async def discover_model(base_url: str, api_key: str | None, timeout_s: float = 
     async with _session(1, timeout_s) as session:
         models = await list_models(session, base_url, api_key)
     return models[0] if models else None
+
+
+# --- multi-turn conversations -------------------------------------------------------------------
+
+FILLER_TOKEN = 0  # stands for a reply's tokens when the server does not send their ids
+
+
+async def run_conversations(target: CompletionTarget, conversations: list[Conversation], concurrency: int | None = None,
+                            progress: bool = True, request_timeout_s: float = 6 * 3600.0) -> LoadResult:
+    """Every conversation at once, each turn after the previous one's reply (its prompt is the
+    conversation so far: the previous prompt, the reply's token ids, then the turn's new tokens);
+    at most `concurrency` requests in flight. A failed turn ends its conversation: the turns after
+    it count as failed. Results in (conversation, turn) order. One client process."""
+    total = sum(c.num_turns for c in conversations)
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    bar = tqdm(total=total, desc="turns", unit="req", disable=None if progress else True)
+    async with _session(concurrency or max(1, len(conversations)), request_timeout_s) as session:
+        start = time.perf_counter()
+        cpu_start = time.process_time()
+
+        async def talk(conv: Conversation) -> list[RequestResult]:
+            history: list[int] = []
+            results: list[RequestResult] = []
+            for turn in range(conv.num_turns):
+                request = conv.request(turn, history)
+                if results and not results[-1].success:
+                    result = RequestResult(index=request.index, prompt_len=request.num_prompt_tokens,
+                                           error="an earlier turn of the conversation failed")
+                else:
+                    if slots is not None:
+                        await slots.acquire()
+                    try:
+                        result = await stream_completion(session, target, request, start, keep_ids=True)
+                    finally:
+                        if slots is not None:
+                            slots.release()
+                    reply = result.output_ids if result.output_ids else [FILLER_TOKEN] * result.output_tokens
+                    assert not isinstance(request.prompt, str)
+                    history = request.prompt + reply
+                result.turn, result.conversation = turn, conv.index
+                result.output_ids = None  # the history has them; results stay small
+                results.append(result)
+                bar.update(1)
+            return results
+
+        per_conv = await asyncio.gather(*(talk(c) for c in conversations))
+        duration = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
+    bar.close()
+    return LoadResult(results=[r for rs in per_conv for r in rs], duration_s=duration,
+                      usage=[ProcessUsage(cpu, duration)])

@@ -110,3 +110,27 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo: SLO | 
         chunk_gap=Distribution.of_seconds([x for r in ok for x in r.chunk_gaps_s()]),
         errors=errors,
     )
+
+
+@dataclass(frozen=True)
+class TurnSplit:
+    """A multi-turn run's TTFT, first turns apart from follow-up turns (whose prompts repeat the
+    conversation so far: what a prefix cache, and its host tier, serve)."""
+
+    first_ttft: Distribution
+    follow_up_ttft: Distribution
+    first_prompt_tokens: int  # mean, successful requests
+    follow_up_prompt_tokens: int
+
+    @classmethod
+    def of(cls, results: list[RequestResult]) -> "TurnSplit":
+        ok = [r for r in results if r.success]
+        first = [r for r in ok if r.turn == 0]
+        later = [r for r in ok if r.turn > 0]
+
+        def mean_len(rs: list[RequestResult]) -> int:
+            return round(sum(r.prompt_len for r in rs) / len(rs)) if rs else 0
+
+        return cls(Distribution.of_seconds([r.ttft_s for r in first if r.ttft_s is not None]),
+                   Distribution.of_seconds([r.ttft_s for r in later if r.ttft_s is not None]),
+                   mean_len(first), mean_len(later))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.client import RequestResult
-from bench.metrics import SLO, BenchmarkMetrics, Distribution
+from bench.metrics import SLO, BenchmarkMetrics, Distribution, TurnSplit
 from bench.roofline import HardwareRates, RooflineEstimate
 from bench.workload import WorkloadSpec
 
@@ -29,6 +29,8 @@ class RunInfo:
     temperature: float = 0.0
     top_p: float = 1.0
     prompt_format: str = "ids"  # ids: token ids; text: text the server tokenizes
+    num_turns: int = 1  # > 1: a multi-turn run of workload.num_prompts conversations (--multi-turn)
+    turn_len: int = 0  # new tokens per follow-up turn
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         dist: Distribution = getattr(metrics, name)
         for stat in ("mean", "median", "p90", "p99"):
             out[f"{stat}_{name}_ms"] = getattr(dist, stat)
+    if info.num_turns > 1:
+        out.update(multi_turn_dict(info, TurnSplit.of(results)))
     out["median_chunk_gap_ms"] = metrics.chunk_gap.median
     out["p99_chunk_gap_ms"] = metrics.chunk_gap.p99
     est = roofline.estimate if roofline else None
@@ -108,10 +112,23 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
     out["requests"] = [
         {"start_s": r.start_s, "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
          "ttft_ms": _ms(r.ttft_s), "tpot_ms": _ms(r.tpot_s), "e2el_ms": _ms(r.e2el_s) if r.success else None,
-         "error": r.error or None}
+         "error": r.error or None, **({"conversation": r.conversation, "turn": r.turn} if info.num_turns > 1 else {})}
         for r in results
     ]
     return out
+
+
+def multi_turn_dict(info: RunInfo, split: TurnSplit) -> dict:
+    first, later = split.first_ttft, split.follow_up_ttft
+    return {
+        "multi_turn": True, "num_conversations": info.workload.num_prompts, "num_turns": info.num_turns,
+        "turn_len": info.turn_len,
+        "mean_first_turn_prompt_tokens": split.first_prompt_tokens,
+        "mean_follow_up_prompt_tokens": split.follow_up_prompt_tokens,
+        "median_first_turn_ttft_ms": first.median, "p99_first_turn_ttft_ms": first.p99,
+        "median_follow_up_ttft_ms": later.median, "p99_follow_up_ttft_ms": later.p99,
+        "mean_follow_up_ttft_ms": later.mean,
+    }
 
 
 def _row(label: str, value: object, digits: int = 2) -> str:
@@ -129,7 +146,8 @@ def _title(text: str, fill: str = "-") -> str:
 
 
 def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline | None,
-                  no_roofline_reason: str = "") -> str:
+                  no_roofline_reason: str = "", split: TurnSplit | None = None) -> str:
+    """split: a multi-turn run's first and follow-up turns (TurnSplit.of), reported apart."""
     lines = [
         _title("Serving Benchmark Result", "="),
         _row("Successful requests:", metrics.completed),
@@ -155,6 +173,16 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
             _row(f"Median {label} (ms):", dist.median),
             _row(f"P90 {label} (ms):", dist.p90),
             _row(f"P99 {label} (ms):", dist.p99),
+        ]
+    if split is not None:
+        lines += [
+            _title(f"Multi-turn: {info.workload.num_prompts} conversations x {info.num_turns} turns"),
+            _row("Mean first-turn prompt (tokens):", split.first_prompt_tokens),
+            _row("Mean follow-up prompt (tokens):", split.follow_up_prompt_tokens),
+            _row("Median first-turn TTFT (ms):", split.first_ttft.median),
+            _row("P99 first-turn TTFT (ms):", split.first_ttft.p99),
+            _row("Median follow-up TTFT (ms):", split.follow_up_ttft.median),
+            _row("P99 follow-up TTFT (ms):", split.follow_up_ttft.p99),
         ]
     lines += [_row("Median chunk gap (ms):", metrics.chunk_gap.median),
               _row("P99 chunk gap (ms):", metrics.chunk_gap.p99)]

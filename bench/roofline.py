@@ -18,16 +18,22 @@ the matmul rate and its bytes over the copy bandwidth, as if the GPU ran the two
 the other (on a GPU prefill is compute bound and decode memory bound). It is never above the
 physical bound.
 
+Mixtures of experts: a step reads the weights outside the experts once, and in each MoE layer
+only the experts its tokens touch: with B tokens each picking k of E experts, E * (1 - (1 - k/E)^B)
+of them in expectation (kvcache/calc.py expected_experts). FLOPs count the active parameters (k
+experts per token).
+
 Nothing is assumed cached (no prefix caching of a shared prefix).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Sequence
 
 from engine.config import ModelConfig
-from kvcache.spec import KVCacheSpec, resolve_kv_dtype
+from kvcache.calc import expected_experts
+from kvcache.spec import DTYPE_BYTES, KVCacheSpec, resolve_kv_dtype
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,15 @@ class ModelCost:
                                      dtype=resolve_kv_dtype(kv_cache_dtype, model.torch_dtype))
         return cls(model, model.weight_bytes(model.torch_dtype), spec.bytes_per_token)
 
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: all of a dense model's; a mixture of
+        experts' outside the experts plus, per MoE layer, the experts the tokens touch (expected)."""
+        m = self.model
+        if not m.num_experts:
+            return float(self.weight_bytes)
+        expert = m.expert_params * DTYPE_BYTES[m.torch_dtype]
+        untouched = m.num_experts - expected_experts(m.num_experts, m.num_experts_per_tok, tokens)
+        return self.weight_bytes - m.num_moe_layers * untouched * expert
     def prefill_flops(self, prompt_len: int) -> float:
         """FLOPs of a causal prefill of prompt_len tokens.
 
@@ -64,7 +79,7 @@ class ModelCost:
         context, so the sum over the prompt is prompt_len times its value at the mean context.
         """
         mean_context = (prompt_len + 1) / 2
-        return prompt_len * (2.0 * self.model.num_params() + self.attention_flops(mean_context))
+        return prompt_len * (2.0 * self.model.active_params() + self.attention_flops(mean_context))
 
     def attention_flops(self, context: float) -> float:
         """QK^T and PV of one token over `context` positions."""
@@ -72,7 +87,7 @@ class ModelCost:
 
     def decode_flops(self, tokens: int, positions: int) -> float:
         """FLOPs of `tokens` decode tokens attending over `positions` context positions in all."""
-        return tokens * 2.0 * self.model.num_params() + self.attention_flops(positions)
+        return tokens * 2.0 * self.model.active_params() + self.attention_flops(positions)
 
 
 @dataclass(frozen=True)
@@ -116,13 +131,14 @@ class RooflineEstimate:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-def _decode_traffic(lengths: Sequence[tuple[int, int]], concurrency: int) -> tuple[int, int]:
-    """(decode steps, sum over steps of the context positions read) for requests served in order
-    with at most `concurrency` decoding at once."""
+def _decode_traffic(lengths: Sequence[tuple[int, int]], concurrency: int) -> tuple[int, int, Counter]:
+    """(decode steps, sum over steps of the context positions read, steps by batch size) for
+    requests served in order with at most `concurrency` decoding at once."""
     queue = deque(lengths)
     active: list[list[int]] = []  # [context of the next step, decode steps left]
     steps = 0
     positions = 0
+    batches: Counter = Counter()
     while queue or active:
         while queue and len(active) < concurrency:
             prompt, output = queue.popleft()
@@ -135,11 +151,12 @@ def _decode_traffic(lengths: Sequence[tuple[int, int]], concurrency: int) -> tup
         n = len(active)
         positions += d * sum(ctx for ctx, _ in active) + n * d * (d - 1) // 2
         steps += d
+        batches[n] += d
         for seq in active:
             seq[0] += d
             seq[1] -= d
         active = [seq for seq in active if seq[1] > 0]
-    return steps, positions
+    return steps, positions, batches
 
 
 def estimate(cost: ModelCost, lengths: Sequence[tuple[int, int]], rates: HardwareRates,
@@ -151,8 +168,9 @@ def estimate(cost: ModelCost, lengths: Sequence[tuple[int, int]], rates: Hardwar
         raise ValueError("the workload has no requests")
     c = min(concurrency or len(lengths), len(lengths))
     prefill_flops = sum(cost.prefill_flops(p) for p, _ in lengths)
-    steps, positions = _decode_traffic(lengths, c)
-    decode_bytes = steps * cost.weight_bytes + positions * cost.kv_bytes_per_token
+    steps, positions, batches = _decode_traffic(lengths, c)
+    weight_reads = sum(count * cost.step_weight_bytes(n) for n, count in batches.items())
+    decode_bytes = weight_reads + positions * cost.kv_bytes_per_token
     output_tokens = sum(o for _, o in lengths)
     prompt_tokens = sum(p for p, _ in lengths)
     decode_tokens = sum(o - 1 for _, o in lengths if o > 1)

@@ -127,3 +127,53 @@ def arrival_offsets(num_requests: int, request_rate: float | None, seed: int) ->
     gaps = rng.exponential(1.0 / request_rate, size=num_requests)
     gaps[0] = 0.0  # the first request opens the run
     return np.cumsum(gaps).tolist()
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation of a multi-turn run (serve bench --multi-turn): the new tokens of each turn
+    (the first turn's are spec.input_len long, each later turn's turn_len) and each turn's max_tokens.
+    Turn t's prompt is the conversation so far, its earlier prompts and replies, then turns[t]."""
+
+    index: int
+    turns: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    def request(self, turn: int, history: list[int]) -> BenchRequest:
+        """Turn `turn`'s request after `history` (the previous prompt and the reply to it)."""
+        return BenchRequest(index=self.index * self.num_turns + turn, prompt=history + self.turns[turn],
+                            output_len=self.output_lens[turn])
+
+
+def make_conversations(spec: WorkloadSpec, num_turns: int, turn_len: int) -> list[Conversation]:
+    """spec.num_prompts conversations of num_turns turns. Lengths vary by spec.range_ratio; the first
+    turns share spec.shared_prefix_len tokens, as make_requests' prompts do (a system prompt)."""
+    if num_turns < 1:
+        raise ValueError(f"--multi-turn must be >= 1 turns, got {num_turns}")
+    if turn_len < 1:
+        raise ValueError(f"--turn-len must be >= 1, got {turn_len}")
+    firsts = make_requests(spec)
+    len_rng = np.random.default_rng([spec.seed, 4])
+    tok_rng = np.random.default_rng([spec.seed, 5])
+    t_lo, t_hi = length_range(turn_len, spec.range_ratio)
+    out_lo, out_hi = length_range(spec.output_len, spec.range_ratio)
+    out = []
+    for first in firsts:
+        assert not isinstance(first.prompt, str)
+        turns = [list(first.prompt)]
+        outputs = [first.output_len]
+        for _ in range(num_turns - 1):
+            n = int(len_rng.integers(t_lo, t_hi + 1))
+            turns.append(tok_rng.integers(0, spec.vocab_size, size=n).tolist())
+            outputs.append(int(len_rng.integers(out_lo, out_hi + 1)))
+        out.append(Conversation(first.index, turns, outputs))
+    return out
+
+
+def max_conversation_tokens(conversations: list[Conversation]) -> int:
+    """The longest final context of any conversation (every turn's tokens and max_tokens)."""
+    return max((sum(map(len, c.turns)) + sum(c.output_lens) for c in conversations), default=0)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import moe_reference, reference
 from kvcache.pool import LayerCache
 
 
@@ -50,6 +50,9 @@ class Ops:
     reuse: bool = False
     # prefill_attention takes work= (a fixed grid over a work list): whole-step graphs (engine/step_graph.py)
     work_lists: bool = False
+    # (x, w13, w2, topk_weights, topk_ids, expert_start, num_global_experts) -> [T, hidden]: the
+    # experts of a mixture-of-experts layer (kernels/moe_reference.py)
+    fused_moe: Callable = moe_reference.fused_moe
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

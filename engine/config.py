@@ -10,7 +10,11 @@ from typing import Any
 from kvcache.calc import pipeline_parallel_problem, tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# config keys of a shared expert (Qwen2-MoE, DeepSeek style), which engine/models/moe.py lacks
+SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
 class ModelConfigError(ValueError):
@@ -35,6 +39,12 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     torch_dtype: str = "bfloat16"
+    # mixture of experts (engine/models/moe.py): 0 experts = every layer has the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a mixture-of-experts model
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -61,6 +71,7 @@ class ModelConfig:
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
             model_type = cfg.get("model_type", "")
+            moe = _moe_fields(cfg, arch)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -76,11 +87,12 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2" or arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 torch_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 raw=cfg,
+                **moe,
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json lacks the field {e.args[0]!r}") from None
@@ -115,9 +127,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def check_tensor_parallel(self, size: int) -> None:
+    def check_tensor_parallel(self, size: int, expert_parallel: bool = False) -> None:
         """Raise ValueError unless `size` ranks can split this model (kvcache/calc.py says which can)."""
-        why = tensor_parallel_problem(self, size)
+        if expert_parallel and not self.num_experts:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {self.architecture} has no experts")
+        why = tensor_parallel_problem(self, size, expert_parallel)
         if why is not None:
             raise ValueError(f"tensor_parallel_size {why}")
 
@@ -127,18 +141,38 @@ class ModelConfig:
         if why is not None:
             raise ValueError(f"pipeline_parallel_size {why}")
 
-    def num_params(self) -> int:
-        """Parameter count from the shapes (embedding and lm_head counted once when tied)."""
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers)) if self.num_experts else 0
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def num_params(self, experts_per_layer: float | None = None) -> int:
+        """Parameter count from the shapes (embedding and lm_head counted once when tied); with
+        experts_per_layer, the parameters a token reads when each MoE layer touches that many
+        experts (the router's weight always)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        moe = self.num_moe_layers
+        experts = self.num_experts if experts_per_layer is None else experts_per_layer
+        moe_mlp = round(moe * (experts * self.expert_params + self.num_experts * h))
+        per_layer = attn + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * per_layer + (self.num_layers - moe) * 3 * h * i + moe_mlp + embed + h
+
+    def active_params(self) -> int:
+        """The parameters one token's forward reads: top-k experts of each MoE layer."""
+        return self.num_params(self.num_experts_per_tok if self.num_experts else None)
 
     def weight_bytes(self, dtype: str) -> int:
         return self.num_params() * DTYPE_BYTES[dtype]
@@ -146,9 +180,37 @@ class ModelConfig:
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs for one token: 2 per weight of the matmuls (the embedding lookup is free,
         the lm_head is not) plus attention's QK^T and PV over context_len positions."""
-        matmul_params = self.num_params() - self.vocab_size * self.hidden_size * (0 if self.tie_word_embeddings else 1)
+        matmul_params = self.active_params() - self.vocab_size * self.hidden_size * (0 if self.tie_word_embeddings else 1)
         attn = 4 * self.num_layers * self.q_size * context_len
         return 2.0 * matmul_params + attn
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a config.json of transformers 4 or 5."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    shared = [k for k in SHARED_EXPERT_KEYS if cfg.get(k)]
+    if shared:
+        raise ModelConfigError(f"{arch} with a shared expert ({shared[0]}={cfg[shared[0]]}) is not supported; "
+                               "pagedserve serves mixtures of experts without one")
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise ModelConfigError(f"config.json of {arch} lacks num_experts (or num_local_experts) "
+                               "and num_experts_per_tok")
+    experts, top_k = int(experts), int(top_k)
+    if not 1 <= top_k <= experts:
+        raise ModelConfigError(f"num_experts_per_tok {top_k} must be between 1 and the {experts} experts")
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":  # every layer sparse; the experts' width is intermediate_size
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = set(int(i) for i in cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -196,7 +258,13 @@ class EngineConfig:
     # stages that each own a contiguous range of layers (engine/parallel/stage.py); the world is
     # tensor_parallel_size x pipeline_parallel_size ranks
     pipeline_parallel_size: int = 1
+    # mixture-of-experts layers: each tensor-parallel rank holds whole experts (num_experts / size
+    # of them) instead of a slice of every expert's width; attention stays tensor parallel
+    enable_expert_parallel: bool = False
     seed: int = 0
+    # GiB of host memory for a second tier of the prefix cache (kvcache/host_tier.py), per GPU (each
+    # tensor/pipeline-parallel rank keeps its shard); 0: off
+    kv_offload_gib: float = 0.0
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple[str, ...]) -> None:
@@ -238,6 +306,11 @@ class EngineConfig:
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
                                              or not 0 < self.max_step_ms <= 60_000):
             raise ValueError(f"max_step_ms must be a number of milliseconds in (0, 60000]; got {self.max_step_ms!r}")
+        if (isinstance(self.kv_offload_gib, bool) or not isinstance(self.kv_offload_gib, (int, float))
+                or not 0 <= self.kv_offload_gib < float("inf")):
+            raise ValueError(f"kv_offload_gib must be a number of GiB >= 0 (0: no host tier); got {self.kv_offload_gib!r}")
+        if self.kv_offload_gib and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib needs prefix caching: the host tier keeps the blocks the prefix cache evicts")
         if (isinstance(self.prefill_hold_ms, bool) or not isinstance(self.prefill_hold_ms, (int, float))
                 or not 0 <= self.prefill_hold_ms <= 10_000):
             raise ValueError(f"prefill_hold_ms must be a number of milliseconds in [0, 10000]; got {self.prefill_hold_ms!r}")

@@ -39,12 +39,22 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     params = dict(model.named_parameters())
     shards = model.param_shards()
     wmap = model.hf_weight_map()
+    emap = model.hf_expert_map()  # None: another rank's expert
+    eshards = model.expert_shards()
+    expected = len(wmap) + sum(v is not None for v in emap.values())
     loaded: dict[str, int] = {}
     files = safetensors_files(folder)
-    bar = tqdm(total=len(wmap), desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
+    bar = tqdm(total=expected, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if name in emap:
+                    if emap[name] is not None:
+                        ours, e, seg = emap[name]
+                        _load_one(f, name, params[ours][e], (eshards[ours].inner, seg))
+                        loaded[name] = 1
+                        bar.update(1)
+                    continue
                 if name not in wmap:
                     if model.held_elsewhere(name):
                         continue
@@ -58,7 +68,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                 loaded[name] = 1
                 bar.update(1)
     bar.close()
-    missing = [n for n in wmap if n not in loaded]
+    missing = [n for n in (*wmap, *(k for k, v in emap.items() if v is not None)) if n not in loaded]
     if missing:
         raise WeightLoadError(f"{folder}: missing weights, e.g. {missing[:3]} ({len(missing)} in all)")
     _zero_padding(model, shards)
@@ -101,10 +111,13 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
         return _init_dummy_stage(model, seed)
     g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     shards = model.param_shards()
+    eshards = model.expert_shards()
     for name, p in model.named_parameters():
         shard = shards.get(name)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif name in eshards:
+            _dummy_experts(p, eshards[name], g)
         elif shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]:
             p.uniform_(-0.02, 0.02, generator=g)
         else:
@@ -116,6 +129,17 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     _zero_padding(model, shards)
 
 
+def _dummy_experts(p: torch.Tensor, shard, g: torch.Generator) -> None:
+    """A stacked expert parameter drawn whole (all experts, full width) and cut, expert by expert
+    (a whole draw of Mixtral-8x7B's w13 would take 2 GiB at once)."""
+    one = shard.global_shape(p.shape)[1:]
+    for e in range(shard.experts.global_size):
+        full = torch.empty(one, dtype=p.dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
+        local = e - shard.experts.start
+        if 0 <= local < p.shape[0]:
+            p[local].copy_(shard.inner.take(full))
+
+
 @torch.no_grad()
 def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
     """init_dummy_weights for one pipeline stage: the whole model's parameters are drawn in the
@@ -125,9 +149,10 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
     device, dtype = some.device, some.dtype
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
-        whole = LlamaForCausalLM(model.global_cfg, model.comm)
+        whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel)
     ours = dict(model.named_parameters())
     shards, whole_shards = model.param_shards(), whole.param_shards()
+    eshards = whole.expert_shards()
     start = model.stage.start
     for name, meta_p in whole.named_parameters():
         local = name
@@ -141,6 +166,10 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
         if name.endswith("norm.weight"):
             if p is not None:
                 p.fill_(1.0)
+            continue
+        if name in eshards:
+            _dummy_experts(p if p is not None else torch.empty_like(meta_p, device=device, dtype=dtype),
+                           eshards[name], g)
             continue
         shard = whole_shards.get(name) if p is None else shards.get(local)
         shape = list(meta_p.shape)

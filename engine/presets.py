@@ -31,12 +31,17 @@ class ModelPreset:
     tie_word_embeddings: bool
     bos_token_id: int
     eos_token_id: int
+    # mixtures of experts: (experts, experts per token, each expert's width); Mixtral's width is
+    # its intermediate_size
+    moe: tuple[int, int, int] | None = None
 
     def config_dict(self) -> dict[str, Any]:
         """A fresh Hugging Face style config.json dict."""
-        return {
+        model_type = {"Qwen3MoeForCausalLM": "qwen3_moe"}.get(self.architecture,
+                                                              self.architecture.removesuffix("ForCausalLM").lower())
+        d = {
             "architectures": [self.architecture],
-            "model_type": self.architecture.removesuffix("ForCausalLM").lower(),
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -53,6 +58,12 @@ class ModelPreset:
             "eos_token_id": self.eos_token_id,
             "hidden_act": "silu",
         }
+        if self.moe is not None:
+            experts, top_k, width = self.moe
+            d.update(num_experts=experts, num_local_experts=experts, num_experts_per_tok=top_k)
+            if self.architecture == "Qwen3MoeForCausalLM":
+                d.update(moe_intermediate_size=width, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return d
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.config_dict())
@@ -71,6 +82,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
                 "MistralForCausalLM", 32768, 4096, 14336, 32, 32, 8, 128, 32768, 1000000.0, 1e-5, False, 1, 2),
     ModelPreset("Qwen3-8B", "Qwen/Qwen3-8B", ("qwen3-8b-base",),
                 "Qwen3ForCausalLM", 151936, 4096, 12288, 36, 32, 8, 128, 40960, 1000000.0, 1e-6, False, 151643, 151645),
+    ModelPreset("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", ("qwen3-30b-a3b-base", "qwen3-moe-30b"),
+                "Qwen3MoeForCausalLM", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1000000.0, 1e-6, False, 151643, 151645,
+                moe=(128, 8, 768)),
+    ModelPreset("Mixtral-8x7B", "mistralai/Mixtral-8x7B-v0.1", ("mixtral-8x7b-v0.1", "mixtral-8x7b-instruct-v0.1"),
+                "MixtralForCausalLM", 32000, 4096, 14336, 32, 32, 8, 128, 32768, 1000000.0, 1e-5, False, 1, 2,
+                moe=(8, 2, 14336)),
 )
 
 def find_model_preset(name: str) -> ModelPreset | None:

@@ -30,6 +30,8 @@ from engine.step_graph import StepGraphs, step_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
+from kvcache.host_pool import HostKVPool, KVCopier
+from kvcache.host_tier import host_tier_blocks
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
 from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq
@@ -208,7 +210,7 @@ class ModelRunner:
             clock = now
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage)
+            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage, cfg.enable_expert_parallel)
         model = materialize(model, self.device, self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)
@@ -259,6 +261,11 @@ class ModelRunner:
             self.num_blocks = pp.comm.min_int(self.num_blocks)
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
         phase("kv cache")
+        self.offload: KVCopier | None = None  # the host tier's copies (kvcache/host_pool.py)
+        self.host_blocks = 0
+        if cfg.kv_offload_gib:
+            self._build_host_tier(cfg.kv_offload_gib)
+            phase("host kv tier")
         # Eager steps read block tables from this full-width buffer (the decode kernel's split plan
         # depends on the width); each step uploads only the columns its sequences use.
         self.block_tables = torch.zeros((cfg.max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
@@ -302,6 +309,29 @@ class ModelRunner:
 
             finish_compiles()  # anything the early pass compiled that no phase launched
             phase("warm-up")
+
+    def _build_host_tier(self, gib: float) -> None:
+        """The host pool of kv_offload_gib GiB (pinned where CUDA is available) and its copier."""
+        nbytes = int(gib * (1 << 30))
+        # every rank (tensor/pipeline parallel) keeps its own shard: the scheduler's slots must exist on
+        # each, and the ranks of this host pin theirs together (all check before any pins)
+        pp_comm = self.pipe.comm if self.pipe is not None else None
+        blocks = self.comm.min_int(host_tier_blocks(gib, self.kv_spec.bytes_per_block))
+        self.host_blocks = pp_comm.min_int(blocks) if pp_comm is not None else blocks
+        if self.host_blocks < 1:
+            raise ValueError(f"kv_offload_gib {gib} holds no KV block ({self.kv_spec.bytes_per_block} bytes each); "
+                             "raise it or leave it 0")
+        ram = available_ram_bytes()
+        ranks = self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size
+        fits = self.comm.min_int(int(nbytes * ranks <= 0.9 * ram))
+        fits = pp_comm.min_int(fits) if pp_comm is not None else fits
+        if not fits:
+            raise ValueError(f"kv_offload_gib {gib}{f' x {ranks} ranks' if ranks > 1 else ''} is more than 90% of "
+                             f"the {ram / (1 << 30):.1f} GiB of RAM available; lower --kv-offload-gib")
+        host = HostKVPool(self.pool, self.host_blocks, pin=self.device.type == "cuda")
+        self.offload = KVCopier(self.pool, host)
+        log.info("host KV tier: %d blocks (%d tokens, %.1f GiB)", self.host_blocks,
+                 self.host_blocks * self.kv_spec.block_size, host.nbytes / (1 << 30))
 
     @torch.inference_mode()
     def _compile_early(self) -> None:
@@ -764,6 +794,8 @@ class ModelRunner:
         without waiting for it. A pending input token is read from prev's samples on the device."""
         if prev is not None and prev.deferred is not None:
             self.finish(prev)  # this step may read prev's tokens on the device
+        if self.offload is not None:  # the host tier's copies, before this step's forward (kvcache/host_pool.py)
+            self.offload.before_step(batch.kv_moves)
         if self.pipe is not None:
             return self._launch_stage(batch)
         n = len(batch.items)

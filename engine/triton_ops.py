@@ -13,6 +13,7 @@ def triton_ops(pdl: bool = False) -> Ops:
     from kernels.fused import apply_rotary, rms_norm
     from kernels.gate_up import mlp_gate_up
     from kernels.linear import linear
+    from kernels.moe import fused_moe
     from kernels.paged_attention import paged_decode_attention, rotary_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
 
@@ -22,4 +23,5 @@ def triton_ops(pdl: bool = False) -> Ops:
     if pdl:  # prefill attention (compute bound, long) launches the usual way
         fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
     # argmax_rows launches without PDL: it follows the lm_head's cuBLAS GEMM
-    return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, work_lists=True, **fns)
+    return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, work_lists=True,
+               fused_moe=fused_moe, **fns)

@@ -7,12 +7,20 @@ Prefix caching: a full block is named by a hash chained over its prefix (the par
 and its own token ids). A lookup that finds the hash confirms the block's stored token ids before
 reuse. A freed block keeps its hash and stays reusable until memory is needed; the free queue is
 ordered least recently freed first, so eviction is LRU. Every operation is O(1) per block.
+
+Host tier (optional, kvcache/host_tier.py): a cached block evicted here is queued to be copied to
+host memory; a prompt whose next blocks miss here but hit there gets fresh blocks, registered
+under the same hashes, with copies from the host queued (take_moves() hands them to the step).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence as Seq
 from itertools import islice
+
+from kvcache.host_tier import HostEntry, HostTier, KVMoves
+
+WRITE_AHEAD_MIN = 32  # blocks the write-ahead may queue per step, at least (more after steps that allocate more)
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -35,6 +43,15 @@ class BlockManager:
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.num_evictions = 0
+        self.host: HostTier | None = None  # attach_host()
+        self.moves = KVMoves()  # copies queued for the next step
+        self.num_blocks_out = 0  # blocks queued device -> host
+        self.num_blocks_in = 0  # blocks queued host -> device
+        self._allocated = 0  # blocks allocated since the last take_moves (the write-ahead's pace)
+
+    def attach_host(self, host: HostTier) -> None:
+        assert host.block_size == self.block_size and self.enable_caching
+        self.host = host
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +75,10 @@ class BlockManager:
         out = []
         for _ in range(n):
             b, _ = self.free_queue.popitem(last=False)
+            if self.host is not None:
+                self._allocated += 1
+                if self.block_hashes[b] is not None:
+                    self._offload(b)
             self._uncache(b)
             self.ref_counts[b] = 1
             out.append(b)
@@ -140,9 +161,12 @@ class BlockManager:
             hits.append(b)
         return hits
 
-    def admit(self, hits: list[int], num_tokens: int) -> list[int] | None:
-        """A block table for a new sequence: the prefix-cache hits, then fresh blocks up to
-        num_tokens tokens. None (nothing taken) if the free blocks don't suffice."""
+    def admit(self, hits: list[int], num_tokens: int, host_hits: list[HostEntry] | None = None) -> list[int] | None:
+        """A block table for a new sequence: the prefix-cache hits, then the host tier's hits (fresh
+        blocks, copies from the host queued), then fresh blocks up to num_tokens tokens. None
+        (nothing taken) if the free blocks don't suffice."""
+        if host_hits:
+            return self._admit_with_host(hits, num_tokens, host_hits)
         ref_counts, free_queue = self.ref_counts, self.free_queue
         new = self.blocks_needed(num_tokens) - len(hits)
         idle_hits = [ref_counts[b] for b in hits].count(0)  # cached blocks that are free now
@@ -153,6 +177,101 @@ class BlockManager:
                 del free_queue[b]
             ref_counts[b] += 1
         table = list(hits)
+        table.extend(self.allocate(max(0, new)) or [])
+        return table
+
+    # -- host tier -------------------------------------------------------------------------------
+
+    def _offload(self, b: int) -> None:
+        """b, a cached block about to be reused, goes to the host tier (unless already there)."""
+        assert self.host is not None
+        tokens = self.block_tokens[b]
+        assert tokens is not None
+        slot = self.host.store(self.block_hashes[b], tokens)
+        if slot is not None:
+            self.moves.outs.append((b, slot))
+            self.num_blocks_out += 1
+
+    def match_host(self, token_ids: Seq[int], hashes: list[int], first: int) -> list[HostEntry]:
+        """The host-tier entries of the blocks after the first `first` (the device hits), up to the
+        first miss. Extends the memo `hashes` as it goes."""
+        host = self.host
+        if host is None:
+            return []
+        full = len(token_ids) // self.block_size
+        if first >= full:
+            return []
+        self.prefix_hashes(token_ids, hashes, first)
+        found = []
+        for i, block in enumerate(self._blocks(token_ids, first, full), first):
+            if i >= len(hashes):
+                self._extend_memo(hashes, [block], i)
+            e = host.lookup(hashes[i], block)
+            if e is None:
+                break
+            found.append(e)
+        return found
+
+    def take_moves(self) -> KVMoves | None:
+        """The copies queued since the last call, for the step about to launch (None: none), with
+        the write-ahead of the blocks next in line for eviction (kvcache/host_tier.py)."""
+        if self.host is None:
+            return None
+        self._write_ahead(max(WRITE_AHEAD_MIN, self._allocated))
+        self._allocated = 0
+        if not self.moves:
+            return None
+        moves, self.moves = self.moves, KVMoves()
+        self.host.unpin_all()  # their copy-ins are ordered before any later copy-out
+        return moves
+
+    def _write_ahead(self, limit: int) -> None:
+        """Queue host copies of up to `limit` cached free blocks from the eviction end of the free
+        queue that the host tier lacks; they stay cached here (scanning at most 4x limit blocks)."""
+        host, hashes, tokens, ahead = self.host, self.block_hashes, self.block_tokens, self.moves.ahead
+        assert host is not None
+        queued = 0
+        for b in islice(self.free_queue, 4 * limit):
+            h = hashes[b]
+            if h is None or host.holds(h):
+                continue
+            slot = host.store(h, tokens[b])
+            if slot is None:
+                break
+            ahead.append((b, slot))
+            self.num_blocks_out += 1
+            queued += 1
+            if queued >= limit:
+                break
+
+    def moves_failed(self, moves: KVMoves) -> None:
+        """The step that carried these copies failed before or while doing them: forget what they
+        would have filled (the host entries of the copy-outs, the device blocks of the copy-ins)."""
+        if self.host is not None:
+            self.host.discard_slots([slot for _, slot in moves.outs + moves.ahead])
+        for _, b in moves.ins:
+            self._uncache(b)
+
+    def _admit_with_host(self, hits: list[int], num_tokens: int, host_hits: list[HostEntry]) -> list[int] | None:
+        assert self.host is not None
+        new = self.blocks_needed(num_tokens) - len(hits) - len(host_hits)
+        idle_hits = [self.ref_counts[b] for b in hits].count(0)
+        if len(host_hits) + max(0, new) + idle_hits > len(self.free_queue):
+            return None
+        for b in hits:
+            self.share(b)
+        for e in host_hits:
+            self.host.pin(e.slot)  # the evictions below must not reuse these slots
+        loaded = self.allocate(len(host_hits))
+        assert loaded is not None
+        for b, e in zip(loaded, host_hits):
+            self.moves.ins.append((e.slot, b))
+            self.num_blocks_in += 1
+            if e.block_hash not in self.cached:
+                self.cached[e.block_hash] = b
+                self.block_hashes[b] = e.block_hash
+                self.block_tokens[b] = e.tokens
+        table = list(hits) + loaded
         table.extend(self.allocate(max(0, new)) or [])
         return table
 
@@ -186,6 +305,9 @@ class BlockManager:
         were never written (the step failed)."""
         bs = self.block_size
         for i in range(start // bs, min(end // bs, len(block_table))):
+            h = self.block_hashes[block_table[i]]
+            if h is not None and self.host is not None:
+                self.host.discard_hash(h)  # a copy of it, queued before the failure, holds nothing valid
             self._uncache(block_table[i])
 
     def _uncache(self, b: int) -> None:

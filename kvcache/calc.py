@@ -105,24 +105,69 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
                                f"got {kv_cache_dtype!r}") from None
 
 
-def tensor_parallel_problem(model: ModelShape, size: int) -> str | None:
+def _moe(model: ModelShape) -> tuple[int, int, int, int]:
+    """(experts, experts per token, each expert's width, MoE layers) of a mixture-of-experts
+    model; experts 0 for a dense one (a shape object without the MoE fields is dense)."""
+    experts = getattr(model, "num_experts", 0)
+    if not experts:
+        return 0, 0, 0, 0
+    return experts, model.num_experts_per_tok, model.moe_intermediate_size, model.num_moe_layers
+
+
+def tensor_parallel_problem(model: ModelShape, size: int, expert_parallel: bool = False) -> str | None:
     """Why `size` ranks can't split the model ("N must divide ..."), or None: the attention heads and
-    the MLP width split evenly, the KV heads evenly or each replicated on size / num_kv_heads ranks.
+    the MLP width split evenly, the KV heads evenly or each replicated on size / num_kv_heads ranks;
+    a mixture of experts splits each expert's width, or with expert_parallel the experts themselves.
     The vocabulary need not divide (the last rank's rows are padded)."""
     if size < 1:
         return f"{size} must be 1 or more"
+    experts, _, moe_width, moe_layers = _moe(model)
     if size == 1:
         return None
-    heads, kv, mlp = model.num_heads, model.num_kv_heads, model.intermediate_size
-    fits = [n for n in range(1, heads + 1) if heads % n == 0 and mlp % n == 0 and (kv % n == 0 or n % kv == 0)]
-    hint = f"; sizes that fit this model: {', '.join(map(str, fits))}"
+    heads, kv = model.num_heads, model.num_kv_heads
+    mlp = model.intermediate_size if moe_layers < model.num_layers else 0  # no dense MLP to split
+    split, what = (experts, "experts") if expert_parallel else (moe_width, "expert width")
+
+    def fit(n: int) -> bool:
+        return heads % n == 0 and mlp % n == 0 and (kv % n == 0 or n % kv == 0) and (not experts or split % n == 0)
+
+    hint = f"; sizes that fit this model: {', '.join(str(n) for n in range(1, heads + 1) if fit(n))}"
     if heads % size:
         return f"{size} must divide the model's {heads} attention heads{hint}"
     if kv % size and size % kv:
         return f"{size} must divide the model's {kv} KV heads or be a multiple of them{hint}"
     if mlp % size:
         return f"{size} must divide the model's MLP width {mlp}{hint}"
+    if experts and split % size:
+        return f"{size} must divide the model's {split} {what}{hint}"
     return None
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts that `tokens` tokens touch in one MoE layer, in expectation, when each picks
+    top_k of num_experts uniformly: an expert is missed by one token with probability 1 - k/E."""
+    if num_experts == 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def _mlp_params(model: ModelShape, tp: int) -> int:
+    """One rank's MLP parameters over all layers: dense MLP columns, its share of the experts
+    (whole experts or a slice of each: the same count) and the whole router."""
+    h = model.hidden_size
+    experts, _, moe_width, moe_layers = _moe(model)
+    dense = (model.num_layers - moe_layers) * 3 * h * (model.intermediate_size // tp)
+    return dense + moe_layers * (experts * 3 * h * moe_width // tp + experts * h)
+
+
+def _mlp_activation_elems(model: ModelShape, tp: int, dense_factor: int) -> int:
+    """Elements per token of a layer's MLP temporaries beyond its input: a dense MLP's
+    (dense_factor x intermediate, which each estimate states); a MoE layer's router logits (float32, two
+    copies) and, for each of its k experts, gate_up, the product and the down projection's row."""
+    experts, top_k, moe_width, moe_layers = _moe(model)
+    dense = dense_factor * -(-model.intermediate_size // tp) if moe_layers < model.num_layers else 0
+    moe = top_k * (3 * -(-moe_width // tp) + model.hidden_size) + 4 * experts if experts else 0
+    return max(dense, moe)
 
 
 def stage_layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -168,13 +213,14 @@ def stage_weight_bytes(model: ModelShape, dtype: str, tensor_parallel_size: int,
     tp = tensor_parallel_size
     h, hd = model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp * hd, max(1, model.num_kv_heads // tp) * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * (model.intermediate_size // tp) + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h
     if model.attention_bias:
         per_layer += q + 2 * kv
     if model.qk_norm:
         per_layer += 2 * hd
     vocab_rows = -(-model.vocab_size // tp) * h
-    params = num_layers * per_layer + (vocab_rows if first else 0) + (h + vocab_rows if last else 0)
+    mlp = _mlp_params(model, tp) * num_layers // model.num_layers  # a stage's share (MoE: on average)
+    params = num_layers * per_layer + mlp + (vocab_rows if first else 0) + (h + vocab_rows if last else 0)
     if first and last and getattr(model, "tie_word_embeddings", False):
         params -= vocab_rows
     return params * DTYPE_BYTES[dtype]
@@ -187,7 +233,8 @@ def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: in
     if tp == 1:
         return model.weight_bytes(dtype)
     h, hd = model.hidden_size, model.head_dim
-    replicated = model.num_layers * (2 * h + (2 * hd if model.qk_norm else 0)) + h
+    experts, _, _, moe_layers = _moe(model)
+    replicated = model.num_layers * (2 * h + (2 * hd if model.qk_norm else 0)) + h + moe_layers * experts * h
     kv_copies = max(1, model.num_kv_heads // tp) * tp - model.num_kv_heads
     kv_copy_params = model.num_layers * 2 * kv_copies * hd * (h + (1 if model.attention_bias else 0))
     sharded = model.num_params() - replicated + kv_copy_params
@@ -225,9 +272,8 @@ def estimate_activation_bytes(model: ModelShape, dtype: str, tensor_parallel_siz
     h = model.hidden_size
     q = model.q_size // tp
     kv = max(1, model.num_kv_heads // tp) * model.head_dim
-    inter = -(-model.intermediate_size // tp)
     attention = 3 * h + (q + 2 * kv) + q
-    mlp = 3 * h + 4 * inter
+    mlp = 3 * h + _mlp_activation_elems(model, tp, 4)
     layer = tokens * max(attention, mlp) * e
     # the lm_head's output in the model dtype and its float32 copy, over the full vocabulary
     logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4 + SAMPLER_BYTES_PER_LOGIT)
@@ -245,7 +291,7 @@ def estimate_graph_bytes(model: ModelShape, dtype: str, max_num_seqs: int, max_m
     tp = tensor_parallel_size
     e = DTYPE_BYTES[dtype]
     q, kv = model.q_size // tp, max(1, model.num_kv_heads // tp) * model.head_dim
-    per_token = (6 * model.hidden_size + 2 * (q + 2 * kv) + 3 * -(-model.intermediate_size // tp)) * e
+    per_token = (6 * model.hidden_size + 2 * (q + 2 * kv) + _mlp_activation_elems(model, tp, 3)) * e
     logits = model.vocab_size * (e + 4)
     static = max_num_seqs * (9 * 8 + 2 * 4 * -(-max_model_len // block_size))
     return max_num_seqs * (per_token + logits) + static + 64 * 2**20
@@ -264,9 +310,8 @@ def estimate_piecewise_graph_bytes(model: ModelShape, dtype: str, max_num_batche
     t = max_num_batched_tokens
     h = model.hidden_size
     q, kv = model.q_size // tp, max(1, model.num_kv_heads // tp) * model.head_dim
-    inter = -(-model.intermediate_size // tp)
     static = t * (3 * 8 + (2 * q + 2 * kv + 2 * h) * e)
-    pool = t * (5 * h + 3 * inter + q + kv) * e
+    pool = t * (5 * h + _mlp_activation_elems(model, tp, 3) + q + kv) * e
     return static + pool + 64 * 2**20
 
 

@@ -168,6 +168,8 @@ class EngineCore:
                            held=self.scheduler.num_held_steps - held)
             self.stats.num_preemptions += self.scheduler.num_preemptions - before
             if batch is not None:
+                if self.block_manager.host is not None:
+                    batch.kv_moves = self.block_manager.take_moves()
                 self.stats.num_steps += 1
                 if self.overlaps:
                     chained = queue[-1].handle if queue and not self._exclusive else None
@@ -233,6 +235,8 @@ class EngineCore:
             raise e
         log.exception("model step failed; failing %d requests", len(batch.items), exc_info=e)
         self.stats.num_step_failures += 1
+        if batch.kv_moves is not None:
+            self.block_manager.moves_failed(batch.kv_moves)
         self.scheduler.discard(batch)
         return self._fail([it.seq for it in batch.items], f"internal error during generation ({type(e).__name__})")
 

@@ -78,6 +78,12 @@ class EngineSnapshot:
     prefix_cache_hits: int | None = None
     has_unfinished: bool = False
     hold_wait_s: float = 0.0  # EngineCore.hold_wait() after the step
+    # the host tier of the prefix cache (kvcache/host_tier.py); None without one
+    prefix_cache_host_hits: int | None = None  # prompt tokens found there (of prefix_cache_hits)
+    kv_offload_bytes_out: int | None = None  # KV bytes copied device -> host
+    kv_offload_bytes_in: int | None = None  # KV bytes copied host -> device
+    host_kv_used_blocks: int | None = None
+    host_kv_total_blocks: int | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -99,10 +105,13 @@ class EngineSnapshot:
                     return value
             return None
 
+        host = getattr(bm, "host", None)
+        tier = () if host is None else (sched.prefix_cache_host_hits, bm.num_blocks_out * host.block_bytes,
+                                        bm.num_blocks_in * host.block_bytes, host.num_used, host.num_slots)
         return cls(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
-                   core.has_unfinished(), core.hold_wait())
+                   core.has_unfinished(), core.hold_wait(), *tier)
 
 
 _snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))

@@ -64,7 +64,8 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_cache_hits = 0  # of which found cached
+        self.prefix_cache_hits = 0  # of which found cached (in either tier)
+        self.prefix_cache_host_hits = 0  # of which found in the host tier (kvcache/host_tier.py)
         self.num_held_steps = 0  # schedules that left new prompts waiting for the rest of their burst
         self.hold_release: float | None = None  # when the prompts held by the last schedule() start anyway
         self._prompted = False  # the last step carried prompt tokens (multi-step: a decode round is next)
@@ -263,11 +264,12 @@ class Scheduler:
                 break  # preempted while its last step was in flight: wait for that step
             num_tokens = len(seq.token_ids)
             hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
-            if len(hits) * bs >= num_tokens:
-                hits.pop()  # compute at least the last block, so the step yields logits
-            num_cached = len(hits) * bs
+            host_hits = bm.match_host(seq.token_ids, seq.block_hashes, len(hits)) if bm.host is not None else []
+            if (len(hits) + len(host_hits)) * bs >= num_tokens:
+                (host_hits or hits).pop()  # compute at least the last block, so the step yields logits
+            num_cached = (len(hits) + len(host_hits)) * bs
             n = min(num_tokens - num_cached, budget)
-            table = bm.admit(hits, num_cached + n)
+            table = bm.admit(hits, num_cached + n, host_hits)
             if table is None:
                 break
             self.waiting.popleft()
@@ -278,6 +280,7 @@ class Scheduler:
             if bm.enable_caching:
                 self.prefix_cache_queries += num_tokens
                 self.prefix_cache_hits += num_cached
+                self.prefix_cache_host_hits += len(host_hits) * bs
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             (decodes if n == 1 else others).append(ScheduledSeq(seq, num_cached, n))

@@ -11,6 +11,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from kvcache.host_tier import KVMoves
+
 
 @dataclass(frozen=True)
 class KVTransferParams:
@@ -186,6 +188,8 @@ class Batch:
     items: list[ScheduledSeq]
     num_decode: int
     num_steps: int = 1
+    # host-tier copies the runner does before this step's forward (kvcache/host_tier.py); None: none
+    kv_moves: KVMoves | None = None
 
     @property
     def num_tokens(self) -> int:

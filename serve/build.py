@@ -142,7 +142,7 @@ def model_folder_config(cfg: EngineConfig, show_progress: bool = True) -> tuple[
     """The model folder and its config, checked against the tensor- and pipeline-parallel sizes."""
     path = resolve_model_path(cfg, show_progress)
     model_cfg = ModelConfig.from_path(path)
-    model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+    model_cfg.check_tensor_parallel(cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     model_cfg.check_pipeline_parallel(cfg.pipeline_parallel_size)
     return path, model_cfg
 
@@ -214,6 +214,14 @@ def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: in
                                       cfg.prefill_hold_ms / 1e3, steps,
                                       runner.prompt_budget),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
+    if getattr(runner, "offload", None) is not None:
+        if core_class is not EngineCore:
+            raise ValueError("kv_offload_gib is not supported with disaggregated prefill/decode yet; drop --kv-offload-gib")
+        from kvcache.host_pool import layout_key
+        from kvcache.host_tier import HostTier
+
+        core.block_manager.attach_host(HostTier(runner.host_blocks, cfg.block_size, layout_key(runner.pool),
+                                                runner.kv_spec.bytes_per_block))
     if executor is runner:  # one process runs every step: constrained decoding (not yet across ranks)
         runner.grammar = grammar_masks(tokenizer, model_cfg.vocab_size, core.eos_token_ids, runner.device)
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"

@@ -58,6 +58,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
                    help="split the layers into N stages, one after the other, with N micro-batches in flight; "
                         "combines with -tp (TP x PP processes, one per GPU); under torchrun the world size is TP x PP")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: each tensor-parallel rank holds whole experts (experts / N of "
+                        "them) instead of a slice of every expert; attention stays tensor parallel")
+    g.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
+                   help="keep KV blocks evicted from the GPU's prefix cache in GIB of (pinned) host memory, and copy "
+                        "them back on a prefix hit instead of recomputing them (default: 0, off)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -72,4 +78,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_step_ms=args.max_step_ms,
                         num_scheduler_steps=args.num_scheduler_steps,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed)
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel, seed=args.seed,
+                        kv_offload_gib=args.kv_offload_gib)

@@ -17,6 +17,7 @@ from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, 
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
                           resolve_model_dtype, table_kv_dtypes)
 from kvcache.gpus import GPUMemory, PresetError, resolve_gpu_memory
+from kvcache.host_tier import host_tier_blocks
 from kvcache.spec import default_block_size
 
 
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens in one step: sizes the activation estimate (default %(default)s)")
     parser.add_argument("--max-num-seqs", default=str(DEFAULT_MAX_NUM_SEQS),
                         help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
+    parser.add_argument("--kv-offload-gib", default=None, metavar="GIB",
+                        help="also show what a host tier of GIB GiB (serve run --kv-offload-gib) holds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
@@ -210,6 +213,32 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
     return "\n".join(lines)
 
 
+def read_offload_gib(args: argparse.Namespace) -> float:
+    value = getattr(args, "kv_offload_gib", None)
+    if value in (None, ""):
+        return 0.0
+    try:
+        gib = float(value)
+    except ValueError:
+        raise KVCalcInputError(f"--kv-offload-gib must be a number of GiB; got {value!r}") from None
+    if not 0 <= gib < float("inf"):
+        raise KVCalcInputError(f"--kv-offload-gib must be >= 0; got {value!r}")
+    return gib
+
+
+def host_tier(base: KVPlan, gib: float) -> dict[str, Any]:
+    """The host tier's capacity for this plan's KV layout (per GPU, like the plan's figures)."""
+    blocks = host_tier_blocks(gib, base.bytes_per_block)
+    return {"kv_offload_gib": gib, "host_blocks": blocks, "host_tokens": blocks * base.block_size}
+
+
+def format_host_tier(base: KVPlan, gib: float) -> str:
+    t = host_tier(base, gib)
+    ratio = f"{t['host_tokens'] / base.max_tokens:.1f}x the GPU's tokens" if base.max_tokens else ""
+    return "\n".join([_line(f"host tier ({gib:g} GiB)", f"{t['host_blocks']:,}", "blocks (--kv-offload-gib)"),
+                      _line("host tier tokens", f"{t['host_tokens']:,}", ratio)])
+
+
 def format_json(req: CalcRequest, base: KVPlan) -> str:
     out = {"model": req.model_name, "gpu": req.gpu_label, **base.to_dict()}
     out["table"] = [{"kv_cache_dtype": r.kv_dtype, "block_size": r.block_size, "bytes_per_token": r.bytes_per_token,
@@ -318,10 +347,20 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(planned, int):
         return planned
     req, base = planned
+    try:
+        offload_gib = read_offload_gib(args)
+    except KVCalcInputError as e:
+        print(f"serve kv-calc: {e}", file=sys.stderr)
+        return 2
     if args.json:
-        print(format_json(req, base))
+        text = format_json(req, base)
+        if offload_gib:
+            text = json.dumps({**json.loads(text), **host_tier(base, offload_gib)}, indent=2)
+        print(text)
     else:
         print(format_text(req, base))
+        if offload_gib:
+            print(format_host_tier(base, offload_gib))
         for warning in base.warnings:
             print(f"warning: {warning}", file=sys.stderr)
     return 0

@@ -34,7 +34,8 @@ class LLM:
                  async_scheduling: bool | None = None, piecewise_graphs: bool = True, pdl: bool | None = None,
                  step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int | None = None,
                  max_step_ms: float | None = None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, show_progress: bool = False) -> None:
+                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
+                 show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -45,7 +46,8 @@ class LLM:
                                    step_graph_max_tokens=step_graph_max_tokens,
                                    num_scheduler_steps=num_scheduler_steps, max_step_ms=max_step_ms,
                                    tensor_parallel_size=tensor_parallel_size,
-                                   pipeline_parallel_size=pipeline_parallel_size, seed=seed)
+                                   pipeline_parallel_size=pipeline_parallel_size, seed=seed,
+                                   enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib)
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 

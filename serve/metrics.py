@@ -101,6 +101,32 @@ class _EngineCollector(Collector):
         if any(row.snapshot.prefix_cache_hits is not None for row in rows):
             yield metric(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                          snap("prefix_cache_hits"))
+        if any(row.snapshot.host_kv_total_blocks is not None for row in rows):
+            yield from self._host_tier_metrics(names, rows)
+
+    def _host_tier_metrics(self, names: list[str], rows: list[_Source]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The host tier of the prefix cache (--kv-offload-gib): hits per tier, bytes each way, occupancy."""
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits", "Prompt tokens found in the prefix cache, "
+                                   "by tier (device: GPU blocks reused; host: copied back from host memory).",
+                                   labels=[*names, "tier"])
+        moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "KV bytes copied between the device pool and the "
+                                    "host tier, by direction (out: device to host; in: host to device).",
+                                    labels=[*names, "direction"])
+        used = GaugeMetricFamily(PREFIX + "host_kv_cache_used_blocks", "Host-tier KV blocks holding a block.",
+                                 labels=names)
+        total = GaugeMetricFamily(PREFIX + "host_kv_cache_total_blocks", "KV blocks the host tier holds.", labels=names)
+        for row in rows:
+            s, labels = row.snapshot, list(row.labels)
+            if s.host_kv_total_blocks is None:
+                continue
+            host_hits = s.prefix_cache_host_hits or 0
+            hits.add_metric([*labels, "device"], (s.prefix_cache_hits or 0) - host_hits)
+            hits.add_metric([*labels, "host"], host_hits)
+            moved.add_metric([*labels, "out"], s.kv_offload_bytes_out or 0)
+            moved.add_metric([*labels, "in"], s.kv_offload_bytes_in or 0)
+            used.add_metric(labels, s.host_kv_used_blocks or 0)
+            total.add_metric(labels, s.host_kv_total_blocks)
+        yield from (hits, moved, used, total)
 
 
     def _transfer_metrics(self, e: DisaggregatedSet) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

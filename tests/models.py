@@ -53,6 +53,13 @@ ARCHS = {
     # Mistral: no GQA here, sharded checkpoint
     "mistral": dict(cls="MistralConfig", num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
                     tie_word_embeddings=False),
+    # Qwen3-MoE: 8 experts, top 3 renormalized, layer 1 dense (mlp_only_layers), q/k norm
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # Mixtral: 4 experts of width 48, top 2
+    "mixtral": dict(cls="MixtralConfig", num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                    tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
 }
 
 
@@ -62,9 +69,9 @@ def build_model(arch: str, out: Path, seed: int = 0, shard: bool | None = None) 
 
     spec = dict(ARCHS[arch])
     cls = getattr(transformers, spec.pop("cls"))
-    cfg = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0, **spec)
+    cfg = cls(**{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0), **spec})
     cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

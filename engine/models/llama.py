@@ -1,4 +1,6 @@
-"""The Llama family in one file: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+"""The Llama family in one file: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), and the
+mixtures of experts built on them, Qwen3-MoE and Mixtral (engine/models/moe.py's block in place of
+the MLP where the config says).
 
 q/k/v and gate/up projections are stored fused (the loader packs Hugging Face's separate
 weights), so each layer runs four matmuls. Ops and attention metadata arrive as arguments.
@@ -23,6 +25,7 @@ from torch import nn
 
 from engine.attention import AttnMetadata, Ops, paged_attention
 from engine.config import ModelConfig
+from engine.models.moe import SparseMoeBlock, expert_weight_map, router_weight_name
 from engine.parallel.comm import Comm
 from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                                     VocabParallelEmbedding, even_split, head_split, vocab_logits)
@@ -126,10 +129,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int = 0, expert_parallel: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, comm)
-        self.mlp = MLP(cfg, comm)
+        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -158,18 +161,21 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """cfg: the whole model's config. self.cfg is this rank's view of it (rank_config), which the
-    graphs' static buffers are shaped by; self.global_cfg the whole model's."""
+    graphs' static buffers are shaped by; self.global_cfg the whole model's. expert_parallel: the
+    MoE layers' experts are split over the tensor-parallel ranks (engine/models/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Comm | None = None, stage: Stage | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None, stage: Stage | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.comm = comm = comm or Comm()
         self.stage = stage = stage or whole_model(cfg.num_layers)
+        self.expert_parallel = expert_parallel
         self.global_cfg = cfg
         self.cfg = rank_config(cfg, comm)
         # the parameters are left empty (no normal_ init, which imports torch._dynamo and with it
         # triton wherever that is installed); the loader fills every weight
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm) if stage.first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm) for _ in range(stage.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, i, expert_parallel) for i in range(stage.start, stage.end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
         own_head = stage.last and not (cfg.tie_word_embeddings and stage.first)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm) if own_head else None
@@ -214,6 +220,21 @@ class LlamaForCausalLM(nn.Module):
         return {f"{mod}.{name}" if mod else name: m.shard for mod, m in self.named_modules() if hasattr(m, "shard")
                 for name, _ in m.named_parameters(recurse=False)}
 
+    def expert_shards(self) -> dict:
+        """Our stacked expert parameter name -> its ExpertShard (engine/models/moe.py)."""
+        return {f"{mod}.{name}": shard for mod, m in self.named_modules() if hasattr(m, "stacked_shards")
+                for name, shard in m.stacked_shards.items()}
+
+    def hf_expert_map(self) -> dict[str, tuple[str, int, int] | None]:
+        """Hugging Face expert tensor name -> (our stacked parameter, this rank's expert index, the
+        segment of its inner shard), or None for an expert another rank holds."""
+        m: dict[str, tuple[str, int, int] | None] = {}
+        for i in range(self.stage.start, self.stage.end):
+            block = self.layers[i - self.stage.start].mlp
+            if isinstance(block, SparseMoeBlock):
+                m.update(expert_weight_map(self.global_cfg, block, f"model.layers.{i}.", f"layers.{i - self.stage.start}.mlp."))
+        return m
+
     def hf_weight_map(self) -> dict[str, tuple[str, int | None]]:
         """Hugging Face tensor name -> (our parameter name, the segment of its shard the tensor is,
         e.g. 1 for k_proj in qkv_proj); None: the tensor is the whole parameter (not sharded)."""
@@ -231,10 +252,13 @@ class LlamaForCausalLM(nn.Module):
                 m[hf + f"self_attn.{part}.weight"] = (our + "self_attn.qkv_proj.weight", seg)
                 if cfg.attention_bias:
                     m[hf + f"self_attn.{part}.bias"] = (our + "self_attn.qkv_proj.bias", seg)
-            m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0)
-            m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", 1)
+            if cfg.is_moe_layer(i):  # the experts: hf_expert_map
+                m[router_weight_name(cfg, hf)] = (our + "mlp.gate.weight", None)
+            else:
+                m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0)
+                m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", 1)
+                m[hf + "mlp.down_proj.weight"] = (our + "mlp.down_proj.weight", 0)
             m[hf + "self_attn.o_proj.weight"] = (our + "self_attn.o_proj.weight", 0)
-            m[hf + "mlp.down_proj.weight"] = (our + "mlp.down_proj.weight", 0)
             for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 m[hf + name] = (our + name, None)
             if cfg.qk_norm:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from scheduler.request import Batch, ScheduledSeq, Sequence
 
-# (new sequences [(seq_id, params, num_prompt_tokens)], rows, num_decode, num_steps, dropped seq_ids);
+# (new sequences [(seq_id, params, num_prompt_tokens)], rows, num_decode, num_steps, dropped seq_ids,
+# host-tier moves (kvcache/host_tier.py KVMoves, or None): each rank does them on its own shard);
 # a row: (seq_id, start, num_new_tokens, samples, token base, tokens from it, new table?, table base,
 # table entries from it)
 Message = tuple
@@ -52,7 +53,7 @@ class BatchEncoder:
         dropped = [sid for sid, s in sent.items() if s.seq.is_finished]
         for sid in dropped:
             del sent[sid]
-        return new, rows, batch.num_decode, batch.num_steps, dropped
+        return new, rows, batch.num_decode, batch.num_steps, dropped, batch.kv_moves
 
 
 class BatchDecoder:
@@ -62,7 +63,7 @@ class BatchDecoder:
         self.seqs: dict[int, Sequence] = {}
 
     def decode(self, msg: Message) -> Batch:
-        new, rows, num_decode, num_steps, dropped = msg
+        new, rows, num_decode, num_steps, dropped, kv_moves = msg
         seqs = self.seqs
         for sid in dropped:
             seqs.pop(sid, None)
@@ -83,4 +84,4 @@ class BatchDecoder:
             item = ScheduledSeq(seq, start, n)
             item.samples = samples
             items.append(item)
-        return Batch(items, num_decode, num_steps)
+        return Batch(items, num_decode, num_steps, kv_moves)

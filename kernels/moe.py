@@ -1,0 +1,262 @@
+"""The fused mixture-of-experts layer: tokens sorted by expert, two grouped matmuls, a sum.
+
+1. align (two small kernels, no host sync): the T*k (token, expert) assignments are sorted by expert and
+   each expert's run padded to a multiple of BLOCK_M; sorted_ids[r] names the assignment of row r
+   (T*k: a padding row), block_expert[b] the expert of rows b*BLOCK_M.. (-1: past the last
+   expert's rows; another rank's experts get none). The buffers have the worst case's size, which the
+   shapes alone fix (T*k // BLOCK_M + min(E, T*k) blocks), so CUDA graphs can capture it.
+2. gate/up kernel: a program takes one block of rows (one expert) and BLOCK_N columns of I, gathers
+   the rows' tokens from x and keeps the gate and up accumulators, SiLU and multiply in the
+   epilogue -> act [rows, I] in sorted order.
+3. down kernel: act @ w2[e].T, times each row's routing weight (float32), written to the row's
+   assignment: rows [T*k, H]; then a small kernel sums each token's k rows in float32.
+
+Decode (a few rows per expert) reads each touched expert's weights once, in BLOCK_M = 16 blocks
+(the smallest tl.dot): memory bound. Prefill takes larger tiles: compute bound. plan() picks from
+the mean rows per expert.
+
+Rounding as kernels/moe_reference.py (the reference and the CPU path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attn_common import mma
+from kernels.launch import cdiv, launch, next_pow2
+
+
+@dataclass(frozen=True)
+class Plan:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def plan(tokens: int, top_k: int, num_experts: int) -> Plan:
+    """Tiles from the mean rows an expert gets (T*k / E). Each expert's run is padded to BLOCK_M,
+    so bigger row tiles waste more of a run (E x BLOCK_M / 2 rows on average) until the runs are
+    long. Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py, 2026-11-26): at 4 rows an
+    expert (64 tokens) 16 x 64 x 128 tiles read the experts at 93% of the copy bandwidth (the
+    other plans 88-93%); at 256 rows (4,096 tokens) 128 x 128 x 64 with 8 warps ran 5% faster
+    than 64 x 128 x 64 (both ~1/3 of the matmul rate: the kernels, not the tiles, are what is far)."""
+    rows = tokens * top_k / max(1, num_experts)
+    if rows <= 16:
+        return Plan(16, 64, 128, 4, 4)
+    if rows <= 128:
+        return Plan(64, 128, 64, 4, 4)
+    return Plan(128, 128, 64, 8, 3)
+
+
+def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
+    """The most row blocks `assignments` rows over num_experts padded runs can take."""
+    return assignments // block_m + min(num_experts, assignments)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, expert_start: int,
+          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] int32 -> (sorted_ids int32 [blocks * block_m], block_expert int32 [blocks]),
+    see the module's docstring; two kernels (counts, then each assignment's row by an atomic add:
+    the order of rows within an expert's run varies, which changes no row's result). Experts outside
+    [expert_start, expert_start + num_experts) get no rows."""
+    assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), "topk_ids must be contiguous int32"
+    n = topk_ids.numel()
+    blocks = max_blocks(n, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    e_pad = next_pow2(num_experts + 1)  # the last bin collects other ranks' experts
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    launch(_align_counts_kernel, (1,), topk_ids, cursor, block_expert, sorted_ids, n, blocks, expert_start,
+           num_experts, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, BLOCKS_CHUNK=max(16, 8192 // e_pad), num_warps=4)
+    launch(_align_scatter_kernel, (cdiv(n, 1024),), topk_ids, cursor, sorted_ids, n, blocks * block_m,
+           expert_start, num_experts, CHUNK=1024, num_warps=4)
+    return sorted_ids, block_expert
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _align_counts_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr, n, num_blocks, expert_start,
+                         num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCKS_CHUNK: tl.constexpr):
+    # one program: each expert's rows (counts padded to BLOCK_M), its first row (the scatter's
+    # cursor), the expert of each block, and every row marked padding (n) until the scatter fills it
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in tl.range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ok = offs < n
+        e = tl.load(ids_ptr + offs, mask=ok, other=0) - expert_start
+        e = tl.where(ok & (e >= 0) & (e < num_experts), e, E_PAD - 1)
+        counts += tl.histogram(e, E_PAD)
+    lanes = tl.arange(0, E_PAD)
+    mine = lanes < num_experts
+    counts = tl.where(mine, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + lanes, ends - padded)
+    for b0 in tl.range(0, num_blocks, BLOCKS_CHUNK):
+        b = b0 + tl.arange(0, BLOCKS_CHUNK)
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & mine[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)  # experts whose rows end before the block
+        tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
+    for r0 in tl.range(0, num_blocks * BLOCK_M, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + r, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=r < num_blocks * BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["n", "num_rows"])
+def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, num_rows, expert_start, num_experts,
+                          CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + offs, mask=offs < n, other=0) - expert_start
+    ok = (offs < n) & (e >= 0) & (e < num_experts)
+    row = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
+    # the bound holds by construction; it keeps a dry pass (counts not run, kernels/launch.py
+    # compile_ahead) from writing out of bounds
+    tl.store(sorted_ids_ptr + row, offs, mask=ok & (row >= 0) & (row < num_rows))
+
+
+# the token count varies every step: no specialization on it (no compiles mid-serving)
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, n, num_blocks, num_experts, H, I,
+                        stride_xm, stride_we, stride_wn, stride_om,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+    # consecutive programs take consecutive row blocks of one column tile: the blocks of one
+    # expert share its weight tiles through L2. The checks of e and ids cost nothing and keep a
+    # dry pass (kernels/launch.py compile_ahead: align not run) from reading out of bounds.
+    pid = tl.program_id(0)
+    pid_m = pid % num_blocks
+    pid_n = pid // num_blocks
+    e = tl.load(block_expert_ptr + pid_m)
+    if (e < 0) | (e >= num_experts):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    valid = (ids >= 0) & (ids < n)
+    tok = (ids // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xm + ks[None, :]
+    g_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = ks < H - k0
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_g += mma(a, g, NATIVE)
+        acc_u += mma(a, u, NATIVE)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], (act * up).to(dt),
+             mask=col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, n, num_blocks,
+                     num_experts, H, I,
+                     stride_am, stride_we, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m = pid % num_blocks
+    pid_n = pid // num_blocks
+    e = tl.load(block_expert_ptr + pid_m)
+    if (e < 0) | (e >= num_experts):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    valid = (ids >= 0) & (ids < n)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = ks < I - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += mma(a, w, NATIVE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + ids, mask=valid, other=0.0)
+    y = acc.to(dt).to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dt),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_start: int = 0, num_global_experts: int | None = None,
+              p: Plan | None = None) -> torch.Tensor:
+    """kernels/moe_reference.py's fused_moe on the Triton kernels: x [T, H], w13 [E, 2I, H],
+    w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H]. num_global_experts: the
+    model's experts, where this rank holds only E of them (expert parallel)."""
+    t, h = x.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    assert topk_ids.shape == topk_weights.shape == (t, top_k), "topk_ids and topk_weights must be [T, k]"
+    if t == 0:
+        return torch.zeros_like(x)
+    p = p or plan(t, top_k, num_experts)
+    sorted_ids, block_expert = align(topk_ids, num_experts, expert_start, p.block_m)
+    # a token's pick of another rank's expert leaves its row unwritten: it must read zero
+    rows = experts(x, w13, w2, topk_weights, sorted_ids, block_expert, p,
+                   zero_fill=num_global_experts not in (None, num_experts))
+    out = torch.empty_like(x)
+    launch(_moe_sum_kernel, (t, cdiv(h, 1024)), rows, out, h, rows.stride(0), out.stride(0), TOP_K=top_k,
+           BLOCK_H=1024, num_warps=4)
+    return out
+
+
+@triton.jit
+def _moe_sum_kernel(rows_ptr, out_ptr, H, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # a token's k rows (in its assignments' order) summed in float32: [T*k, H] -> [T, H]
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            sorted_ids: torch.Tensor, block_expert: torch.Tensor, p: Plan, zero_fill: bool = False) -> torch.Tensor:
+    """The two grouped matmuls over align()'s rows -> [T*k, H]: each assignment's weighted expert
+    output (rows of assignments no local expert took: zeros with zero_fill, else undefined)."""
+    t, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_weights.shape[1]
+    assert w13.shape[2] == h and w2.shape == (num_experts, h, inter), "w13 [E, 2I, H] and w2 [E, H, I] must match x [T, H]"
+    assert x.dtype == w13.dtype == w2.dtype and topk_weights.dtype == torch.float32, "x, w13, w2 of one dtype; float32 weights"
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1 and topk_weights.is_contiguous(), \
+        "rows must be contiguous"
+    n = t * top_k
+    blocks = block_expert.shape[0]
+    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    act = torch.empty((blocks * p.block_m, inter), dtype=x.dtype, device=x.device)
+    launch(_moe_gate_up_kernel, (blocks * cdiv(inter, p.block_n),), x, w13, act, sorted_ids, block_expert,
+           n, blocks, num_experts, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+           TOP_K=top_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, NUM_STAGES=p.num_stages,
+           NATIVE=native, num_warps=p.num_warps)
+    rows = (torch.zeros if zero_fill else torch.empty)((n, h), dtype=x.dtype, device=x.device)
+    launch(_moe_down_kernel, (blocks * cdiv(h, p.block_n),), act, w2, rows, sorted_ids, block_expert, topk_weights,
+           n, blocks, num_experts, h, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, NUM_STAGES=p.num_stages,
+           NATIVE=native, num_warps=p.num_warps)
+    return rows

@@ -1,0 +1,167 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral): tiny random checkpoints built by transformers give its
+greedy output in float32 (roomy, with preemption, with chunked prefill), also over two gloo ranks
+with tensor parallelism (each expert's width split) and with expert parallelism (whole experts
+split); dummy weights are one model whatever the split; configs the engine can't serve say why."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from serve import LLM, SamplingParams
+from tests.engine.test_equal_transformers import make_prompts
+from tests.models import build_model, hf_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+CPU = dict(dtype="float32", device="cpu")
+ARCHS = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_models")
+    return {arch: build_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def expected(moe_models):
+    prompts = make_prompts(1)
+    return prompts, {arch: hf_greedy(path, prompts, MAX_NEW) for arch, path in moe_models.items()}
+
+
+def test_config_reads_both_transformers_generations(moe_models):
+    qwen = ModelConfig.from_path(moe_models["qwen3_moe"])
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (8, 3, 32)
+    assert qwen.norm_topk_prob and qwen.qk_norm and qwen.dense_layers == (1,)
+    assert [qwen.is_moe_layer(i) for i in range(2)] == [True, False]
+    mixtral = ModelConfig.from_path(moe_models["mixtral"])
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 48)
+    # transformers 4 named Qwen3-MoE's expert count num_experts, 5 num_local_experts
+    raw = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    raw["decoder_sparse_step"], raw["mlp_only_layers"] = 2, []
+    old = ModelConfig.from_dict(raw)
+    assert old.num_experts == 8 and old.dense_layers == (0,)
+    # active parameters: the router whole, k of E experts
+    h = qwen.hidden_size
+    assert qwen.num_params() - qwen.active_params() == (8 - 3) * 3 * h * 32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("setting", ["roomy", "preempt", "chunked"])
+def test_greedy_equals_transformers(moe_models, expected, arch, setting):
+    prompts, want = expected
+    kwargs = dict(num_kv_blocks=256)
+    if setting == "preempt":
+        kwargs.update(num_kv_blocks=8)  # 6 sequences of up to 62 tokens need 14 blocks of 16
+    elif setting == "chunked":
+        kwargs.update(max_num_batched_tokens=8, max_num_seqs=3)
+    llm = LLM(str(moe_models[arch]), **CPU, **kwargs)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want[arch]
+    core = llm.engine.core
+    if setting == "preempt":
+        assert core.stats.num_preemptions > 0
+    if setting == "chunked":
+        assert core.stats.num_steps > len(prompts) * MAX_NEW / 3
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def _llm(model: str, **kwargs) -> LLM:
+    return LLM.from_config(EngineConfig(model=model, **CPU, **kwargs))
+
+
+@pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("mixtral", True)])
+def test_two_ranks_equal_transformers(moe_models, expected, arch, expert_parallel):
+    """Chunked prefill and preemption over two gloo ranks: each expert's width split (tensor
+    parallel), or half the experts on each rank (expert parallel)."""
+    prompts, want = expected
+    with _llm(str(moe_models[arch]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              num_kv_blocks=8, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want[arch]
+        assert llm.engine.core.stats.num_preemptions > 0
+
+
+def test_dummy_weights_are_one_model_whatever_the_split(moe_models):
+    prompts = [[5, 9, 300, 17], [380, 2, 77, 77, 41, 8, 8, 1, 99]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    model = str(moe_models["qwen3_moe"] / "config.json")
+    kwargs = dict(load_format="dummy", num_kv_blocks=32, seed=7)
+    one = _llm(model, **kwargs).generate(prompts, params)
+    with _llm(model, tensor_parallel_size=2, enable_expert_parallel=True, **kwargs) as llm:
+        two = llm.generate(prompts, params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(one, two):
+        assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
+
+
+def test_loaded_experts_are_the_checkpoints(moe_models):
+    """The stacked w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 its down projection."""
+    from safetensors.torch import load_file
+
+    from engine.loader import load_weights
+    from engine.models.llama import LlamaForCausalLM
+
+    folder = moe_models["mixtral"]
+    cfg = ModelConfig.from_path(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").float()
+    load_weights(model, folder, show_progress=False)
+    hf = {}
+    for f in folder.glob("*.safetensors"):
+        hf.update(load_file(str(f)))
+    ex = model.layers[1].mlp.experts
+    base = "model.layers.1.block_sparse_moe."
+    assert torch.equal(ex.w13[2], torch.cat((hf[base + "experts.2.w1.weight"], hf[base + "experts.2.w3.weight"])))
+    assert torch.equal(ex.w2[3], hf[base + "experts.3.w2.weight"])
+    assert torch.equal(model.layers[1].mlp.gate.weight, hf[base + "gate.weight"])
+
+
+def test_configs_the_engine_cannot_serve_say_why(moe_models, tiny_models):
+    raw = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match="with a shared expert .* is not supported"):
+        ModelConfig.from_dict({**raw, "shared_expert_intermediate_size": 64})
+    with pytest.raises(ModelConfigError, match="unsupported architecture Qwen2MoeForCausalLM"):
+        ModelConfig.from_dict({**raw, "architectures": ["Qwen2MoeForCausalLM"]})
+    six = ModelConfig.from_dict({**raw, "num_local_experts": 6})
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 6 experts; "
+                                         "sizes that fit this model: 1, 2"):
+        six.check_tensor_parallel(4, expert_parallel=True)
+    six.check_tensor_parallel(4)  # the experts' width (32) splits
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 30 expert width"):
+        ModelConfig.from_dict({**raw, "moe_intermediate_size": 30}).check_tensor_parallel(4)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model; "
+                                         "LlamaForCausalLM has no experts"):
+        ModelConfig.from_path(tiny_models["llama"]).check_tensor_parallel(2, expert_parallel=True)
+
+
+def test_triton_backend_equals_transformers(moe_models, expected):
+    """The engine's Triton op set (kernels/moe.py, interpreted on the CPU), chunked: mixed steps."""
+    pytest.importorskip("triton")
+    prompts, want = expected
+    llm = LLM(str(moe_models["mixtral"]), **CPU, num_kv_blocks=32, backend="triton", max_num_batched_tokens=16)
+    outs = llm.generate(prompts[1:3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [w[:3] for w in want["mixtral"][1:3]]
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_kv_calc_weights_are_the_models_parameters(preset):
+    """kvcache/calc.py's weights per GPU equal the parameters a rank's model holds (on the meta
+    device), with each expert's width split or whole experts split."""
+    from engine.models.llama import LlamaForCausalLM
+    from engine.parallel.comm import Comm
+    from engine.parallel.group import TPGroup
+    from engine.presets import resolve_model
+    from kvcache.calc import weight_bytes_per_gpu
+
+    cfg = resolve_model(preset).config
+    for size, expert_parallel in ((1, False), (2, False), (2, True), (4, True)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, Comm(TPGroup(rank=size - 1, size=size)), expert_parallel=expert_parallel)
+        held = 2 * sum(p.numel() for p in model.parameters())
+        assert held == weight_bytes_per_gpu(cfg, "bfloat16", size)
