@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,15 +104,18 @@ class ProcessEngine:
         self.core.kill()
 
 
-def start_engine_process(cfg: EngineConfig, show_progress: bool = True) -> ProcessEngine:
-    """Start the engine process and wait until it has built the engine. A bad model folder fails
-    here before any process starts; a failed build raises EngineStartError (a RuntimeError)."""
+def start_engine_process(cfg: EngineConfig, show_progress: bool = True,
+                         meanwhile: Callable[[], None] = lambda: None) -> ProcessEngine:
+    """Start the engine process and wait until it has built the engine, running meanwhile() (and
+    loading the tokenizer) in this process while it builds. A bad model folder fails here before
+    any process starts; a failed build raises EngineStartError (a RuntimeError)."""
     path, model_cfg = model_folder_config(cfg, show_progress)
     core = ProcessCore(build_core, (cfg, show_progress))
     try:
         core.spawn()
         tokenizer = load_tokenizer(path)
         log.debug("start-up: the server's tokenizer loaded")
+        meanwhile()
         info = core.wait_ready()
     except BaseException:
         core.kill()

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.config import EngineConfig
@@ -100,10 +100,15 @@ def sigint_deferred() -> Iterator[None]:
 
 
 def build(engine_loop: str, cfg: EngineConfig, data_parallel_size: int = 1,
-          disaggregate: tuple[int, int] | None = None) -> Any:
+          disaggregate: tuple[int, int] | None = None, meanwhile: Callable[[], None] = lambda: None) -> Any:
     """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields), or for
     --data-parallel-size N > 1 a serve.replicas.ReplicatedEngine, or for --disaggregate P:D a
-    serve.disagg.DisaggregatedEngine."""
+    serve.disagg.DisaggregatedEngine. meanwhile: run while the engine process builds (one engine
+    process), else before the engines start."""
+    if engine_loop == "process" and disaggregate is None and data_parallel_size == 1:
+        from serve.engine_process import start_engine_process
+        return start_engine_process(cfg, meanwhile=meanwhile)
+    meanwhile()
     if disaggregate is not None:
         if engine_loop != "process":
             raise ValueError("--disaggregate runs each engine in a process of its own: drop --engine-loop thread")
@@ -116,9 +121,6 @@ def build(engine_loop: str, cfg: EngineConfig, data_parallel_size: int = 1,
             raise ValueError("--data-parallel-size runs each replica in a process of its own: drop --engine-loop thread")
         from serve.replicas import start_replicas
         return start_replicas(cfg, data_parallel_size)
-    if engine_loop == "process":
-        from serve.engine_process import start_engine_process
-        return start_engine_process(cfg)
     from serve.build import build_engine
     return build_engine(cfg)
 
@@ -135,26 +137,32 @@ def run(args: argparse.Namespace) -> int:
         from serve.disagg import parse_disaggregate
         disaggregate = parse_disaggregate(args.disaggregate)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    with sigint_deferred():
-        import uvicorn  # imported late, like torch: `serve --help` stays fast
-
-        from serve.api import create_app
-        from serve.uvicorn_server import DrainingServer
-
     from serve.build import is_follower_rank, run_follower
-
-    logging.getLogger("pagedserve").debug("start-up: server imports done")
 
     if is_follower_rank(engine_cfg):  # under torchrun: rank 0 serves, this rank follows its steps
         run_follower(engine_cfg)
         return 0
+    imported: list[tuple[Any, Any, Any]] = []
+
+    def import_server() -> None:
+        # imported late, like torch (`serve --help` stays fast), and while the engine process builds
+        # (1-2 s that the first answer no longer waits for)
+        with sigint_deferred():
+            import uvicorn
+
+            from serve.api import create_app
+            from serve.uvicorn_server import DrainingServer
+        imported.append((uvicorn, create_app, DrainingServer))
+        logging.getLogger("pagedserve").debug("start-up: server imports done")
+
     try:
-        engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate)
+        engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate, import_server)
     except KeyboardInterrupt:
         # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
         logging.getLogger().setLevel(logging.WARNING)
         raise
     try:
+        uvicorn, create_app, DrainingServer = imported[0]
         app = create_app(engine, server_cfg)
         name = server_cfg.served_model_name or engine.model_name
         url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
