@@ -374,6 +374,7 @@ class KVPlan:
     # with several stages the figures are those of the GPU with the fewest blocks, which every
     # stage's cache then holds (the engine agrees on the smallest)
     pipeline_parallel_size: int = 1
+    active_params: int | None = None  # a mixture of experts: the parameters one token's forward reads
 
     @property
     def kv_dtype(self) -> str:
@@ -431,6 +432,7 @@ class KVPlan:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "num_params": self.num_params,
+            "active_params": self.active_params,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "memory_utilization": self.memory_utilization,
             "budget_bytes": self.budget_bytes,
@@ -528,7 +530,8 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
     warnings = []
     result = KVPlan(spec, weight_dtype, gpu_memory_bytes, memory_utilization, max_len, tensor_parallel_size,
                     model.num_params(), weights, activation_bytes, estimated, graph_bytes, kv_bytes,
-                    pipeline_parallel_size=pipeline_parallel_size)
+                    pipeline_parallel_size=pipeline_parallel_size,
+                    active_params=model.active_params() if getattr(model, "num_experts", 0) else None)
     if result.max_concurrent_seqs == 0:
         warnings.append(f"the cache holds {result.max_tokens:,} tokens, fewer than one sequence of --max-model-len "
                         f"{max_len:,}; the engine would lower max_model_len to {result.max_tokens:,}")

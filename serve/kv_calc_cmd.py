@@ -187,7 +187,8 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
     lines = [
         f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
         f" = {format_bytes(base.budget_bytes)}{tp}",
-        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"),
+        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
+              + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
         _line("activations", format_bytes(base.activation_bytes), act),
         _line("CUDA graphs", format_bytes(base.graph_bytes), "decode, piecewise and step graphs, reserved as the engine does"),
         _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),

@@ -59,6 +59,8 @@ def test_kv_calc_counts_every_expert_and_fits_one_h100():
     p = plan(m, 80 * 10**9, 0.9)  # H100 80GB, defaults
     assert p.weight_bytes / GiB == pytest.approx(56.9, abs=0.1)
     assert p.max_tokens > 64 * 640  # the 64 x (512 + 128) workload
+    assert p.active_params == m.active_params() and 3.3e9 < p.active_params < 3.4e9  # Qwen's "A3B"
+    assert plan(config("llama3-8b"), 80 * 10**9, 0.9).active_params is None  # dense: every parameter
     # two ranks hold half the experts each (or half of each), the router and norms whole
     mix = config("mixtral-8x7b")
     two = weight_bytes_per_gpu(mix, "bfloat16", 2)

@@ -45,6 +45,11 @@ def test_cli_text(capsys):
                              + calc.estimate_step_graph_bytes(256, 8192, 16, 2304)) > 0
 
 
+def test_cli_text_names_the_active_parameters_of_a_mixture_of_experts(capsys):
+    assert cmd.run(parse("--model", "qwen3-30b-a3b", "--gpu-memory", "H100")) == 0
+    assert "30.53B parameters, 3.35B active a token" in capsys.readouterr().out
+
+
 def test_cli_json(capsys):
     argv = ("--model", "Llama-3-8B", "--gpu-memory", "80GiB", "--kv-cache-dtype", "fp8", "--max-model-len", "4k",
             "--memory-utilization", "0.85", "--json")
