@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,11 +34,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.server import ManagedServer
 
 
 def log(msg: str) -> None:
@@ -152,31 +145,17 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def serve_and_bench(args: argparse.Namespace, label: str, extra: list[str], out_dir: Path) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve", "run", "--model", args.model, "--load-format", "dummy", "--port", str(port),
-           "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
-           *shlex.split(args.server_args), *extra]
-    log(f"{label}: {shlex.join(cmd)}")
-    server_log = out_dir / f"{label}-server.log"
+    server = ManagedServer([sys.executable, "-m", "serve", "run"], args.model, load_format="dummy",
+                           extra_args=["--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len",
+                                       str(args.max_model_len), *shlex.split(args.server_args), *extra],
+                           startup_timeout_s=args.server_timeout, log_path=out_dir / f"{label}-server.log")
+    log(f"{label}: {shlex.join(server.argv())}")
     t0 = time.perf_counter()
-    with open(server_log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{label}: the server exited ({proc.returncode}); see {server_log}")
-            if time.perf_counter() - t0 > args.server_timeout:
-                raise RuntimeError(f"{label}: the server did not answer /health in {args.server_timeout} s")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    with server:
         started_s = time.perf_counter() - t0
         log(f"{label}: up in {started_s:.0f} s")
         result_json = out_dir / f"{label}.json"
-        bench = [sys.executable, "-m", "serve", "bench", "--url", f"http://127.0.0.1:{port}", "--model", args.model,
+        bench = [sys.executable, "-m", "serve", "bench", "--url", server.base_url, "--model", args.model,
                  "--multi-turn", str(args.turns), "--num-prompts", str(args.conversations),
                  "--input-len", str(args.first_len), "--turn-len", str(args.turn_len),
                  "--output-len", str(args.output_len), "--concurrency", str(args.concurrency), "--ignore-eos",
@@ -186,13 +165,7 @@ def serve_and_bench(args: argparse.Namespace, label: str, extra: list[str], out_
         print(done.stdout[-3000:], file=sys.stderr)
         if done.returncode != 0:
             raise RuntimeError(f"{label}: serve bench failed ({done.returncode}): {done.stderr[-500:]}")
-        metrics = scrape(port)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        metrics = scrape(server.port)
     res = json.loads(result_json.read_text())
     keys = ("completed", "failed", "duration_s", "output_throughput", "total_token_throughput",
             "median_first_turn_ttft_ms", "p99_first_turn_ttft_ms", "median_follow_up_ttft_ms",
@@ -200,7 +173,7 @@ def serve_and_bench(args: argparse.Namespace, label: str, extra: list[str], out_
             "median_tpot_ms")
     p = "pagedserve:"
     return {
-        "server_args": shlex.join(cmd[3:]), "startup_s": round(started_s, 1), **{k: res.get(k) for k in keys},
+        "server_args": shlex.join(server.argv()[3:]), "startup_s": round(started_s, 1), **{k: res.get(k) for k in keys},
         "prefix_cache_queries": metrics.get(p + "prefix_cache_queries_total"),
         "prefix_cache_hits": metrics.get(p + "prefix_cache_hits_total"),
         "device_hit_tokens": metrics.get(p + "prefix_cache_tier_hits_total{tier=device}"),
