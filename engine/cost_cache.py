@@ -1,8 +1,8 @@
 """The start-up cost model's measurements, kept on disk between starts.
 
-Timing the forward at every step bucket took 8.7 s of a 16.8 s warm start of Llama-3-8B on an H100
-(bench/NOTES.md, 2026-11-26), and gives the same curve each time on the same GPU, code and
-configuration. The key names all of those: the GPU, the torch/Triton/CUDA versions, a digest of the
+The cost-model phase (the forward timed at every step bucket, an early compile pass beside it)
+took 8.7 s of a 16.8 s warm engine start of Llama-3-8B on an H100 (bench/NOTES.md, 2026-11-26), and
+the curve comes out the same each time on the same GPU, code and configuration. The key names all of those: the GPU, the torch/Triton/CUDA versions, a digest of the
 engine's and kernels' sources, the model's shapes and the engine configuration; anything else
 measures afresh. The files go where the default model's conversion goes ($PAGEDSERVE_CACHE, else
 ~/.cache/pagedserve). A file that can't be read or written is a miss, never an error.
