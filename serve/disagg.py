@@ -43,7 +43,7 @@ from serve.build import model_folder_config
 from serve.engine_process import EngineInfo, build_core
 from serve.engine_set import (EngineSet, cpu_threads, enter_place, gpus_per_engine, runs_on_cpu, start_engines,
                               visible_gpus)
-from serve.replicas import NullObserver, ReplicaObserver, call_running, idle_snapshot, route_live, total_snapshot
+from serve.replicas import NullObserver, ReplicaObserver, add_routed, call_running, idle_snapshot, total_snapshot
 from serve.router import Router, RouterConfig
 
 log = logging.getLogger("pagedserve")
@@ -334,23 +334,8 @@ class DisaggregatedSet:
         async with self._admission.adding(n):
             tokens = sum(len(ids) for ids, _ in requests)
             prefill_requests = [(ids, self._prefill_params(ids, params)) for ids, params in requests]
-            while True:
-                self._check_accepting()
-                p = route_live(self.router, self.prefill, self._prompt_tokens, requests[0][0], self.failure)
-                self._prompt_tokens[p] += tokens
-                try:
-                    inner = await self.prefill[p].add_requests(prefill_requests)
-                    break
-                except asyncio.CancelledError:
-                    self._prompt_tokens[p] -= tokens
-                    raise
-                except EngineUnavailable:
-                    self._prompt_tokens[p] -= tokens
-                    if self.prefill[p].accepting:
-                        raise
-                except BaseException:
-                    self._prompt_tokens[p] -= tokens
-                    raise
+            p, inner = await add_routed(self.router, self.prefill, self._prompt_tokens, prefill_requests, self.failure,
+                                        self._check_accepting, keep_on_cancel=False)
         now = time.monotonic()
         records = [RequestRecord(sid, now, len(ids)) for sid, (ids, _) in zip(inner.seq_ids, requests)]
         req = _Request(None, records, p)  # type: ignore[arg-type]

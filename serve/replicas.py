@@ -172,6 +172,35 @@ def route_live(router: Router, engines: Seq[AsyncEngine], prompt_tokens: Seq[int
         raise EngineUnavailable(failure or str(e)) from None
 
 
+async def add_routed(router: Router, engines: Seq[AsyncEngine], prompt_tokens: list[int],
+                     requests: Seq[tuple[list[int], SamplingParams]], failure: str | None,
+                     check_accepting: Callable[[], None], keep_on_cancel: bool) -> tuple[int, RequestStream]:
+    """The sequences of one request added to the engine the router picks among the live ones
+    (route_live, by the first prompt) -> (its index, its stream). Their prompt tokens count to it
+    before the add: a sequence may finish, and be subtracted, before the add returns. An engine that
+    stopped since it was picked is routed around. keep_on_cancel: a cancelled add leaves the count
+    to the records the engine keeps (they subtract it as they finish); else it goes back at once."""
+    tokens = sum(len(ids) for ids, _ in requests)
+    while True:
+        check_accepting()
+        index = route_live(router, engines, prompt_tokens, requests[0][0], failure)
+        prompt_tokens[index] += tokens
+        try:
+            return index, await engines[index].add_requests(requests)
+        except asyncio.CancelledError:
+            if not keep_on_cancel:
+                prompt_tokens[index] -= tokens
+            raise
+        except EngineUnavailable:
+            prompt_tokens[index] -= tokens
+            if engines[index].accepting:
+                raise
+            # it died (or stopped) since it was chosen: the next round routes around it
+        except BaseException:
+            prompt_tokens[index] -= tokens
+            raise
+
+
 async def call_running(engines: Seq[AsyncEngine], fn: Callable[[EngineCore], T], failure: str | None) -> list[T]:
     """fn(core) on every running engine, in order. Raises EngineUnavailable (failure, if set) when
     none runs."""
@@ -253,24 +282,10 @@ class ReplicaSet:
         self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
         async with self._admission.adding(n):
             pass  # the replica counts them as its own from here
-        tokens = sum(len(ids) for ids, _ in requests)
-        while True:
-            self._check_accepting()
-            index = route_live(self.router, self.replicas, self._prompt_tokens, requests[0][0], self.failure)
-            # counted before the add: a sequence may finish (and be subtracted) before the add returns
-            self._prompt_tokens[index] += tokens
-            try:
-                return await self.replicas[index].add_requests(requests)
-            except asyncio.CancelledError:
-                raise  # the replica aborts what it added; its records finish through _finished
-            except EngineUnavailable:
-                self._prompt_tokens[index] -= tokens
-                if self.replicas[index].accepting:
-                    raise
-                # it died (or stopped) since it was chosen: the next round routes around it
-            except BaseException:
-                self._prompt_tokens[index] -= tokens
-                raise
+        # a cancelled add: the replica aborts what it added, and its records finish through _finished
+        _, stream = await add_routed(self.router, self.replicas, self._prompt_tokens, requests, self.failure,
+                                     self._check_accepting, keep_on_cancel=True)
+        return stream
 
     async def call(self, fn: Callable[[EngineCore], T]) -> list[T]:
         """fn(core) on every running replica, in replica order (inspection, tests)."""
