@@ -6,9 +6,7 @@ a ValueError; a stage rank killed mid-run fails every request and stops the engi
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
-import signal
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from scheduler.request import Batch, ExecutorLost, ScheduledSeq, Sequence
 from serve import LLM, SamplingParams
 from tests.engine.test_async_scheduling import params_mix, prompts, summary
 from tests.engine.test_equal_transformers import make_prompts
+from tests.engine.test_tensor_parallel import kill_rank_mid_run
 from tests.models import hf_greedy
 
 MAX_NEW = 12
@@ -159,21 +158,12 @@ def test_sizes_that_do_not_fit_are_value_errors(tiny_models, monkeypatch):
 def test_a_stage_rank_killed_mid_run_fails_every_request_and_stops_the_engine(tiny_models):
     llm = LLM(str(tiny_models["llama"]), pipeline_parallel_size=2, num_kv_blocks=64, **CPU)
     try:
-        core = llm.engine.core
-        worker = core.executor.workers.list[0].proc  # rank 1: the last stage
-        seqs = [core.add_request(p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
-                for p in make_prompts(4, 3)]
-        for _ in range(3):
-            assert all(not o.error for o in core.step())
-        assert len(core._in_flight) == 1  # a micro-batch is on its way through the stages
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
-        t0 = time.monotonic()
-        outs = core.step()
-        assert time.monotonic() - t0 < 10
-        assert sorted(o.seq_id for o in outs) == sorted(s.seq_id for s in seqs)
-        assert all(o.finished and o.finish_reason == "error" for o in outs)
+        def in_flight(core) -> None:  # a micro-batch is on its way through the stages when rank 1 dies
+            assert len(core._in_flight) == 1
+
+        outs = kill_rank_mid_run(llm, in_flight)  # rank 1: the last stage
         assert all("pipeline-parallel rank 1 (stage 1) exited (killed by signal SIGKILL)" in o.error for o in outs)
+        core = llm.engine.core
         assert not core.has_unfinished() and core.lost is not None
         with pytest.raises(ExecutorLost, match="rank 1 .* exited"):
             core.add_request([1, 2, 3], GREEDY)
@@ -183,15 +173,30 @@ def test_a_stage_rank_killed_mid_run_fails_every_request_and_stops_the_engine(ti
         assert time.monotonic() - t0 < 10
 
 
+def _stage(runner, folder, rank: int, kv_before: torch.Tensor) -> tuple:
+    """Stage `rank` of 2 of the runner's model (a layer each: the tiny models have two), its weights
+    loaded from folder, and a pool that holds this stage's layer of kv_before (the whole pool)."""
+    from engine.loader import load_weights
+    from engine.models.llama import LlamaForCausalLM, rope_cos_sin
+    from kvcache.pool import KVPool
+
+    cfg = runner.model_cfg
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, stage=stage_of(cfg.num_layers, rank, 2))
+    model = model.to_empty(device="cpu")
+    load_weights(model, folder, show_progress=False)
+    model.cos_sin = rope_cos_sin(cfg, runner.max_model_len, "cpu")
+    pool = KVPool(replace(runner.kv_spec, num_layers=1), runner.num_blocks, runner.device, runner.dtype)
+    pool.kv.copy_(kv_before[rank:rank + 1])
+    return model, pool
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.inference_mode()
 def test_stage_pieces_compute_the_forward(tiny_models, arch):
     """The piecewise graphs of two stages (each "graph" run directly, as tests/engine/test_piecewise.py
     does): stage 0's pieces leave the carry, stage 1's start from it, and together they give the
     whole model's logits and KV."""
-    from engine.loader import load_weights
-    from engine.models.llama import LlamaForCausalLM, rope_cos_sin
-    from kvcache.pool import KVPool
     from tests.engine.test_piecewise import _batch, _direct_pieces
 
     runner = LLM(str(tiny_models[arch]), num_kv_blocks=16, **CPU).engine.runner
@@ -205,13 +210,7 @@ def test_stage_pieces_compute_the_forward(tiny_models, arch):
     cfg = runner.model_cfg
     carry, got = None, None
     for rank in range(2):
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, stage=stage_of(cfg.num_layers, rank, 2))
-        model = model.to_empty(device="cpu")
-        load_weights(model, tiny_models[arch], show_progress=False)
-        model.cos_sin = rope_cos_sin(cfg, runner.max_model_len, "cpu")
-        pool = KVPool(replace(runner.kv_spec, num_layers=1), runner.num_blocks, runner.device, runner.dtype)
-        pool.kv.copy_(kv_before[rank:rank + 1])  # this stage's layer of the whole pool
+        model, pool = _stage(runner, tiny_models[arch], rank, kv_before)
         stage_runner = type("R", (), dict(model=model, ops=runner.ops, pool=pool, device=runner.device))
         pw = _direct_pieces(stage_runner, 64)
         out = pw.run(input_ids, positions, meta, logit_idx, carry)
@@ -251,9 +250,6 @@ def test_stage_decode_graphs_compute_the_forward(tiny_models, arch, monkeypatch)
     tokens of the whole model's decode step."""
     pytest.importorskip("triton")
     from engine import cuda_graph
-    from engine.loader import load_weights
-    from engine.models.llama import LlamaForCausalLM, rope_cos_sin
-    from kvcache.pool import KVPool
 
     monkeypatch.setattr(cuda_graph, "UploadRing", _HostRing)
     runner = LLM(str(tiny_models[arch]), num_kv_blocks=16, max_num_seqs=8, **CPU).engine.runner
@@ -273,13 +269,7 @@ def test_stage_decode_graphs_compute_the_forward(tiny_models, arch, monkeypatch)
     cfg = runner.model_cfg
     carry = None
     for rank in range(2):
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, stage=stage_of(cfg.num_layers, rank, 2))
-        model = model.to_empty(device="cpu")
-        load_weights(model, tiny_models[arch], show_progress=False)
-        model.cos_sin = rope_cos_sin(cfg, runner.max_model_len, "cpu")
-        pool = KVPool(replace(runner.kv_spec, num_layers=1), runner.num_blocks, runner.device, runner.dtype)
-        pool.kv.copy_(kv_before[rank:rank + 1])
+        model, pool = _stage(runner, tiny_models[arch], rank, kv_before)
         g = cuda_graph.DecodeGraphs(model, runner.ops, pool.layers, 8, runner.max_blocks_per_seq,
                                     runner.kv_spec.block_size, runner.device)
         assert (g.carry is None) == (rank == 0)

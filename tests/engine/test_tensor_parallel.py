@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -86,23 +88,33 @@ def test_a_size_that_does_not_split_the_model_is_a_value_error(tiny_models, size
         LLM(str(tiny_models["llama"]), tensor_parallel_size=0, **CPU)
 
 
+def kill_rank_mid_run(llm: LLM, before_kill: Callable[[Any], None] = lambda core: None) -> list:
+    """Four greedy sequences stepped three times, then before_kill(core), then the engine's rank 1
+    killed (SIGKILL) and one more step, which must come back within 10 s with every sequence
+    finished with an error -> that step's outputs."""
+    core = llm.engine.core
+    worker = core.executor.workers.list[0].proc
+    seqs = [core.add_request(p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+            for p in make_prompts(4, 3)]
+    for _ in range(3):
+        assert all(not o.error for o in core.step())
+    before_kill(core)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    t0 = time.monotonic()
+    outs = core.step()
+    assert time.monotonic() - t0 < 10
+    assert sorted(o.seq_id for o in outs) == sorted(s.seq_id for s in seqs)
+    assert all(o.finished and o.finish_reason == "error" for o in outs)
+    return outs
+
+
 def test_a_rank_killed_mid_run_fails_every_request_and_stops_the_engine(tiny_models):
     llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, num_kv_blocks=64, **CPU)
     try:
-        core = llm.engine.core
-        worker = core.executor.workers.list[0].proc
-        seqs = [core.add_request(p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
-                for p in make_prompts(4, 3)]
-        for _ in range(3):
-            assert all(not o.error for o in core.step())
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
-        t0 = time.monotonic()
-        outs = core.step()
-        assert time.monotonic() - t0 < 10
-        assert sorted(o.seq_id for o in outs) == sorted(s.seq_id for s in seqs)
-        assert all(o.finished and o.finish_reason == "error" for o in outs)
+        outs = kill_rank_mid_run(llm)
         assert all("tensor-parallel rank 1 exited (killed by signal SIGKILL)" in o.error for o in outs)
+        core = llm.engine.core
         assert not core.has_unfinished() and core.lost is not None
         with pytest.raises(ExecutorLost, match="rank 1 exited"):
             core.add_request([1, 2, 3], GREEDY)
