@@ -43,12 +43,14 @@ def head_words(n: int) -> int:
     return 2 + 3 * n
 
 
-def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(fn: Callable[[], Any], pool: Any, mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
     """fn captured into a new graph in `pool`, and that graph launched once: a graph's first launch
     also uploads it to the device, which belongs in start-up, not in the first step that needs it.
-    fn's inputs must be padding that writes nowhere when replayed as captured. -> (graph, fn's result)"""
+    fn's inputs must be padding that writes nowhere when replayed as captured. mode: the capture's
+    error mode; "thread_local" lets this thread load a kernel module (a Triton variant met first
+    here) while it captures. -> (graph, fn's result)"""
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
         out = fn()
     g.replay()
     return g, out

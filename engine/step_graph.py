@@ -151,10 +151,20 @@ class StepGraphs:
         pw = self.pw
         torch.cuda.empty_cache()  # as in PiecewiseGraphs.capture: measure the pool's growth only
         before = torch.cuda.memory_reserved(pw.device)
+        seen_t: set[int] = set()
+        seen_rows: set[int] = set()
         for rows, t in self._shapes():
-            self._forward(rows, t)  # warm-up: compiles kernels, picks cuBLAS algorithms
-            torch.cuda.synchronize(pw.device)
-            self.graphs[(rows, t)] = capture_graph(lambda: self._forward(rows, t), pool)[0]
+            # an eager warm-up (kernels compiled and loaded, cuBLAS's choices made) for each token
+            # count and each row count once, not per (R, T) pair (101 of them for the 8B): most
+            # variants follow from one or the other; a variant met first in a capture loads there
+            warm = t not in seen_t or rows not in seen_rows
+            if warm:
+                seen_t.add(t)
+                seen_rows.add(rows)
+                self._forward(rows, t)
+                torch.cuda.synchronize(pw.device)
+            mode = "global" if warm else "thread_local"
+            self.graphs[(rows, t)] = capture_graph(lambda: self._forward(rows, t), pool, mode)[0]
         torch.cuda.synchronize(pw.device)
         torch.cuda.empty_cache()  # the eager warm-ups' memory
         self.pool_bytes = max(0, torch.cuda.memory_reserved(pw.device) - before)
