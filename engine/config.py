@@ -261,6 +261,9 @@ class EngineConfig:
     # mixture-of-experts layers: each tensor-parallel rank holds whole experts (num_experts / size
     # of them) instead of a slice of every expert's width; attention stays tensor parallel
     enable_expert_parallel: bool = False
+    # tensor parallelism on GPUs: small all-reduces take NCCL instead of the one-shot kernel over
+    # peer memory (engine/parallel/peer_allreduce.py)
+    disable_custom_all_reduce: bool = False
     seed: int = 0
     # GiB of host memory for a second tier of the prefix cache (kvcache/host_tier.py), per GPU (each
     # tensor/pipeline-parallel rank keeps its shard); 0: off

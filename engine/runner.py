@@ -220,6 +220,11 @@ class ModelRunner:
         model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
         self.model = model.eval()
         phase("weights")
+        if tp.size > 1 and self.device.type == "cuda" and not cfg.disable_custom_all_reduce:
+            why_not = self.comm.use_peer_memory(self.device)  # a collective: every rank, here
+            if self.comm.rank == 0:
+                log.info("tensor parallel: small all-reduces %s", "over NVLink peer memory (one-shot)"
+                         if why_not is None else f"through NCCL ({why_not})")
 
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
         self.activation_bytes: int | None = None

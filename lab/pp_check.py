@@ -5,7 +5,8 @@ together, timed over `steps` engine steps once every prompt is in.
 
     python -m lab.pp_check --model Llama-3-8B --layouts 1x1,1x2 --out pp_check.json
 
-A layout is TPxPP, with an "e" after it for --enforce-eager (no CUDA graphs), e.g. 1x2e. bf16 sums run in the same order on one GPU and on stages (the layers are the
+A layout is TPxPP, with an "e" after it for --enforce-eager (no CUDA graphs) and an "n" for
+--disable-custom-all-reduce (every all-reduce through NCCL), e.g. 1x2e, 2x1n. bf16 sums run in the same order on one GPU and on stages (the layers are the
 same kernels), so outputs should match; a near-tie may still flip a token where batch shapes
 differ (two micro-batches of half the rows): the report gives how many sequences match exactly
 and where the others first differ. Decode: ms per engine step (one micro-batch of about
@@ -28,9 +29,11 @@ def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
     from scheduler.request import SamplingParams
     from serve.llm import LLM
 
-    tp, pp = (int(x) for x in layout.rstrip("e").split("x"))
+    shape, flags = layout.rstrip("en"), layout[len(layout.rstrip("en")):]
+    tp, pp = (int(x) for x in shape.split("x"))
     kw = dict(load_format="dummy", tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=a.dtype,
-              enforce_eager=layout.endswith("e"), gpu_memory_utilization=a.gpu_memory_utilization)
+              enforce_eager="e" in flags, disable_custom_all_reduce="n" in flags,
+              gpu_memory_utilization=a.gpu_memory_utilization)
     with LLM(model, **kw) as llm:
         vocab = llm.engine.model_config.vocab_size
         rng = random.Random(0)
@@ -57,13 +60,15 @@ def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
             core.step()
         return {"greedy": greedy, "step_ms": elapsed / a.steps * 1e3, "decode_tok_s": tokens / elapsed,
                 "max_in_flight": core.stats.max_in_flight, "num_blocks": llm.engine.runner.num_blocks,
-                "startup_s": llm.engine.runner.startup_s}
+                "startup_s": llm.engine.runner.startup_s,
+                "decode_step_ms": a.batch / (tokens / elapsed) * 1e3,  # one token for each of the batch
+                "peer_all_reduce": llm.engine.runner.comm.peer is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.pp_check")
     p.add_argument("--model", required=True, help="a model folder or preset (dummy weights)")
-    p.add_argument("--layouts", default="1x1,1x2,1x2e", help="TPxPP[e] layouts, the first is the reference")
+    p.add_argument("--layouts", default="1x1,1x2,1x2e", help="TPxPP[e][n] layouts, the first is the reference")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layout {layout} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
         runs[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(layout, {k: v for k, v in runs[layout].items() if k != "greedy"}, flush=True)
     base = runs[a.layouts.split(",")[0]]["greedy"]
     report = {k: getattr(a, k) for k in ("model", "dtype", "prompts", "input_len", "output_len", "batch", "context", "steps")}
     for layout, run in runs.items():

@@ -61,6 +61,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models: each tensor-parallel rank holds whole experts (experts / N of "
                         "them) instead of a slice of every expert; attention stays tensor parallel")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="tensor parallelism on GPUs: every all-reduce through NCCL (default: decode-sized ones "
+                        "through a one-shot kernel over NVLink peer memory, where the GPUs reach each other)")
     g.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
                    help="keep KV blocks evicted from the GPU's prefix cache in GIB of (pinned) host memory, and copy "
                         "them back on a prefix hit instead of recomputing them (default: 0, off)")
@@ -79,5 +82,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         num_scheduler_steps=args.num_scheduler_steps,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        enable_expert_parallel=args.enable_expert_parallel, seed=args.seed,
+                        enable_expert_parallel=args.enable_expert_parallel,
+                        disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed,
                         kv_offload_gib=args.kv_offload_gib)

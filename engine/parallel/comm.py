@@ -1,6 +1,6 @@
-"""Comm: the collectives the model and the runner use, behind one entry point per kind, so that a
-faster all-reduce (a one-shot kernel over NVLink peer memory for decode-sized messages) can later be
-picked here by message size without touching the model.
+"""Comm: the collectives the model and the runner use, behind one entry point per kind. The
+all-reduce picks by message size: a one-shot kernel over NVLink peer memory for decode-sized
+messages (engine/parallel/peer_allreduce.py) where every rank could set it up, else NCCL.
 
 Inside the forward only fixed-shape tensor collectives run (no host sync, nothing read back): CUDA
 graphs capture them as they are. With one rank every method returns its input."""
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel import peer_allreduce
 
 # torch >= 2.13 names it all_gather_single (the old name warns)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -21,12 +22,41 @@ class Comm:
     def __init__(self, group: TPGroup = SINGLE) -> None:
         self.group = group
         self.rank, self.size = group.rank, group.size
+        self.peer: peer_allreduce.PeerAllReduce | None = None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, in place; returns t."""
-        if self.size > 1:
-            dist.all_reduce(t, group=self.group.device)
+        """The sum over ranks: in place through NCCL, or in a new tensor through peer memory; use
+        the tensor it returns."""
+        if self.size == 1:
+            return t
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer(t)
+        dist.all_reduce(t, group=self.group.device)
         return t
+
+    def use_peer_memory(self, device: torch.device) -> str | None:
+        """Set up the one-shot all-reduce on every rank, or on none: a collective that all ranks
+        call at the same point. Returns why not, or None when it is on."""
+        if self.size == 1:
+            return "one rank"
+        why = peer_allreduce.peer_access(device, self.size)
+        if self.min_int(int(why is None)) == 0:
+            return why or "another rank can't use peer memory"
+        peer = None
+        try:
+            peer = peer_allreduce.allocate(device, self.group.device, self.size)
+        except Exception as e:  # noqa: BLE001 (a driver or torch that refuses it: NCCL still works)
+            why = f"allocating peer memory failed: {e}"
+        if self.min_int(int(peer is not None)) == 0:
+            return why or "another rank could not allocate peer memory"
+        try:
+            peer_allreduce.rendezvous(peer)
+        except Exception as e:  # noqa: BLE001
+            peer, why = None, f"mapping peer memory failed: {e}"
+        if self.min_int(int(peer is not None)) == 0:
+            return why or "another rank could not map peer memory"
+        self.peer = peer
+        return None
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[..., n] from every rank -> [..., size * n], rank order along the last dimension."""

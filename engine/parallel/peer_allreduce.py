@@ -1,0 +1,98 @@
+"""One-shot all-reduce over NVLink peer memory, for the small messages of decode steps.
+
+NCCL's all-reduce is built for bandwidth; a decode step's messages (rows x hidden, e.g. 64 x 4096
+bf16 = 512 KiB) are latency bound, and a Llama-3-8B step makes 64 of them. Here every rank copies
+its input into a buffer that all ranks map (torch's symmetric memory), the ranks signal each other,
+and each reads every peer's buffer and sums: one kernel, no ring, no host work, and CUDA graphs
+capture it like any other kernel. Multicast (multimem) operations are not used: NVLS stays off.
+
+Which messages take this path: those captured into CUDA graphs (decode steps, the piecewise and
+whole-step graphs) up to a size limit per number of ranks, measured against NCCL inside CUDA graphs
+(`lab/allreduce.py`, bench/results/allreduce-*.json); larger or eager ones take NCCL.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# ranks -> the largest message (bytes) up to which the one-shot kernel beat NCCL at every size, in
+# CUDA graphs on 4x H100 (NV18), 2026-11-26 (bench/results/allreduce-4xh100-2026-11-26.json): at
+# 2 ranks 8.8 against 10.8 us at 8 KiB, 23.3 against 32.0 at 2 MiB; at 4 ranks 10.7 against 16.1
+# at 8 KiB, 23.3 against 23.6 at 1 MiB. A world size not measured uses NCCL for every message.
+ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 1 << 20}
+_ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
+
+
+@dataclass
+class PeerAllReduce:
+    """A symmetric buffer of max_bytes on every rank of a group, and the one-shot sum through it."""
+
+    buffer: torch.Tensor  # uint8 [max_bytes], mapped by every rank (symmetric memory)
+    group_name: str
+    max_bytes: int
+    copy_out: bool  # torch has the op that copies the input in itself (one kernel instead of two)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Inside a CUDA graph capture only: its win was measured in graphs, while eager forwards
+        with it measured 3.5x slower at 16 and 32 rows (the step cost model's forwards, Llama-3-8B
+        at TP=2 on H100s, 2026-11-26; cause not found)."""
+        n = t.numel() * t.element_size()
+        return (t.is_cuda and n <= self.max_bytes and n % _ALIGN == 0 and t.is_contiguous()
+                and torch.cuda.is_current_stream_capturing())
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of t, in a new tensor (t is left as it was)."""
+        view = self.buffer[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out = torch.empty_like(t)
+        if self.copy_out:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, t, "sum", self.group_name, out)
+        else:
+            view.copy_(t)
+            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", self.group_name, out)
+        return out
+
+
+def peer_access(device: torch.device, ranks: int) -> str | None:
+    """Why this rank can't use peer memory, or None when it can."""
+    if device.type != "cuda":
+        return "not a GPU"
+    if ranks not in ONE_SHOT_MAX_BYTES:
+        return f"no measured size limit for {ranks} ranks"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return "this torch has no symmetric memory"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+        return "this torch has no one-shot all-reduce"
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    for peer in range(torch.cuda.device_count()):
+        if peer != me and not torch.cuda.can_device_access_peer(me, peer):
+            return f"GPU {me} can't reach GPU {peer} directly"
+    return None
+
+
+def allocate(device: torch.device, group, ranks: int, max_bytes: int | None = None) -> PeerAllReduce:
+    """This rank's buffer (local: no other rank takes part yet); max_bytes: the table's limit."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed before torch 2.9; later versions warn that it is
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(name)
+    max_bytes = max_bytes or ONE_SHOT_MAX_BYTES[ranks]
+    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"))
+
+
+def rendezvous(peer: PeerAllReduce) -> None:
+    """Map every rank's buffer into every other: a collective, all ranks call it at the same point."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.rendezvous(peer.buffer, peer.group_name)

@@ -1,0 +1,147 @@
+"""The one-shot all-reduce over peer memory: chosen only where every rank can set it up, equal to
+NCCL's sum on two GPUs (eagerly, many in a row through one buffer, and replayed from a CUDA graph),
+and the engine's greedy output with it equals one GPU's."""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES, peer_access
+from tests.engine.test_pipeline_parallel import GREEDY, make_prompts
+
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def test_peer_access_says_why_not():
+    assert peer_access(torch.device("cpu"), 2) == "not a GPU"
+    unmeasured = max(ONE_SHOT_MAX_BYTES) + 1
+    assert "no measured size limit" in peer_access(torch.device("cuda", 0), unmeasured)
+
+
+def _run_ranks(target, *args, n: int = 2) -> None:
+    from engine.parallel.group import host_store
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    store = host_store(n, timeout_s=60)
+    procs = [ctx.Process(target=_rank_main, args=(target, r, n, store.port, errors, *args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    messages = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert [p.exitcode for p in procs] == [0] * n, "\n".join(messages)
+
+
+def _rank_main(target, rank: int, n: int, port: int, errors, *args) -> None:
+    from engine.parallel.comm import Comm
+    from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
+
+    try:
+        env = rank_env("127.0.0.1", port, rank, n)
+        device_type = "cuda" if target is _on_gpus else "cpu"
+        group = init_group(env, device_type, store=connect_store(env, timeout_s=60), timeout_s=60)
+        try:
+            target(Comm(group), *args)
+        finally:
+            destroy_group(group)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise SystemExit(1)
+
+
+def _on_cpu(comm) -> None:
+    torch.set_num_threads(1)
+    assert comm.use_peer_memory(torch.device("cpu")) == "not a GPU"
+    assert comm.peer is None
+    t = torch.full((4, 8), float(comm.rank + 1))
+    assert torch.equal(comm.all_reduce(t), torch.full((4, 8), 3.0))
+
+
+def test_on_the_cpu_every_rank_keeps_the_process_group():
+    _run_ranks(_on_cpu)
+
+
+def _on_gpus(comm) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", comm.group.local_rank)
+    assert comm.use_peer_memory(device) is None
+    peer = comm.peer
+    gen = torch.Generator(device=device).manual_seed(1234 + comm.rank)
+
+    def nccl_sum(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        dist.all_reduce(y, group=comm.group.device)
+        return y
+
+    def captured(fn, x: torch.Tensor):
+        """fn(x) warmed up, then captured into a graph: (graph, the captured output)."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn(x)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x)
+        return graph, out
+
+    hidden = 4096
+    for rows in (1, 3, 64, peer.max_bytes // (hidden * 2)):
+        x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+        y = x.clone()
+        assert not peer.fits(y) and comm.all_reduce(y) is y  # eager: NCCL, in place
+        graph, out = captured(comm.all_reduce, x)
+        assert out is not x  # captured: the peer path, a new tensor
+        graph.replay()
+        torch.testing.assert_close(out, nccl_sum(x), rtol=0, atol=0)
+    too_big = torch.ones(peer.max_bytes // 4 + 4, device=device, dtype=torch.float32)
+    graph, out = captured(comm.all_reduce, too_big)
+    assert out is too_big  # NCCL, in place
+
+    # many in a row through the one buffer in one graph, each reading the last: a rank that
+    # overwrote its buffer before the other had read it would show here
+    x = torch.randn(64, hidden, device=device, dtype=torch.float32, generator=gen)
+
+    def chain(v: torch.Tensor) -> torch.Tensor:
+        for i in range(40):
+            v = comm.all_reduce(v * 0.5 + (i + comm.rank))
+        return v
+
+    static = x.clone()
+    graph, out = captured(chain, static)
+    for _ in range(3):
+        static.copy_(torch.randn(64, hidden, device=device, dtype=torch.float32, generator=gen))
+        want = static.clone()
+        for i in range(40):
+            want = nccl_sum(want * 0.5 + (i + comm.rank))
+        graph.replay()
+        torch.testing.assert_close(out, want)
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_one_shot_equals_nccl_on_two_gpus():
+    _run_ranks(_on_gpus)
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_tp2_with_the_one_shot_all_reduce_equals_one_gpu_float32(tiny_models):
+    from serve.llm import LLM
+
+    ps = make_prompts(2)
+    kw = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16)
+    for arch in ("llama", "qwen2"):
+        want = LLM(str(tiny_models[arch]), **kw).generate(ps, GREEDY)
+        with LLM(str(tiny_models[arch]), tensor_parallel_size=2, **kw) as llm:
+            assert llm.engine.runner.comm.peer is not None
+            got = llm.generate(ps, GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
