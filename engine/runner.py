@@ -967,3 +967,12 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:
         return self.collect(self.launch(batch))
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (the runner launches no more steps): under tensor parallelism
+        their captured collectives should be gone before the process group closes."""
+        self.graphs = self.piecewise = self.steps = None
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.synchronize(self.device)

@@ -7,6 +7,8 @@ group on the CPU for what rank 0 sends the others (each step, agreed sizes, stop
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("pagedserve")
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 # a peer that stops answering makes a collective raise after this long instead of hanging; model
 # steps and start-up phases (weights, graph capture) of the other ranks must fit in it
@@ -93,8 +96,21 @@ def connect_store(env: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) 
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def destroy_group(group: TPGroup) -> None:
-    if group.size > 1 and dist.is_initialized():
+def destroy_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
+    """Leave the process group; True once left. NCCL's teardown has hung on GPUs (both ranks of a
+    TP=2 engine waited in destroy_process_group, 2026-11-26), so with NCCL it runs on a daemon
+    thread and, past timeout_s, is left there: the caller goes on (a rank then exits anyway)."""
+    if group.size == 1 or not dist.is_initialized():
+        return True
+    if dist.get_backend() != "nccl":
         dist.destroy_process_group()
+        return True
+    teardown = threading.Thread(target=dist.destroy_process_group, name="nccl-teardown", daemon=True)
+    teardown.start()
+    teardown.join(timeout_s)
+    if teardown.is_alive():
+        log.warning("the NCCL process group did not close within %.0f s; going on without it", timeout_s)
+        return False
+    return True
 
 

@@ -133,6 +133,7 @@ def worker_main(env: dict[str, str], model_cfg: ModelConfig, model_path: Path | 
         log.exception("rank %d failed", topo.world.rank)
         conn.send(("error", one_line(e)))
         raise SystemExit(1)
+    runner.release_graphs()
     destroy_group(topo.world)
     # rank 0 waits for this exit: skip the interpreter's teardown (CUDA graphs, NCCL, the caching
     # allocator), which has nothing left to save
