@@ -13,12 +13,14 @@
 
 Decode (a few rows per expert) reads each touched expert's weights once, in BLOCK_M = 16 blocks
 (the smallest tl.dot): memory bound. Prefill takes larger tiles: compute bound. plan() picks from
-the mean rows per expert.
+the mean rows per expert. A Plan's options beside the tiles (program order, gate and up as one dot,
+TMA descriptors, the down kernel's own tiles) are there for lab/moe_gpu.py --sweep to measure.
 
 Rounding as kernels/moe_reference.py (the reference and the CPU path).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,24 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import mma
-from kernels.launch import cdiv, launch, next_pow2
+from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One grouped matmul's launch beside the row tile (BLOCK_M, which align() fixes for both)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    # program order. 0: every row block of column tile 0, then of tile 1, ... (an expert's row
+    # blocks run side by side and share its weight tile through L2). g > 0: g row blocks at a time,
+    # each group over every column tile before the next (they also share their x rows)
+    group_m: int = 0
+    # weights (and the down kernel's act rows) through TMA descriptors, where the strides allow
+    # (16-byte aligned rows, experts stacked contiguously); else pointer loads. x's rows are gathered
+    # by token, so the gate/up kernel loads them with pointers either way
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,18 @@ class Plan:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0  # the gate/up kernel's Tiles.group_m
+    tma: bool = False  # the gate/up kernel's Tiles.tma
+    # gate and up in one dot over 2 * BLOCK_N columns of w13 (one accumulator; the SiLU's pairs
+    # split apart in the epilogue) instead of two dots of BLOCK_N
+    fuse_gate_up: bool = False
+    down: Tiles | None = None  # the down kernel's launch; None: the gate/up kernel's
+
+    def gate_up_tiles(self) -> Tiles:
+        return Tiles(self.block_n, self.block_k, self.num_warps, self.num_stages, self.group_m, self.tma)
+
+    def down_tiles(self) -> Tiles:
+        return self.down or self.gate_up_tiles()
 
 
 def plan(tokens: int, top_k: int, num_experts: int) -> Plan:
@@ -44,13 +75,18 @@ def plan(tokens: int, top_k: int, num_experts: int) -> Plan:
     long. Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py, 2026-11-26): at 4 rows an
     expert (64 tokens) 16 x 64 x 128 tiles read the experts at 93% of the copy bandwidth (the
     other plans 88-93%); at 256 rows (4,096 tokens) 128 x 128 x 64 with 8 warps ran 5% faster
-    than 64 x 128 x 64 (both ~1/3 of the matmul rate: the kernels, not the tiles, are what is far)."""
+    than 64 x 128 x 64 (both ~1/3 of the matmul rate). From 128 rows an expert, the sweep's best
+    (`lab/moe_gpu.py --sweep`, H100, same shape, bench/results/moe-sweep-2026-11-26.json): weights
+    through TMA, gate and up in one dot, the down kernel's own 128 x 256 tiles in groups of 4 row
+    blocks: 4,096 tokens 1.21 -> 0.85 ms (32% -> 46% of the matmul rate), 16,384 tokens 3.76 ->
+    2.65 ms (41% -> 59%)."""
     rows = tokens * top_k / max(1, num_experts)
     if rows <= 16:
         return Plan(16, 64, 128, 4, 4)
     if rows <= 128:
         return Plan(64, 128, 64, 4, 4)
-    return Plan(128, 128, 64, 8, 3)
+    return Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
+                down=Tiles(256, 64, 8, 3, group_m=4, tma=True))
 
 
 def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
@@ -120,18 +156,32 @@ def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, num_rows, expe
     tl.store(sorted_ids_ptr + row, offs, mask=ok & (row >= 0) & (row < num_rows))
 
 
-# the token count varies every step: no specialization on it (no compiles mid-serving)
+@triton.jit
+def _tile(pid, num_blocks, num_n, GROUP_M: tl.constexpr):
+    """Program pid's (row block, column tile), in Tiles.group_m's order."""
+    if GROUP_M == 0:
+        pid_m = pid % num_blocks
+        pid_n = pid // num_blocks
+    else:
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size
+        pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
+
+# The token count varies every step: no specialization on it (no compiles mid-serving). The checks
+# of e and ids cost nothing and keep a dry pass (kernels/launch.py compile_ahead: align not run)
+# from reading out of bounds.
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, n, num_blocks, num_experts, H, I,
+def _moe_gate_up_kernel(x_ptr, w, out_ptr, sorted_ids_ptr, block_expert_ptr, n, num_blocks, num_experts, H, I,
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
-    # consecutive programs take consecutive row blocks of one column tile: the blocks of one
-    # expert share its weight tiles through L2. The checks of e and ids cost nothing and keep a
-    # dry pass (kernels/launch.py compile_ahead: align not run) from reading out of bounds.
-    pid = tl.program_id(0)
-    pid_m = pid % num_blocks
-    pid_n = pid // num_blocks
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr, W_TMA: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+    # w: w13's pointer, or with W_TMA its descriptor: [E * 2I, H] rows, or [E * 2, I, H] when FUSED
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if (e < 0) | (e >= num_experts):
         return
@@ -139,24 +189,54 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     ids = tl.load(sorted_ids_ptr + rows)
     valid = (ids >= 0) & (ids < n)
     tok = (ids // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xm + ks[None, :]
-    g_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-        k_ok = ks < H - k0
-        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g += mma(a, g, NATIVE)
-        acc_u += mma(a, u, NATIVE)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if FUSED:
+        if not W_TMA:
+            # column 2j of the tile is gate column n0 + j, column 2j + 1 its up column
+            c = tl.arange(0, 2 * BLOCK_N)
+            pair_ok = n0 + c // 2 < I
+            w_ptrs = (w + e.to(tl.int64) * stride_we + (n0 + c // 2 + (c % 2) * I)[None, :].to(tl.int64) * stride_wn
+                      + ks[:, None])
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = ks < H - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if W_TMA:  # [gate rows; up rows] -> columns [gate | up]
+                b = tl.reshape(w.load([2 * e, n0, k0]), (2 * BLOCK_N, BLOCK_K)).T
+            else:
+                b = tl.load(w_ptrs, mask=k_ok[:, None] & pair_ok[None, :], other=0.0)
+                w_ptrs += BLOCK_K
+            acc += mma(a, b, NATIVE)
+            x_ptrs += BLOCK_K
+        if W_TMA:
+            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+        else:
+            acc = tl.reshape(acc, (BLOCK_M, BLOCK_N, 2))
+        acc_g, acc_u = tl.split(acc)
+    else:
+        if not W_TMA:
+            g_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+            u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = ks < H - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if W_TMA:  # the descriptor zero-fills past H; a gate tile past I reads up rows, masked below
+                g = w.load([e * (2 * I) + n0, k0]).T
+                u = w.load([e * (2 * I) + I + n0, k0]).T
+            else:
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            acc_g += mma(a, g, NATIVE)
+            acc_u += mma(a, u, NATIVE)
+            x_ptrs += BLOCK_K
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
     up = acc_u.to(dt).to(tl.float32)
@@ -166,33 +246,37 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, n, num_blocks,
+def _moe_down_kernel(a, w, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, n, num_blocks,
                      num_experts, H, I,
                      stride_am, stride_we, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_m = pid % num_blocks
-    pid_n = pid // num_blocks
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     TMA: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+    # a, w: act's and w2's pointers, or with TMA their descriptors ([rows, I] and [E * H, I])
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if (e < 0) | (e >= num_experts):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = (ids >= 0) & (ids < n)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
-        k_ok = ks < I - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += mma(a, w, NATIVE)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if TMA:  # zero fill past I; a tile past H reads the next expert's rows, which the store masks
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+            acc += mma(a.load([pid_m * BLOCK_M, k0]), w.load([e * H + n0, k0]).T, NATIVE)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+        w_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = ks < I - k0
+            x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            y = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += mma(x, y, NATIVE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + ids, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
@@ -240,23 +324,74 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     output (rows of assignments no local expert took: zeros with zero_fill, else undefined)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_weights.shape[1]
-    assert w13.shape[2] == h and w2.shape == (num_experts, h, inter), "w13 [E, 2I, H] and w2 [E, H, I] must match x [T, H]"
+    assert w13.shape[2] == h and w2.shape == (num_experts, h, two_i // 2), "w13 [E, 2I, H] and w2 [E, H, I] must match x [T, H]"
     assert x.dtype == w13.dtype == w2.dtype and topk_weights.dtype == torch.float32, "x, w13, w2 of one dtype; float32 weights"
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1 and topk_weights.is_contiguous(), \
         "rows must be contiguous"
-    n = t * top_k
+    act = gate_up(x, w13, sorted_ids, block_expert, topk_weights.shape[1], p)
+    return down(act, w2, sorted_ids, block_expert, topk_weights, p, zero_fill)
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int,
+            p: Plan, compile_only: bool = False) -> torch.Tensor:
+    """The first grouped matmul: act [blocks * BLOCK_M, I] in align()'s row order, silu(gate) * up
+    (padding rows: zeros; the rows of blocks without an expert: undefined). compile_only: Triton's
+    compile of this launch and nothing run (a sweep compiles its variants on threads)."""
+    num_experts, two_i, h = w13.shape
+    inter = two_i // 2
     blocks = block_expert.shape[0]
-    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     act = torch.empty((blocks * p.block_m, inter), dtype=x.dtype, device=x.device)
-    launch(_moe_gate_up_kernel, (blocks * cdiv(inter, p.block_n),), x, w13, act, sorted_ids, block_expert,
-           n, blocks, num_experts, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-           TOP_K=top_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, NUM_STAGES=p.num_stages,
-           NATIVE=native, num_warps=p.num_warps)
-    rows = (torch.zeros if zero_fill else torch.empty)((n, h), dtype=x.dtype, device=x.device)
-    launch(_moe_down_kernel, (blocks * cdiv(h, p.block_n),), act, w2, rows, sorted_ids, block_expert, topk_weights,
-           n, blocks, num_experts, h, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, NUM_STAGES=p.num_stages,
-           NATIVE=native, num_warps=p.num_warps)
+    tma = p.tma and _stacked_tma(w13)
+    w: object = w13
+    if tma and p.fuse_gate_up:  # [E * 2, I, H]: an expert's gate rows, then its up rows
+        w = TensorDescriptor(w13, [num_experts * 2, inter, h], [inter * w13.stride(1), w13.stride(1), 1],
+                             [2, p.block_n, p.block_k])
+    elif tma:
+        w = TensorDescriptor(w13, [num_experts * two_i, h], [w13.stride(1), 1], [p.block_n, p.block_k])
+    _start(_moe_gate_up_kernel, (blocks * cdiv(inter, p.block_n),), compile_only,
+           x, w, act, sorted_ids, block_expert, x.shape[0] * top_k, blocks, num_experts, h, inter,
+           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+           TOP_K=top_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
+           FUSED=p.fuse_gate_up, W_TMA=tma, NUM_STAGES=p.num_stages, NATIVE=_native(x), num_warps=p.num_warps)
+    return act
+
+
+def down(act: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+         topk_weights: torch.Tensor, p: Plan, zero_fill: bool = False, compile_only: bool = False) -> torch.Tensor:
+    """The second grouped matmul: act @ w2[e].T times each row's routing weight, in the row of its
+    assignment -> [T*k, H] (see experts()); compile_only as gate_up's."""
+    num_experts, h, inter = w2.shape
+    n = topk_weights.numel()
+    blocks = block_expert.shape[0]
+    d = p.down_tiles()
+    rows = (torch.zeros if zero_fill else torch.empty)((n, h), dtype=act.dtype, device=act.device)
+    tma = d.tma and _stacked_tma(w2) and _stacked_tma(act.unsqueeze(0))
+    a: object = act
+    w: object = w2
+    if tma:
+        a = TensorDescriptor(act, list(act.shape), [act.stride(0), 1], [p.block_m, d.block_k])
+        w = TensorDescriptor(w2, [num_experts * h, inter], [w2.stride(1), 1], [d.block_n, d.block_k])
+    _start(_moe_down_kernel, (blocks * cdiv(h, d.block_n),), compile_only,
+           a, w, rows, sorted_ids, block_expert, topk_weights, n, blocks, num_experts, h, inter,
+           act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+           BLOCK_M=p.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma,
+           NUM_STAGES=d.num_stages, NATIVE=_native(act), num_warps=d.num_warps)
     return rows
+
+
+def _native(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _stacked_tma(t: torch.Tensor) -> bool:
+    """t [E, R, C] can be one TMA descriptor over its E * R rows: rows contiguous, the experts one
+    after another, rows and base 16-byte aligned."""
+    return (TensorDescriptor is not None and t.stride(2) == 1 and t.stride(0) == t.shape[1] * t.stride(1)
+            and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def _start(fn, grid: tuple[int, ...], compile_only: bool, *args, **kwargs) -> None:
+    if not compile_only:
+        launch(fn, grid, *args, **kwargs)
+    elif os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter compiles nothing
+        fn.warmup(*args, grid=grid, **kwargs)

@@ -14,14 +14,43 @@ Hidden 2048, 128 experts, top 8, expert width 768, bf16, random weights and unif
 - --engine: also `LLM(model="qwen3-30b-a3b", load_format="dummy")` on this GPU (start-up, KV blocks,
   64 prompts x 512 tokens -> 32 tokens each, tok/s); a few minutes more.
 Writes one JSON with the GPU's name and the date to --out.
+
+--sweep instead times the prefill variants of kernels/moe.py's Plan (tiles, program order, gate and
+up as one dot, TMA weights, the down kernel's own tiles) at 4,096 and 16,384 tokens, kernel by
+kernel: every candidate compiled first on threads, each timed (CUDA events, median) and its layer
+output (the other kernel as it was, the k rows summed) checked once against the torch reference;
+then the two kernels' fastest program orders; then, per row tile, the fastest gate/up with the
+fastest down as one Plan, timed as a whole layer (CUDA graph) beside plan()'s pick. Decode at 64
+tokens is the control (plan()'s pick in each mode). Also a dense matmul pair with the layer's FLOPs.
+The JSON (rewritten after each phase) has every candidate's ms, TFLOP/s and fraction of the
+matmul rate measured in the same run, and the best Plan per token count. About 90 compiles (on
+--threads threads) and 170 timings: estimated at a minute or so on an H100, not yet measured:
+
+    python -m lab.moe_gpu --sweep --out moe_sweep.json
+
+--sm90 (no GPU needed) compiles every --sweep candidate for an H100 with Triton's own ptxas and
+prints one JSON line each: shared memory, registers, spills, whether the loop runs on wgmma and
+TMA; how the candidate lists were pruned.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
+import os
+import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and the kernels load inside the functions: --help and --sm90 need no GPU
+    import torch
+
+    from kernels.moe import Plan
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 DECODE_T, PREFILL_T = 64, 4096
@@ -176,21 +205,581 @@ def engine() -> dict:
     return res
 
 
+# --- --sweep -----------------------------------------------------------------------------------
+# Candidates, by BLOCK_M. Every one compiles for sm_90 with triton 3.6 without register spills and
+# within the 227 KB of shared memory (checked on a CPU with Triton's own ptxas); 128-row tiles
+# with 4 warps and 128 columns spill. Gate/up tiles (block_n, block_k, num_warps, num_stages),
+# each in the four modes (two dots or one fused dot, x pointer weights or TMA weights):
+SWEEP_T = (4096, 16384)
+GATE_UP_TILES = {128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 3)],
+                 64: [(128, 64, 4, 4), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)]}
+GATE_UP_MODES = ((False, False), (False, True), (True, False), (True, True))  # (fuse_gate_up, tma)
+# down tiles, each with pointer and with TMA loads (act rows and w2)
+DOWN_TILES = {128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3),
+                    (64, 64, 4, 4), (64, 128, 4, 3)],
+              64: [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 3)]}
+GROUPS = (1, 4, 16)  # program orders tried on each kernel's two fastest candidates (at the first size)
+TOP_FOR_GROUPS = 2
+DECODE_MODES = ((False, False), (False, True), (True, False), (True, True))  # plan()'s decode tiles in each
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What --sweep runs: shapes and candidates (a test runs a tiny one on the CPU)."""
+    out: Path
+    iters: int = 20
+    threads: int = 8
+    sizes: tuple[int, ...] = SWEEP_T
+    decode_t: int = DECODE_T
+    hidden: int = HIDDEN
+    experts: int = EXPERTS
+    top_k: int = TOP_K
+    width: int = WIDTH
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    decode_layers: int = LAYERS
+    gate_up_tiles: dict = field(default_factory=lambda: GATE_UP_TILES)
+    down_tiles: dict = field(default_factory=lambda: DOWN_TILES)
+    groups: tuple[int, ...] = GROUPS
+    tol: float = 1.5e-2  # relative error against the reference (bf16: tests/kernels/util.py's REL_TOL)
+
+    def __post_init__(self) -> None:
+        # a down candidate runs on the first gate/up tiles' output at its row tile
+        assert set(self.down_tiles) <= set(self.gate_up_tiles), "every down row tile needs gate/up tiles"
+
+
+@dataclass
+class _Case:
+    """One token count and row tile: inputs, align()'s rows, the reference output, and the
+    gate/up output of the kernels as they were (the down candidates' input)."""
+    t: int
+    block_m: int
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    expect: torch.Tensor
+    base: Plan
+    base_act: torch.Tensor
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    """Median ms of back-to-back calls: CUDA events around each (a prefill kernel runs far longer
+    than its launch takes on the host), or the host clock on the CPU."""
+    import torch
+    if device != "cuda":  # a smoke run: the interpreter's time means nothing
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in marks:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in marks)
+
+
+def _graph_ms(fn: Callable[[], object], device: str, per: int = 1) -> float:
+    """ms per call of fn replayed from a CUDA graph (no host time between the kernels)."""
+    if device != "cuda":
+        return _time_ms(fn, 1, device) / per
+    import triton
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / per
+
+
+def _label(kind: str, p: Plan) -> str:
+    t = p.gate_up_tiles() if kind == "gate_up" else p.down_tiles()
+    fused = " fused" if kind != "down" and p.fuse_gate_up else ""
+    return (f"m{p.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}{fused}"
+            + (" tma" if t.tma else ""))
+
+
+def _plan_json(p: Plan) -> dict:
+    return {"repr": repr(p), **dataclasses.asdict(p)}
+
+
+def gate_up_candidates(cfg: Sweep) -> list[Plan]:
+    from kernels import moe
+    return [moe.Plan(bm, *tiles, tma=tma, fuse_gate_up=fused)
+            for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in GATE_UP_MODES]
+
+
+def down_candidates(cfg: Sweep) -> list[Plan]:
+    from kernels import moe
+    return [moe.Plan(bm, *cfg.gate_up_tiles[bm][0], down=moe.Tiles(*tiles, tma=tma))
+            for bm, tile_list in cfg.down_tiles.items() for tiles in tile_list for tma in (False, True)]
+
+
+def _grouped(kind: str, p: Plan, group_m: int) -> Plan:
+    """p with the group_m program order on the kernel `kind`."""
+    if kind == "gate_up":
+        return dataclasses.replace(p, group_m=group_m)
+    return dataclasses.replace(p, down=dataclasses.replace(p.down_tiles(), group_m=group_m))
+
+
+def _sweep_weights(cfg: Sweep, seed: int):
+    import torch
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+    e, h, i = cfg.experts, cfg.hidden, cfg.width
+    w13 = (torch.randn(e, 2 * i, h, device=cfg.device, generator=g) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=cfg.device, generator=g) * i ** -0.5).to(dtype)
+    return w13, w2
+
+
+def _sweep_inputs(cfg: Sweep, t: int, seed: int):
+    import torch
+
+    from kernels.moe_reference import route
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+    x = torch.randn(t, cfg.hidden, device=cfg.device, generator=g).to(getattr(torch, cfg.dtype))
+    weights, ids = route(torch.randn(t, cfg.experts, device=cfg.device, generator=g), cfg.top_k, renormalize=True)
+    return x, weights, ids
+
+
+def _rel_err_to(rows, case: _Case, top_k: int) -> float:
+    """The layer's output from [T*k, H] rows (the k rows summed in float32, as the sum kernel)
+    against the reference."""
+    out = rows.view(case.t, top_k, -1).float().sum(dim=1).to(case.expect.dtype)
+    return _rel_err(out, case.expect)
+
+
+def _cases(cfg: Sweep, w13, w2, block_ms) -> dict:
+    """(T, BLOCK_M) -> _Case for every sweep size and row tile."""
+    from kernels import moe
+    from kernels import moe_reference as ref
+    cases = {}
+    for t in cfg.sizes:
+        x, weights, ids = _sweep_inputs(cfg, t, seed=t)
+        expect = ref.fused_moe(x, w13, w2, weights, ids)
+        for bm in block_ms:
+            sorted_ids, block_expert = moe.align(ids, cfg.experts, 0, bm)
+            base = moe.Plan(bm, *cfg.gate_up_tiles[bm][0])
+            act = moe.gate_up(x, w13, sorted_ids, block_expert, cfg.top_k, base)
+            cases[t, bm] = _Case(t, bm, x, weights, ids, sorted_ids, block_expert, expect, base, act)
+    return cases
+
+
+def _compile_tasks(kind: str, plans: list[Plan], cases: dict, w13, w2, top_k: int) -> list[Callable[[], object]]:
+    """One compile-only launch per candidate, on the first size's inputs (the token count is not
+    specialized on: the other sizes reuse the compile)."""
+    from kernels import moe
+    first = min(t for t, _ in cases)
+    tasks = []
+    for p in plans:
+        c = cases[first, p.block_m]
+        if kind == "gate_up":
+            tasks.append(lambda c=c, p=p: moe.gate_up(c.x, w13, c.sorted_ids, c.block_expert, top_k, p,
+                                                      compile_only=True))
+        else:
+            tasks.append(lambda c=c, p=p: moe.down(c.base_act, w2, c.sorted_ids, c.block_expert, c.weights, p,
+                                                   compile_only=True))
+    return tasks
+
+
+def _compile_all(tasks: list[Callable[[], object]], threads: int, device: str) -> dict:
+    """Run the compile-only launches on threads; a failure shows again (and is recorded) when its
+    candidate is timed."""
+    import torch
+
+    def run(task: Callable[[], object]) -> str | None:
+        if device == "cuda":
+            torch.cuda.set_device(0)  # a new thread starts on device 0; Triton caches per device
+        try:
+            task()
+            return None
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            return _one_line(e)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        errors = [e for e in pool.map(run, tasks) if e]
+    res = {"compiles": len(tasks), "seconds": time.perf_counter() - t0, "failed": len(errors),
+           "first_error": errors[0] if errors else None}
+    print(f"compiled {len(tasks)} launches in {res['seconds']:.1f} s on {threads} threads, {len(errors)} failed",
+          flush=True)
+    return res
+
+
+def _measure(kind: str, p: Plan, case: _Case, w13, w2, cfg: Sweep, matmul_flops: float) -> dict:
+    """One kernel candidate at one size: ms, TFLOP/s, fraction of the matmul rate, and the layer's
+    error against the reference with this kernel in it."""
+    import torch
+
+    from kernels import moe
+    t, k, h, i = case.t, cfg.top_k, cfg.hidden, cfg.width
+    flops = 2.0 * t * k * h * i * (2 if kind == "gate_up" else 1)
+    row = {"kernel": kind, "tokens": t, "label": _label(kind, p), "plan": _plan_json(p)}
+    try:
+        if kind == "gate_up":
+            def fn():
+                return moe.gate_up(case.x, w13, case.sorted_ids, case.block_expert, k, p)
+            rows = moe.down(fn(), w2, case.sorted_ids, case.block_expert, case.weights, case.base)
+        else:
+            def fn():
+                return moe.down(case.base_act, w2, case.sorted_ids, case.block_expert, case.weights, p)
+            rows = fn()
+        err = _rel_err_to(rows, case, k)
+        ms = _time_ms(fn, cfg.iters, cfg.device)
+    except Exception as e:  # noqa: BLE001 - a candidate that can't run (resources, compile) is recorded
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()  # a fault of the context itself ends the sweep here
+        return {**row, "error": _one_line(e), "ok": False}
+    return {**row, "ms": ms, "tflops": flops / ms / 1e9, "fraction_of_matmul": flops / (ms * 1e-3) / matmul_flops,
+            "rel_err": err, "ok": err < cfg.tol}
+
+
+def _best(rows: list[dict], **where) -> dict | None:
+    ok = [r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in where.items())]
+    return min(ok, key=lambda r: r["ms"]) if ok else None
+
+
+def _plan_from(row: dict) -> Plan:
+    from kernels import moe
+    d = dict(row["plan"])
+    d.pop("repr")
+    down = d.pop("down")
+    return moe.Plan(**d, down=moe.Tiles(**down) if down else None)
+
+
+def _composed(gate_up_row: dict, down_row: dict) -> Plan:
+    """The gate/up candidate's Plan with the down candidate's tiles."""
+    return dataclasses.replace(_plan_from(gate_up_row), down=_plan_from(down_row).down_tiles())
+
+
+def _layer(p: Plan, case: _Case, w13, w2, cfg: Sweep, matmul_flops: float, what: str) -> dict:
+    """The whole layer (align, both kernels, the sum) with Plan p, from a CUDA graph."""
+    from kernels import moe
+    t, k = case.t, cfg.top_k
+    flops = 2.0 * t * k * 3 * cfg.hidden * cfg.width
+    row = {"kernel": "layer", "what": what, "tokens": t, "plan": _plan_json(p)}
+    try:
+        err = _rel_err(moe.fused_moe(case.x, w13, w2, case.weights, case.ids, p=p), case.expect)
+        ms = _graph_ms(lambda: moe.fused_moe(case.x, w13, w2, case.weights, case.ids, p=p), cfg.device)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "error": _one_line(e), "ok": False}
+    return {**row, "ms": ms, "tflops": flops / ms / 1e9, "fraction_of_matmul": flops / (ms * 1e-3) / matmul_flops,
+            "rel_err": err, "ok": err < cfg.tol}
+
+
+def _dense(cfg: Sweep, t: int, matmul_flops: float) -> dict:
+    """The layer's FLOPs as two dense matmuls over its T*k rows ([T*k, H] @ [H, 2I], then
+    [T*k, I] @ [I, H]): what torch.matmul reaches at these shapes."""
+    import torch
+    dtype = getattr(torch, cfg.dtype)
+    m, h, i = t * cfg.top_k, cfg.hidden, cfg.width
+    a, w1 = torch.randn(m, h, device=cfg.device, dtype=dtype), torch.randn(h, 2 * i, device=cfg.device, dtype=dtype)
+    b, w2 = torch.randn(m, i, device=cfg.device, dtype=dtype), torch.randn(i, h, device=cfg.device, dtype=dtype)
+    ms = _time_ms(lambda: (a @ w1, b @ w2), cfg.iters, cfg.device)
+    flops = 2.0 * m * 3 * h * i
+    return {"tokens": t, "ms": ms, "tflops": flops / ms / 1e9, "fraction_of_matmul": flops / (ms * 1e-3) / matmul_flops}
+
+
+def _decode_control(cfg: Sweep, copy_bw: float) -> list[dict]:
+    """plan()'s decode tiles in each mode, at cfg.decode_t tokens: the layer over
+    cfg.decode_layers layers' experts in turn (beyond L2, as in a decode step), replayed from a
+    graph, against the copy bandwidth over the experts the batch touches."""
+    import torch
+
+    from kernels import moe
+    from kernels import moe_reference as ref
+    layers = [_sweep_weights(cfg, 100 + j) for j in range(cfg.decode_layers)]
+    x, weights, ids = _sweep_inputs(cfg, cfg.decode_t, seed=1)
+    expect = ref.fused_moe(x, *layers[0], weights, ids)
+    touched = int(torch.unique(ids).numel())
+    nbytes = touched * 3 * cfg.hidden * cfg.width * x.element_size() + 2 * x.numel() * x.element_size()
+    pick = moe.plan(cfg.decode_t, cfg.top_k, cfg.experts)
+    rows = []
+    for fused, tma in DECODE_MODES:
+        p = dataclasses.replace(pick, fuse_gate_up=fused, tma=tma)
+        row = {"kernel": "layer", "what": "decode", "tokens": cfg.decode_t, "label": _label("gate_up", p),
+               "plan": _plan_json(p)}
+        try:
+            err = _rel_err(moe.fused_moe(x, *layers[0], weights, ids, p=p), expect)
+            ms = _graph_ms(lambda: [moe.fused_moe(x, w13, w2, weights, ids, p=p) for w13, w2 in layers], cfg.device,
+                           len(layers))
+            row |= {"us": ms * 1e3, "fraction_of_copy_bw": nbytes / (ms * 1e-3) / copy_bw, "rel_err": err,
+                    "ok": err < cfg.tol}
+        except Exception as e:  # noqa: BLE001
+            row |= {"error": _one_line(e), "ok": False}
+        print(f"decode T={cfg.decode_t} {row['label']}: "
+              + (f"{row['us']:.1f} us ({row['fraction_of_copy_bw']:.0%} of copy bw), err {row['rel_err']:.1e}"
+                 if "us" in row else row["error"]), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _print_row(r: dict) -> None:
+    if "ms" in r:
+        print(f"  T={r['tokens']:>6} {r['kernel']:7} {r.get('label') or r.get('what', ''):38} {r['ms'] * 1e3:9.1f} us "
+              f"{r['tflops']:6.0f} TFLOP/s {r['fraction_of_matmul']:5.0%}  err {r['rel_err']:.1e}"
+              + ("" if r["ok"] else "  WRONG"), flush=True)
+    else:
+        print(f"  T={r['tokens']:>6} {r['kernel']:7} {r.get('label') or r.get('what', ''):38} {r['error']}", flush=True)
+
+
+def sweep(cfg: Sweep, header: dict, matmul_flops: float, copy_bw: float) -> dict:
+    """--sweep; writes cfg.out after each phase (and on a failure, what it has) and returns it."""
+    t0 = time.perf_counter()
+    shape = {"hidden": cfg.hidden, "experts": cfg.experts, "top_k": cfg.top_k, "width": cfg.width, "dtype": cfg.dtype}
+    result: dict = {"mode": "sweep", **header, "shape": shape, "iters": cfg.iters, "compile": [], "kernels": [],
+                    "layers": [], "best": {}}
+
+    def save() -> None:
+        result["wall_s"] = time.perf_counter() - t0
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(result, indent=1))
+
+    try:
+        w13, w2 = _sweep_weights(cfg, 0)
+        block_ms = sorted(set(cfg.gate_up_tiles) | set(cfg.down_tiles))
+        cases = _cases(cfg, w13, w2, block_ms)
+        _candidates_phase(cfg, cases, w13, w2, matmul_flops, result, save)
+        _groups_phase(cfg, cases, w13, w2, matmul_flops, block_ms, result, save)
+        _layers_phase(cfg, cases, w13, w2, matmul_flops, block_ms, result, save)
+        result["decode"] = _decode_control(cfg, copy_bw)
+    finally:
+        save()
+    for t, best in result["best"].items():
+        b, pick = best["layer"], best["plan_pick"]
+        if b and "ms" in pick:
+            print(f"T={t}: best {b['plan']['repr']}: {b['ms'] * 1e3:.0f} us, {b['fraction_of_matmul']:.0%} of the "
+                  f"matmul rate (plan() pick {pick['ms'] * 1e3:.0f} us, {pick['fraction_of_matmul']:.0%})", flush=True)
+    print(f"wrote {cfg.out} ({result['wall_s']:.0f} s)", flush=True)
+    return result
+
+
+def _decode_compiles(cfg: Sweep, w13, w2) -> list[Callable[[], object]]:
+    """Compile-only launches of plan()'s decode tiles in each of DECODE_MODES."""
+    import torch
+
+    from kernels import moe
+    pick = moe.plan(cfg.decode_t, cfg.top_k, cfg.experts)
+    x, weights, ids = _sweep_inputs(cfg, cfg.decode_t, seed=1)
+    sorted_ids, block_expert = moe.align(ids, cfg.experts, 0, pick.block_m)
+    act = torch.zeros((block_expert.numel() * pick.block_m, cfg.width), dtype=x.dtype, device=x.device)
+    plans = [dataclasses.replace(pick, fuse_gate_up=fused, tma=tma) for fused, tma in DECODE_MODES]
+    return [lambda p=p: (moe.gate_up(x, w13, sorted_ids, block_expert, cfg.top_k, p, compile_only=True),
+                         moe.down(act, w2, sorted_ids, block_expert, weights, p, compile_only=True)) for p in plans]
+
+
+def _candidates_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, result: dict, save) -> None:
+    """Compile every candidate on threads, then time each at every size."""
+    gate_ups, downs = gate_up_candidates(cfg), down_candidates(cfg)
+    tasks = (_compile_tasks("gate_up", gate_ups, cases, w13, w2, cfg.top_k)
+             + _compile_tasks("down", downs, cases, w13, w2, cfg.top_k) + _decode_compiles(cfg, w13, w2))
+    result["compile"].append(_compile_all(tasks, cfg.threads, cfg.device))
+    result["dense_equivalent"] = [_dense(cfg, t, matmul_flops) for t in cfg.sizes]
+    for d in result["dense_equivalent"]:
+        print(f"dense matmul pair, T={d['tokens']}: {d['ms'] * 1e3:.1f} us, {d['fraction_of_matmul']:.0%} of the "
+              "matmul rate", flush=True)
+    for t in cfg.sizes:
+        for kind, plans in (("gate_up", gate_ups), ("down", downs)):
+            for p in plans:
+                result["kernels"].append(_measure(kind, p, cases[t, p.block_m], w13, w2, cfg, matmul_flops))
+                _print_row(result["kernels"][-1])
+        save()
+
+
+def _groups_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_ms: list[int], result: dict,
+                  save) -> None:
+    """cfg.groups' program orders on each kernel's TOP_FOR_GROUPS fastest candidates per row tile
+    (ranked at the first size), timed at every size."""
+    rows = result["kernels"]
+    grouped = []
+    for kind in ("gate_up", "down"):
+        for bm in block_ms:
+            ranked = sorted((r for r in rows if r["kernel"] == kind and r["tokens"] == cfg.sizes[0] and r.get("ok")
+                             and r["plan"]["block_m"] == bm), key=lambda r: r["ms"])
+            grouped += [(kind, _grouped(kind, _plan_from(r), g)) for r in ranked[:TOP_FOR_GROUPS] for g in cfg.groups]
+    tasks = [task for kind in ("gate_up", "down")
+             for task in _compile_tasks(kind, [p for k, p in grouped if k == kind], cases, w13, w2, cfg.top_k)]
+    result["compile"].append(_compile_all(tasks, cfg.threads, cfg.device))
+    for t in cfg.sizes:
+        for kind, p in grouped:
+            rows.append(_measure(kind, p, cases[t, p.block_m], w13, w2, cfg, matmul_flops))
+            _print_row(rows[-1])
+    save()
+
+
+def _layers_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_ms: list[int], result: dict,
+                  save) -> None:
+    """Per size: plan()'s pick and, per row tile, the fastest gate/up with the fastest down, each as
+    a whole layer; the best of them."""
+    from kernels import moe
+    rows, layers = result["kernels"], result["layers"]
+    for t in cfg.sizes:
+        pick = moe.plan(t, cfg.top_k, cfg.experts)
+        pick_row = _layer(pick, cases.get((t, pick.block_m)) or _case_for(cfg, cases, t, pick.block_m), w13, w2, cfg,
+                          matmul_flops, "plan() pick")
+        layers.append(pick_row)
+        _print_row(pick_row)
+        for bm in block_ms:
+            mine = [r for r in rows if r["plan"]["block_m"] == bm and r["tokens"] == t]
+            gu, dn = _best(mine, kernel="gate_up"), _best(mine, kernel="down")
+            if gu and dn:
+                layers.append(_layer(_composed(gu, dn), cases[t, bm], w13, w2, cfg, matmul_flops,
+                                     f"fastest gate/up + down, BLOCK_M {bm}"))
+                _print_row(layers[-1])
+        result["best"][str(t)] = {"layer": _best(layers, tokens=t), "plan_pick": pick_row,
+                                  "gate_up": _best(rows, kernel="gate_up", tokens=t),
+                                  "down": _best(rows, kernel="down", tokens=t)}
+        save()
+
+
+def _case_for(cfg: Sweep, cases: dict, t: int, bm: int) -> _Case:
+    """A case at a row tile the candidates don't cover (plan()'s pick outside them)."""
+    from kernels import moe
+    c = next(c for (tt, _), c in cases.items() if tt == t)
+    sorted_ids, block_expert = moe.align(c.ids, cfg.experts, 0, bm)
+    return dataclasses.replace(c, block_m=bm, sorted_ids=sorted_ids, block_expert=block_expert)
+
+
+# --- --sm90 ------------------------------------------------------------------------------------
+SM90_SHARED = 227 * 1024  # an H100 block's most shared memory
+
+
+def _recorded_launch(kind: str, p: Plan, cfg: Sweep) -> tuple:
+    """(kernel, args, kwargs) of the candidate's launch on small CPU tensors of the sweep's widths."""
+    import torch
+
+    from kernels import moe
+    calls: list = []
+    saved = moe.launch
+    moe.launch = lambda fn, grid, *args, **kwargs: calls.append((fn, args, kwargs))
+    try:
+        dtype = getattr(torch, cfg.dtype)
+        t, e, h, i, k = 64, 8, cfg.hidden, cfg.width, cfg.top_k
+        blocks = moe.max_blocks(t * k, e, p.block_m)
+        sorted_ids = torch.zeros(blocks * p.block_m, dtype=torch.int32)
+        block_expert = torch.zeros(blocks, dtype=torch.int32)
+        if kind == "gate_up":
+            moe.gate_up(torch.zeros(t, h, dtype=dtype), torch.zeros(e, 2 * i, h, dtype=dtype), sorted_ids,
+                        block_expert, k, p)
+        else:
+            moe.down(torch.zeros(blocks * p.block_m, i, dtype=dtype), torch.zeros(e, h, i, dtype=dtype), sorted_ids,
+                     block_expert, torch.zeros(t, k), p)
+    finally:
+        moe.launch = saved
+    return calls[-1]
+
+
+def _compile_sm90(fn, args: tuple, kwargs: dict):
+    """Triton's compile of one launch for sm_90 (tensor cores on), specialized as its JIT would
+    (16-byte aligned pointers and integers divisible by 16 marked, integers equal to 1 constant)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.launch import TensorDescriptor
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+    values = dict(zip([prm.name for prm in fn.params], args)) | kwargs | {"NATIVE": True}
+    signature, constexprs, attrs = {}, {}, {}
+    for idx, prm in enumerate(fn.params):
+        v = values[prm.name]
+        if prm.is_constexpr or (type(v) is int and v == 1 and not prm.do_not_specialize):
+            signature[prm.name] = "constexpr"
+            constexprs[prm.name] = v
+        elif isinstance(v, TensorDescriptor):
+            signature[prm.name] = f"tensordesc<{types[v.base.dtype]}{list(v.block_shape)}>"
+        elif isinstance(v, torch.Tensor):
+            signature[prm.name] = "*" + types[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+        else:
+            signature[prm.name] = "i32"
+            if v % 16 == 0 and not prm.do_not_specialize:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 64), options={"num_warps": kwargs["num_warps"]})
+
+
+def sm90_report(kind: str, p: Plan, cfg: Sweep) -> dict:
+    """One candidate compiled for an H100 on this machine: shared bytes, registers and stack per
+    thread (spills), and whether it uses wgmma and TMA loads."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    row = {"kernel": kind, "label": _label(kind, p), "triton": triton.__version__}
+    try:
+        compiled = _compile_sm90(*_recorded_launch(kind, p, cfg))
+    except Exception as e:  # noqa: BLE001
+        return {**row, "error": _one_line(e)}
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    found = {k: int(m.group(1)) if (m := re.search(k + r":(\d+)", usage)) else None for k in ("REG", "STACK")}
+    ptx = compiled.asm["ptx"]
+    res = {**row, "shared": compiled.metadata.shared, "registers": found["REG"], "stack": found["STACK"],
+           "wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+    return res | {"fits": res["shared"] <= SM90_SHARED and not res["stack"]}
+
+
+def sm90(cfg: Sweep) -> int:
+    """--sm90: every sweep candidate (program orders aside: they change no resource)."""
+    rows = [sm90_report(kind, p, cfg)
+            for kind, plans in (("gate_up", gate_up_candidates(cfg)), ("down", down_candidates(cfg))) for p in plans]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    bad = [r["label"] for r in rows if not r.get("fits")]
+    print(f"{len(rows) - len(bad)} of {len(rows)} candidates fit an H100" + (f"; not: {bad}" if bad else ""),
+          flush=True)
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="the JSON file to write (needed but with --sm90)")
+    ap.add_argument("--engine", action="store_true", help="also serve the preset through LLM (a few minutes)")
+    ap.add_argument("--sweep", action="store_true", help="time the prefill Plan variants instead (about a minute)")
+    ap.add_argument("--iters", type=int, default=20, help="--sweep: timed calls per candidate (median)")
+    ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1),
+                    help="--sweep: threads that compile the candidates")
+    ap.add_argument("--sm90", action="store_true",
+                    help="compile the --sweep candidates for an H100 on this machine (no GPU needed) and report")
+    args = ap.parse_args(argv)
+    if args.sm90:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise SystemExit("--sm90 compiles kernels: run it without TRITON_INTERPRET=1")
+        return sm90(Sweep(out=Path(os.devnull)))
+    if args.out is None:
+        ap.error("--out is required")
+
     import torch
     import triton
 
     from bench.hardware import measure
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    ap.add_argument("--engine", action="store_true", help="also serve the preset through LLM (a few minutes)")
-    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("lab.moe_gpu needs a CUDA GPU, and torch sees none")
     t0 = time.perf_counter()
     hw = measure()
     if hw.error or not hw.copy_bandwidth:
         raise SystemExit(f"measuring the GPU failed: {hw.error}")
     print(f"{hw.device}: copy {hw.copy_bandwidth / 1e12:.2f} TB/s, bf16 matmul {hw.matmul_flops / 1e12:.0f} TFLOP/s", flush=True)
+    if args.sweep:
+        header = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
+                  "torch": torch.__version__, "triton": triton.__version__,
+                  "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
+        sweep(Sweep(out=args.out, iters=args.iters, threads=args.threads), header, hw.matmul_flops, hw.copy_bandwidth)
+        return 0
     layers = [_layer_weights(i) for i in range(LAYERS)]
     result = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
               "torch": torch.__version__, "triton": triton.__version__,

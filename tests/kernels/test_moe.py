@@ -62,16 +62,51 @@ def test_fused_moe_matches_reference(T, H, I, E, k, plan):
     assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
 
 
+# (group_m, tma, fuse_gate_up): every program order, weight load and gate/up form
+OPTIONS = [(0, False, True), (0, True, False), (0, True, True), (1, False, False), (5, True, True), (5, False, True)]
+
+
+@pytest.mark.parametrize("group_m, tma, fused", OPTIONS, ids=lambda o: str(o))
+def test_fused_moe_plan_options(group_m, tma, fused):
+    """Each option against the reference where the tiles are ragged: I = 40 over 32-column tiles
+    (the TMA gate tile runs into the up rows, the fused one past I), H = 48 over 32 (the last K
+    step half out), row blocks 5.. with rows (group_m = 5: a partial last group that has work);
+    the down kernel with tiles of its own."""
+    x, w13, w2, weights, ids = _inputs(29, 48, 40, 4, 3, torch.float32, seed=11)
+    assert moe._stacked_tma(w13) and moe._stacked_tma(w2)  # the TMA path is the one taken
+    _, block_expert = moe.align(ids, 4, 0, 16)
+    assert block_expert.numel() == 9 and (block_expert[5:] >= 0).any()
+    p = moe.Plan(16, 32, 32, 1, 1, group_m, tma, fused, moe.Tiles(16, 16, 1, 1, group_m, tma))
+    got = moe.fused_moe(x, w13, w2, weights, ids, p=p)
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_moe_tma_float16_and_decode(fused):
+    """16-bit TMA loads at a decode-like batch (most experts idle, one row each), then rows whose
+    stride TMA cannot take (H = 36 and I = 20 halves: 72 and 40 bytes), which fall back to pointer
+    loads."""
+    x, w13, w2, weights, ids = _inputs(5, 64, 32, 8, 2, torch.float16, seed=7)
+    p = moe.Plan(16, 16, 32, 1, 1, 1, True, fused, moe.Tiles(32, 16, 1, 1, 2, True))
+    assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, p=p), ref.fused_moe(x, w13, w2, weights, ids)) \
+        < REL_TOL[torch.float16]
+    x, w13, w2, weights, ids = _inputs(6, 36, 20, 4, 2, torch.float16, seed=8)
+    assert not moe._stacked_tma(w13) and not moe._stacked_tma(w2)
+    assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, p=p), ref.fused_moe(x, w13, w2, weights, ids)) \
+        < REL_TOL[torch.float16]
+
+
 def test_fused_moe_float16():
     x, w13, w2, weights, ids = _inputs(7, 32, 48, 4, 2, torch.float16, seed=3)
     got = moe.fused_moe(x, w13, w2, weights, ids, p=moe.Plan(16, 16, 16, 1, 1))
     assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float16]
 
 
-def test_fused_moe_expert_parallel_part():
-    """A rank holding experts 4..7 of 8 adds only their part; the two ranks' parts sum to the whole."""
+@pytest.mark.parametrize("p", [moe.Plan(16, 16, 16, 1, 1), moe.Plan(16, 16, 16, 1, 1, 2, True, True)], ids=str)
+def test_fused_moe_expert_parallel_part(p):
+    """A rank holding experts 4..7 of 8 adds only their part; the two ranks' parts sum to the whole
+    (also through TMA descriptors over the rank's experts only)."""
     x, w13, w2, weights, ids = _inputs(6, 32, 16, 8, 3, torch.float32, seed=5)
-    p = moe.Plan(16, 16, 16, 1, 1)
     parts = [moe.fused_moe(x, w13[s:s + 4], w2[s:s + 4], weights, ids, s, 8, p) for s in (0, 4)]
     assert rel_err(parts[1], ref.fused_moe(x, w13[4:], w2[4:], weights, ids, 4)) < REL_TOL[torch.float32]
     assert rel_err(parts[0] + parts[1], ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
@@ -83,6 +118,27 @@ def test_plans_decode_small_prefill_large():
     assert moe.plan(4096, 8, 128).block_m == 128  # 256 rows per expert: 5% faster on an H100
     assert moe.plan(16384, 8, 128).block_m == 128
     assert moe.max_blocks(64 * 8, 128, 16) == 32 + 128
+    # the plans as measured: decode on pointer loads, the down kernel on the gate/up's tiles;
+    # prefill from 128 rows an expert the sweep's best (TMA, one gate|up dot, the down's own tiles)
+    assert moe.plan(64, 8, 128) == moe.Plan(16, 64, 128, 4, 4)
+    assert moe.plan(64, 8, 128).down_tiles() == moe.Tiles(64, 128, 4, 4)
+    big = moe.plan(4096, 8, 128)
+    assert big.tma and big.fuse_gate_up and big.down_tiles() == moe.Tiles(256, 64, 8, 3, group_m=4, tma=True)
+
+
+def test_gate_up_and_down_kernels_alone():
+    """experts() is gate_up() then down(): the sweep times them apart, the down kernel on tiles
+    of its own; a compile-only call (nothing compiled under the interpreter) runs nothing."""
+    x, w13, w2, weights, ids = _inputs(9, 32, 16, 4, 2, torch.float32, seed=2)
+    p = moe.Plan(16, 16, 16, 1, 1, down=moe.Tiles(32, 16, 1, 1, 1, True))
+    sorted_ids, block_expert = moe.align(ids, 4, 0, 16)
+    act = moe.gate_up(x, w13, sorted_ids, block_expert, 2, p)
+    assert act.shape == (block_expert.numel() * 16, 16)
+    rows = moe.down(act, w2, sorted_ids, block_expert, weights, p)
+    assert torch.equal(rows, moe.experts(x, w13, w2, weights, sorted_ids, block_expert, p))
+    out = rows.view(9, 2, 32).sum(dim=1)
+    assert rel_err(out, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
+    assert not moe.down(act, w2, sorted_ids, block_expert, weights, p, zero_fill=True, compile_only=True).any()
 
 
 @gpu
