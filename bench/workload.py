@@ -1,7 +1,9 @@
 """The benchmark workload: random token-id prompts (or their text) and their arrival schedule, both seeded."""
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -79,16 +81,83 @@ def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
 
 
 def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
-    """The same requests with text prompts (--prompt-format text): each prompt's ids decoded (special
-    tokens left out), re-encoded, cut to the original length and decoded again, so that the server's
-    tokenizer reads about as many tokens as the ids were."""
-    out = []
-    for r in requests:
-        assert not isinstance(r.prompt, str)
-        text = tokenizer.decode(r.prompt, skip_special_tokens=True)
-        ids = tokenizer.encode(text, add_special_tokens=False)[:len(r.prompt)]
-        out.append(replace(r, prompt=tokenizer.decode(ids), prompt_tokens=len(ids)))
-    return out
+    """The same requests with text prompts (--prompt-format text) that the server's tokenizer reads as
+    as many tokens as the ids were (texts_of_length); prompt_tokens is that count."""
+    assert not any(isinstance(r.prompt, str) for r in requests)
+    texts = texts_of_length([list(r.prompt) for r in requests], tokenizer)
+    return [replace(r, prompt=text, prompt_tokens=n) for r, (text, n) in zip(requests, texts)]
+
+
+MAX_FIT_ROUNDS = 16
+FILLER_IDS = 256
+
+
+def texts_of_length(prompts: list[list[int]], tokenizer: Any) -> list[tuple[str, int]]:
+    """For each list of ids, text made of them that tokenizer.encode(text) reads as as many tokens,
+    as a server counts a text prompt (the special tokens it adds, such as a BOS, included), and that
+    count.
+
+    Decoded ids (special tokens left out) need not re-encode to as many tokens: neighbours merge, a
+    special token drops out, a character cut in its bytes becomes U+FFFD (3 byte-level tokens). Too
+    many: the text is cut to the wanted tokens; too few: more of the ids' own text (then of the first
+    FILLER_IDS ids) goes on the end; until the count is right. Should a text not come right within
+    MAX_FIT_ROUNDS, its count is its own, so that what the benchmark reports stays what the server
+    did. Each round encodes its texts in one batch call (the Rust tokenizer spreads it over the cores).
+    Where the first decode already reads right (every 512-token prompt of the SmolLM2 tokenizer
+    tried), the text is what it was before this fitting existed."""
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
+    # to top a text up: its own ids, then low ids (in a byte-level vocabulary, single bytes)
+    spares = [itertools.cycle([*ids, *range(FILLER_IDS)]) for ids in prompts]
+    counts = [len(ids) for ids in prompts]
+    todo = list(range(len(prompts)))
+    for round_ in range(MAX_FIT_ROUNDS + 1):
+        # as the server tokenizes a prompt: special tokens added
+        full = _encode_all(tokenizer, [texts[i] for i in todo], add_special_tokens=True)
+        off = [(i, len(f)) for i, f in zip(todo, full) if len(f) != counts[i]]
+        if not off or round_ == MAX_FIT_ROUNDS:
+            for i, n in off:  # out of rounds: the text as it is, with its own count
+                counts[i] = n
+            break
+        todo = [i for i, _ in off]
+        bodies = _encode_all(tokenizer, [texts[i] for i in todo], add_special_tokens=False)
+        for (i, n), body in zip(off, bodies):
+            want = max(0, counts[i] - (n - len(body)))  # less the special tokens the server adds
+            if len(body) > want:
+                texts[i] = _cut(tokenizer, body, want)
+            else:
+                texts[i] += _more_text(tokenizer, spares[i], want - len(body), len(prompts[i]) + FILLER_IDS)
+    return list(zip(texts, counts))
+
+
+def _more_text(tokenizer: Any, spare: Iterator[int], n: int, tries: int) -> str:
+    """The text of the next n ids of spare that have text of their own (special tokens have none)."""
+    picked: list[int] = []
+    for _ in range(tries):
+        if len(picked) == n:
+            break
+        i = next(spare)
+        if tokenizer.decode([i], skip_special_tokens=True):
+            picked.append(i)
+    return tokenizer.decode(picked, skip_special_tokens=True)
+
+
+def _cut(tokenizer: Any, ids: list[int], want: int) -> str:
+    """The text of ids' first `want` tokens, or of fewer where a cut inside a character's bytes would
+    decode to a replacement character that encodes to more tokens than it stands for."""
+    for k in range(want, max(-1, want - 4), -1):
+        text = tokenizer.decode(ids[:k])
+        if len(tokenizer.encode(text, add_special_tokens=False)) <= want:
+            return text
+    return text
+
+
+def _encode_all(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """tokenizer.encode of each text, in one call where the tokenizer takes a batch."""
+    if not texts:
+        return []
+    if hasattr(tokenizer, "batch_decode"):  # a transformers tokenizer: called with a list, it encodes a batch
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+    return [list(tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
 
 
 def warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:

@@ -8,6 +8,7 @@ process`, serve.engine_process.ProcessEngine (its core runs in a child process).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,10 +56,31 @@ class ServerState:
     strings: TokenStrings
     model_name: str
     started: float
-    # Tokenizing a text prompt (~1 ms for 512 tokens) would stall every stream on the event loop;
-    # one thread runs it beside the loop (the Rust tokenizer releases the GIL) and never two at once
+    # Tokenizing a text prompt (~1 ms for 512 tokens) would stall every stream on the event loop:
+    # threads run it beside the loop (the Rust tokenizer's encode_batch_fast lets go of the GIL),
+    # several at once where the planner allows it (tokenize_threads)
     tokenize: ThreadPoolExecutor
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
+
+
+MAX_TOKENIZE_THREADS = 8
+
+
+def tokenize_threads(planner: RequestPlanner, cpus: int | None = None) -> int:
+    """Threads that plan (tokenize) requests beside the event loop: half the CPUs, at most
+    MAX_TOKENIZE_THREADS, where several may tokenize at once (planner.thread_safe); else one.
+
+    Why several: the clients of a closed loop whose requests ended in the same step send their next
+    ones together. Token ids reach the engine together and share one prompt step; text prompts
+    through one thread reached it a tokenize (~1 ms) apart, one prompt step each, and every prompt
+    step ends the decode rounds of multi-step scheduling (scheduler/policy.py). On an H100, Qwen2.5-0.5B
+    shape, 64 clients, 640 requests of 512 + 128 tokens: 505 prompt steps (1.3 prompts each) against
+    154 (4.2 each) for token ids, TPOT 1.63 against 1.42 ms, 87% of the token-id throughput."""
+    if not planner.thread_safe:
+        return 1
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_TOKENIZE_THREADS, cpus // 2))
 
 
 def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | DisaggregatedEngine",
@@ -68,10 +90,10 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
     several = isinstance(engine, (ReplicatedEngine, DisaggregatedEngine))
     loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config)
     name = config.served_model_name or engine.model_name
-    state = ServerState(engine, loop, Metrics(name, loop), config,
-                        RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config),
+    planner = RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config)
+    state = ServerState(engine, loop, Metrics(name, loop), config, planner,
                         TokenStrings(engine.tokenizer), name, time.time(),
-                        ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
+                        ThreadPoolExecutor(tokenize_threads(planner), thread_name_prefix="pagedserve-tokenize"),
                         GrammarChecker(engine, config.grammar_timeout_s))
 
     @asynccontextmanager
@@ -135,7 +157,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
 
 
 async def _off_loop(st: ServerState, plan: Any, body: Any) -> Plan:
-    """plan(body) on the tokenizing thread: the loop streams other requests meanwhile."""
+    """plan(body) on a tokenizing thread: the loop streams other requests meanwhile."""
     return await asyncio.get_running_loop().run_in_executor(st.tokenize, plan, body)
 
 

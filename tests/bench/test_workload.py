@@ -57,3 +57,57 @@ def test_poisson_arrivals_reproducible():
 def test_no_rate_means_all_at_once():
     assert arrival_offsets(3, None, 0) == [0.0, 0.0, 0.0]
     assert arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+# --- text prompts (--prompt-format text) ------------------------------------------------------------
+
+def _tokenizer(tmp_path, bos: bool = False):
+    """The tests' tiny byte-level BPE tokenizer (tests/models.py); bos: one that starts every encode
+    with <|im_start|>, as Llama's add a BOS."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from tests.models import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    if bos:
+        start = tok.convert_tokens_to_ids("<|im_start|>")
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", pair="<|im_start|> $A $B", special_tokens=[("<|im_start|>", start)])
+        assert tok.encode("a")[0] == start
+    return tok
+
+
+@pytest.mark.parametrize("bos", [False, True])
+@pytest.mark.parametrize("kwargs", [dict(input_len=24), dict(input_len=1), dict(input_len=2),
+                                    dict(input_len=100, range_ratio=0.5), dict(input_len=64, shared_prefix_len=32)])
+def test_text_prompts_tokenize_to_the_request_length(tmp_path, bos, kwargs):
+    """What the server counts (tokenizer.encode, special tokens added) is the prompt length asked for,
+    and prompt_tokens says so; random ids of this small vocabulary (unknown ids past its 376 tokens,
+    special ones, bytes of split characters) decode to text that re-encodes to other counts."""
+    from bench.workload import as_text
+
+    tok = _tokenizer(tmp_path, bos)
+    ids = make_requests(WorkloadSpec(num_prompts=60, output_len=2, vocab_size=384, seed=2, **kwargs))
+    texts = as_text(ids, tok)
+    assert all(isinstance(t.prompt, str) for t in texts)
+    assert [len(tok.encode(t.prompt)) for t in texts] == [len(r.prompt) for r in ids]
+    assert [t.prompt_tokens for t in texts] == [len(r.prompt) for r in ids]
+    assert [t.num_prompt_tokens for t in texts] == [len(r.prompt) for r in ids]
+    assert [t.output_len for t in texts] == [r.output_len for r in ids]
+    assert texts == as_text(ids, tok)  # seeded
+
+
+def test_text_prompts_count_what_the_server_counts_when_they_cannot_fit(tmp_path, monkeypatch):
+    """A text that does not come right within the rounds keeps its own count: prompt_tokens is
+    always what the server's tokenizer reads."""
+    import bench.workload as workload
+
+    tok = _tokenizer(tmp_path)
+    monkeypatch.setattr(workload, "MAX_FIT_ROUNDS", 0)  # no adjusting: the decoded ids as they are
+    ids = make_requests(WorkloadSpec(num_prompts=60, input_len=24, output_len=2, vocab_size=384, seed=2))
+    texts = workload.as_text(ids, tok)
+    counts = [len(tok.encode(t.prompt)) for t in texts]
+    assert [t.prompt_tokens for t in texts] == counts
+    assert counts != [24] * 60  # this vocabulary's decoded ids seldom re-encode to as many
