@@ -677,37 +677,6 @@ def _recorded_launch(kind: str, p: Plan, cfg: Sweep) -> tuple:
     return calls[-1]
 
 
-def _compile_sm90(fn, args: tuple, kwargs: dict):
-    """Triton's compile of one launch for sm_90 (tensor cores on), specialized as its JIT would
-    (16-byte aligned pointers and integers divisible by 16 marked, integers equal to 1 constant)."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels.launch import TensorDescriptor
-    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
-    values = dict(zip([prm.name for prm in fn.params], args)) | kwargs | {"NATIVE": True}
-    signature, constexprs, attrs = {}, {}, {}
-    for idx, prm in enumerate(fn.params):
-        v = values[prm.name]
-        if prm.is_constexpr or (type(v) is int and v == 1 and not prm.do_not_specialize):
-            signature[prm.name] = "constexpr"
-            constexprs[prm.name] = v
-        elif isinstance(v, TensorDescriptor):
-            signature[prm.name] = f"tensordesc<{types[v.base.dtype]}{list(v.block_shape)}>"
-        elif isinstance(v, torch.Tensor):
-            signature[prm.name] = "*" + types[v.dtype]
-            if v.data_ptr() % 16 == 0:
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-        else:
-            signature[prm.name] = "i32"
-            if v % 16 == 0 and not prm.do_not_specialize:
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 64), options={"num_warps": kwargs["num_warps"]})
-
-
 def sm90_report(kind: str, p: Plan, cfg: Sweep) -> dict:
     """One candidate compiled for an H100 on this machine: shared bytes, registers and stack per
     thread (spills), and whether it uses wgmma and TMA loads."""
@@ -718,7 +687,8 @@ def sm90_report(kind: str, p: Plan, cfg: Sweep) -> dict:
     import triton
     row = {"kernel": kind, "label": _label(kind, p), "triton": triton.__version__}
     try:
-        compiled = _compile_sm90(*_recorded_launch(kind, p, cfg))
+        from tests.kernels.sm90_compile import compile_sm90
+        compiled = compile_sm90(*_recorded_launch(kind, p, cfg))
     except Exception as e:  # noqa: BLE001
         return {**row, "error": _one_line(e)}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -1,15 +1,15 @@
 """The one-shot all-reduce over peer memory: chosen only where every rank can set it up, equal to
-NCCL's sum on two GPUs (eagerly, many in a row through one buffer, and replayed from a CUDA graph),
-and the engine's greedy output with it equals one GPU's."""
+NCCL's sum on two GPUs inside CUDA graphs (many in a row through one buffer, replayed), NCCL for
+eager calls, and the engine's greedy output with it equals one GPU's."""
 from __future__ import annotations
 
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES, peer_access
+from tests.engine.ranks import run_ranks
 from tests.engine.test_pipeline_parallel import GREEDY, make_prompts
 
 TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -21,34 +21,15 @@ def test_peer_access_says_why_not():
     assert "no measured size limit" in peer_access(torch.device("cuda", 0), unmeasured)
 
 
-def _run_ranks(target, *args, n: int = 2) -> None:
-    from engine.parallel.group import host_store
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    store = host_store(n, timeout_s=60)
-    procs = [ctx.Process(target=_rank_main, args=(target, r, n, store.port, errors, *args)) for r in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    messages = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert [p.exitcode for p in procs] == [0] * n, "\n".join(messages)
-
-
-def _rank_main(target, rank: int, n: int, port: int, errors, *args) -> None:
+def _rank_main(rank: int, port: int, errors, target, device_type: str, n: int) -> None:
     from engine.parallel.comm import Comm
     from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
 
     try:
         env = rank_env("127.0.0.1", port, rank, n)
-        device_type = "cuda" if target is _on_gpus else "cpu"
         group = init_group(env, device_type, store=connect_store(env, timeout_s=60), timeout_s=60)
         try:
-            target(Comm(group), *args)
+            target(Comm(group))
         finally:
             destroy_group(group)
     except BaseException:
@@ -65,7 +46,7 @@ def _on_cpu(comm) -> None:
 
 
 def test_on_the_cpu_every_rank_keeps_the_process_group():
-    _run_ranks(_on_cpu)
+    run_ranks(_rank_main, (_on_cpu, "cpu", 2))
 
 
 def _on_gpus(comm) -> None:
@@ -129,7 +110,7 @@ def _on_gpus(comm) -> None:
 @pytest.mark.gpu
 @TWO_GPUS
 def test_one_shot_equals_nccl_on_two_gpus():
-    _run_ranks(_on_gpus)
+    run_ranks(_rank_main, (_on_gpus, "cuda", 2))
 
 
 @pytest.mark.gpu

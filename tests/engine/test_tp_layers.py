@@ -3,7 +3,6 @@ its own, then two gloo ranks on the CPU whose sharded model (loaded from a check
 weights) must give the logits of the whole model, and whose every shard is the whole weight's slice."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from engine.parallel.layers import Segment, Shard, head_split, vocab_split
+from tests.engine.ranks import run_ranks
 
 
 def test_head_split_even_and_replicated():
@@ -37,7 +37,7 @@ def test_shard_take_keeps_packed_segments_apart():
 
 # -- two ranks --------------------------------------------------------------------------------
 
-def _rank_main(rank: int, port: int, folder: str, vocab: int | None, errors) -> None:
+def _rank_main(rank: int, port: int, errors, folder: str, vocab: int | None) -> None:
     try:
         _check_rank(rank, port, Path(folder), vocab)
     except BaseException:
@@ -80,7 +80,7 @@ def _check_rank(rank: int, port: int, folder: Path, vocab: int | None) -> None:
 
     from engine.config import ModelConfig
     from engine.parallel.comm import Comm
-    from engine.parallel.group import connect_store, destroy_group, host_store, init_group, rank_env
+    from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
 
     torch.set_num_threads(1)
     cfg = ModelConfig.from_path(folder)
@@ -110,21 +110,7 @@ def _check_rank(rank: int, port: int, folder: Path, vocab: int | None) -> None:
 
 
 def _run_two_ranks(folder: Path, vocab: int | None) -> None:
-    from engine.parallel.group import host_store
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    store = host_store(2, timeout_s=60)  # rank 0's rendezvous lives here; both ranks connect to it
-    procs = [ctx.Process(target=_rank_main, args=(r, store.port, str(folder), vocab, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    messages = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert [p.exitcode for p in procs] == [0, 0], "\n".join(messages)
+    run_ranks(_rank_main, (str(folder), vocab), timeout_s=120)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

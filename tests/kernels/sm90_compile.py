@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import cache_write, fused, linear, paged_attention, prefill_ws  # noqa: E402
+from kernels.launch import TensorDescriptor  # noqa: E402
 
 if prefill_ws.gluon is not None:
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -61,6 +62,9 @@ def compile_sm90(fn, args: tuple, kwargs: dict, settings: dict = GPU_SETTINGS):
             continue
         if GluonDescriptor is not None and isinstance(v, GluonDescriptor):
             signature[p.name] = f"tensordesc<{_TYPES[v.base.dtype]}{list(v.block_shape)},{v.layout!r}>"
+            continue
+        if TensorDescriptor is not None and isinstance(v, TensorDescriptor):
+            signature[p.name] = f"tensordesc<{_TYPES[v.base.dtype]}{list(v.block_shape)}>"
             continue
         if isinstance(v, torch.Tensor):
             signature[p.name] = "*" + _TYPES[v.dtype]
