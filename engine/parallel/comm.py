@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel import peer_allreduce
+from engine.parallel.group import SINGLE, TPGroup
 
 # torch >= 2.13 names it all_gather_single (the old name warns)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -12,12 +12,9 @@ whole-step graphs) up to a size limit per number of ranks, measured against NCCL
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # ranks -> the largest message (bytes) up to which the one-shot kernel beat NCCL at every size, in
 # CUDA graphs on 4x H100 (NV18), 2026-11-26 (bench/results/allreduce-4xh100-2026-11-26.json): at
