@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks , run on the device machine from the repo root:
-#   lab/gpu_suite.sh tests|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab   (several stages may be given)
+#   lab/gpu_suite.sh tests|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab|tp   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m lab.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -140,6 +140,22 @@ for stage in "$@"; do
       done
       python3 -m lab.compare --key output_throughput --baseline "$OUT/kvdecode-auto.json" \
         --out "$OUT/kv-decode-long-context.json" "$OUT/kvdecode-fp8.json" "$OUT/kvdecode-int8.json"
+      ;;
+    tp)
+      # tensor parallelism on GPUS (default 2) GPUs: the one-shot all-reduce against NCCL in graphs,
+      # the TP/PP GPU tests, the 8B decode step per layout (LAYOUTS; an "n" layout keeps NCCL), and
+      # kv-calc --measure of the 70B at TP=GPUS; each under a time limit that dumps stacks
+      log "all-reduce, ${GPUS:-2} GPUs"
+      timeout 150 python3 -m lab.allreduce --gpus ${GPUS:-2} --out "$OUT/allreduce-${GPUS:-2}.json" 2>&1 | tail -13
+      log "TP/PP GPU tests"
+      timeout -s ABRT 420 python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider \
+        tests/engine/test_peer_allreduce.py tests/engine/test_pipeline_parallel.py 2>&1 | tail -12
+      log "decode step ${LAYOUTS:-1x1,2x1,2x1n}"
+      timeout -s ABRT 420 python3 -X faulthandler -m lab.pp_check --model llama3-8b --layouts ${LAYOUTS:-1x1,2x1,2x1n} \
+        --prompts 8 --output-len 32 --steps 40 --out "$OUT/tp-decode.json" 2>&1 | grep -v '^{' | cut -c1-400
+      log "kv-calc --measure llama3-70b -tp ${GPUS:-2}"
+      timeout -s ABRT 300 python3 -X faulthandler -m serve.cli kv-calc --model llama3-70b -tp ${GPUS:-2} --measure --json \
+        > "$OUT/kvcalc-70b-tp${GPUS:-2}.json" 2> "$OUT/kvcalc-70b-tp${GPUS:-2}.err"; tail -3 "$OUT/kvcalc-70b-tp${GPUS:-2}.err"
       ;;
     kvmeasure)
       log "kv-calc --measure llama3-8b"
