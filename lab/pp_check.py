@@ -25,7 +25,7 @@ from pathlib import Path
 from lab.tp_check import agreement
 
 
-def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
+def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) -> dict:
     from scheduler.request import SamplingParams
     from serve.llm import LLM
 
@@ -58,11 +58,14 @@ def run_one(model: str, layout: str, a: argparse.Namespace) -> dict:
             core.abort(s.seq_id)
         while core.has_unfinished():
             core.step()
-        return {"greedy": greedy, "step_ms": elapsed / a.steps * 1e3, "decode_tok_s": tokens / elapsed,
-                "max_in_flight": core.stats.max_in_flight, "num_blocks": llm.engine.runner.num_blocks,
-                "startup_s": llm.engine.runner.startup_s,
-                "decode_step_ms": a.batch / (tokens / elapsed) * 1e3,  # one token for each of the batch
-                "peer_all_reduce": llm.engine.runner.comm.peer is not None}
+        result = {"greedy": greedy, "step_ms": elapsed / a.steps * 1e3, "decode_tok_s": tokens / elapsed,
+                  "max_in_flight": core.stats.max_in_flight, "num_blocks": llm.engine.runner.num_blocks,
+                  "startup_s": llm.engine.runner.startup_s,
+                  "decode_step_ms": a.batch / (tokens / elapsed) * 1e3,  # one token for each of the batch
+                  "peer_all_reduce": llm.engine.runner.comm.peer is not None}
+        if emit:  # before the engine stops: a stop that hangs still leaves the figures
+            print(json.dumps(result), flush=True)
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,23 +80,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--layout-timeout", type=float, default=300, help="seconds a layout's process may take")
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: this layout only
     a = p.parse_args(argv)
     if a.one is not None:
-        print(json.dumps(run_one(a.model, a.one, a)))
+        run_one(a.model, a.one, a, emit=True)
         return 0
     runs = {}
     for layout in a.layouts.split(","):
         cmd = [sys.executable, "-m", "lab.pp_check", "--model", a.model, "--one", layout]
         for flag in ("prompts", "input_len", "output_len", "batch", "context", "steps", "dtype", "gpu_memory_utilization"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"layout {layout} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-            return 1
-        runs[layout] = json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.layout_timeout)
+            out, err, code = done.stdout, done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:  # its figures, if it printed them; the next layouts still run
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+            code = None
+            print(f"layout {layout} ran past {a.layout_timeout:.0f} s:\n{err[-2000:]}", file=sys.stderr)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if not lines:
+            print(f"layout {layout} failed:\n{err[-3000:]}", file=sys.stderr)
+            if code not in (None, 0):
+                return 1
+            continue
+        runs[layout] = json.loads(lines[-1])
         print(layout, {k: v for k, v in runs[layout].items() if k != "greedy"}, flush=True)
+    if a.layouts.split(",")[0] not in runs:
+        print("the reference layout did not finish", file=sys.stderr)
+        return 1
     base = runs[a.layouts.split(",")[0]]["greedy"]
     report = {k: getattr(a, k) for k in ("model", "dtype", "prompts", "input_len", "output_len", "batch", "context", "steps")}
     for layout, run in runs.items():
