@@ -969,10 +969,14 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
     def release_graphs(self) -> None:
-        """Drop the CUDA graphs (the runner launches no more steps): under tensor parallelism
-        their captured collectives should be gone before the process group closes."""
+        """Free the CUDA graphs (the runner launches no more steps). Under tensor parallelism they
+        hold the captured NCCL collectives, and destroy_process_group() hangs while any such graph
+        lives (pytorch/pytorch#115388): each is reset here, whoever else still refers to it."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)  # no replay still running
+        for holder in (self.graphs, self.piecewise, self.steps):
+            for g in (holder.graphs.values() if holder is not None else ()):
+                for graph in (g if isinstance(g, list) else [g]):
+                    graph.reset()
         self.graphs = self.piecewise = self.steps = None
-        if self.device.type == "cuda":
-            import gc
-            gc.collect()
-            torch.cuda.synchronize(self.device)

@@ -97,9 +97,10 @@ def connect_store(env: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 
 def destroy_group(group: TPGroup, timeout_s: float = 10.0) -> bool:
-    """Leave the process group; True once left. NCCL's teardown has hung on GPUs (both ranks of a
-    TP=2 engine waited in destroy_process_group, 2026-11-26), so with NCCL it runs on a daemon
-    thread and, past timeout_s, is left there: the caller goes on (a rank then exits anyway)."""
+    """Leave the process group; True once left. NCCL's teardown hangs while CUDA graphs that
+    captured its collectives live (pytorch/pytorch#115388; both ranks of a TP=2 engine on H100s,
+    2026-11-26): the runners free theirs first (ModelRunner.release_graphs), and with NCCL the
+    teardown runs on a daemon thread that, past timeout_s, is left there: the caller goes on."""
     if group.size == 1 or not dist.is_initialized():
         return True
     if dist.get_backend() != "nccl":
