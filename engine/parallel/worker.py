@@ -146,8 +146,11 @@ def follow_from_env(model_cfg: ModelConfig, model_path: Path | None, cfg: Engine
     build this rank's runner, follow rank 0's steps until it stops."""
     device_type = resolve_device(cfg.device).type
     topo = join(os.environ, device_type, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, model_cfg.num_layers)
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress=False, tp=topo.tp, pp=topo.pipe)
         follow_any(runner, topo)
     finally:
+        if runner is not None:
+            runner.release_graphs()
         destroy_group(topo.world)
