@@ -171,7 +171,8 @@ class TPExecutor:
         # leave the group before waiting for the ranks, which leave it as they stop: NCCL's teardown
         # may wait for every rank (on two GPUs, rank 0 joining first made stopping take > 10 s)
         told = time.monotonic()
-        self.runner.release_graphs()
+        if self.lost is None:  # a lost rank may leave a collective spinning on this GPU: no sync then
+            self.runner.release_graphs()
         destroy_group(self.group)
         left = time.monotonic()
         if self.workers is not None:
