@@ -88,18 +88,9 @@ def run_check(args: argparse.Namespace) -> dict:
     convs = [[[rng.randrange(10, vocab) for _ in range(rng.randrange(ctx // 20, ctx // 7))] for _ in range(3)]
              for _ in range(12)]
 
-    def turns(llm: LLM) -> list[list[int]]:
-        history: list[list[int]] = [[] for _ in convs]
-        outs = []
-        for t in range(3):
-            for c, conv in enumerate(convs):
-                prompt = history[c] + conv[t]
-                out = llm.generate([prompt], greedy)[0].token_ids
-                history[c] = prompt + out
-                outs.append(out)
-        return outs
+    from tests.engine.test_kv_offload import run_turns
 
-    want = turns(big)
+    want = run_turns(big, convs, greedy)
     big_block = big.config.block_size
     big.shutdown()
     del big
@@ -108,7 +99,7 @@ def run_check(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     # a device cache of ~ctx * 3/4 tokens: the histories come back from the host tier
     small = LLM(args.check_model, num_kv_blocks=ctx * 3 // 4 // big_block, kv_offload_gib=1, **common)
-    got = turns(small)
+    got = run_turns(small, convs, greedy)
     bm, sched = small.engine.core.block_manager, small.engine.core.scheduler
     result = {
         "check_model": args.check_model,

@@ -36,15 +36,21 @@ def test_greedy_equals_transformers(tiny_models, expected, arch, setting):
         kwargs.update(num_kv_blocks=10)
     else:
         kwargs.update(num_kv_blocks=256, max_num_batched_tokens=8, max_num_seqs=3)
-    llm = LLM(str(tiny_models[arch]), **kwargs)
-    outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == want[arch]
+    check_greedy(LLM(str(tiny_models[arch]), **kwargs), prompts, want[arch], setting, GREEDY)
+
+
+def check_greedy(llm: LLM, prompts: list[list[int]], want: list[list[int]], setting: str,
+                 params: SamplingParams) -> None:
+    """llm's greedy outputs equal want, and the setting did what it is for: "preempt" preempted,
+    "chunked" took more steps than one per prompt and token; no KV block is left held."""
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" for o in outs)
     core = llm.engine.core
     if setting == "preempt":
         assert core.stats.num_preemptions > 0
     if setting == "chunked":
-        assert core.stats.num_steps > len(prompts) * MAX_NEW / 3
+        assert core.stats.num_steps > len(prompts) * params.max_tokens / 3
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     core.scheduler.check_integrity()
 

@@ -22,15 +22,16 @@ def conversations(n=4, turns=3, seed=0):
     return [[[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 36))] for _ in range(turns)] for _ in range(n)]
 
 
-def run_turns(llm, convs):
+def run_turns(llm, convs, params=GREEDY):
     """Every conversation's turn 0, then every turn 1, ...: each prompt repeats its history, which the
-    other conversations' turns pushed out of the device cache meanwhile."""
+    other conversations' turns pushed out of the device cache meanwhile (lab/offload_gpu.py's check
+    runs it too)."""
     history = [[] for _ in convs]
     outs = []
     for t in range(len(convs[0])):
         for c, turns in enumerate(convs):
             prompt = history[c] + turns[t]
-            out = llm.generate([prompt], GREEDY)[0].token_ids
+            out = llm.generate([prompt], params)[0].token_ids
             history[c] = prompt + out
             outs.append(out)
     return outs

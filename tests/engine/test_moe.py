@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from serve import LLM, SamplingParams
-from tests.engine.test_equal_transformers import make_prompts
+from tests.engine.test_equal_transformers import check_greedy, make_prompts
 from tests.models import build_model, hf_greedy
 
 MAX_NEW = 12
@@ -59,15 +59,7 @@ def test_greedy_equals_transformers(moe_models, expected, arch, setting):
         kwargs.update(num_kv_blocks=8)  # 6 sequences of up to 62 tokens need 14 blocks of 16
     elif setting == "chunked":
         kwargs.update(max_num_batched_tokens=8, max_num_seqs=3)
-    llm = LLM(str(moe_models[arch]), **CPU, **kwargs)
-    outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == want[arch]
-    core = llm.engine.core
-    if setting == "preempt":
-        assert core.stats.num_preemptions > 0
-    if setting == "chunked":
-        assert core.stats.num_steps > len(prompts) * MAX_NEW / 3
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    check_greedy(LLM(str(moe_models[arch]), **CPU, **kwargs), prompts, want[arch], setting, GREEDY)
 
 
 def _llm(model: str, **kwargs) -> LLM:

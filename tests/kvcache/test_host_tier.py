@@ -52,6 +52,15 @@ def manager(num_blocks: int = 4, host_slots: int = 8) -> BlockManager:
     return bm
 
 
+def cached_and_freed(bm: BlockManager, prompt: list[int]) -> list[int]:
+    """The prompt's blocks admitted on an empty cache, cached and freed: its table."""
+    hashes: list[int] = []
+    table = bm.admit([], len(prompt))
+    bm.cache_blocks(table, prompt, hashes, 0, len(prompt))
+    bm.free(table)
+    return table
+
+
 def test_evicted_blocks_go_down_and_come_back():
     bm = manager()
     prompt = list(range(3 * BS + 1))
@@ -83,10 +92,7 @@ def test_evicted_blocks_go_down_and_come_back():
 def test_failed_step_forgets_its_moves():
     bm = manager()
     prompt = list(range(2 * BS))
-    hashes: list[int] = []
-    table = bm.admit([], len(prompt))
-    bm.cache_blocks(table, prompt, hashes, 0, len(prompt))
-    bm.free(table)
+    table = cached_and_freed(bm, prompt)
     bm.allocate(4)
     moves = bm.take_moves()
     bm.moves_failed(moves)  # the copies may never have run: the host entries must not be trusted
@@ -102,10 +108,7 @@ def test_capacity_arithmetic():
 def test_write_ahead_copies_the_next_evictions_early():
     bm = manager()
     prompt = list(range(3 * BS + 1))
-    hashes: list[int] = []
-    table = bm.admit([], len(prompt))
-    bm.cache_blocks(table, prompt, hashes, 0, len(prompt))
-    bm.free(table)
+    table = cached_and_freed(bm, prompt)
     moves = bm.take_moves()  # the three cached free blocks, in eviction order, still cached here
     assert not moves.outs and not moves.ins
     assert [b for b, _ in moves.ahead] == [table[2], table[1], table[0]]
@@ -120,10 +123,7 @@ def test_write_ahead_copies_the_next_evictions_early():
 def test_failed_step_drops_host_copies_of_its_blocks():
     bm = manager()
     prompt = list(range(2 * BS))
-    hashes: list[int] = []
-    table = bm.admit([], len(prompt))
-    bm.cache_blocks(table, prompt, hashes, 0, len(prompt))
-    bm.free(table)
+    table = cached_and_freed(bm, prompt)
     bm.take_moves()  # written ahead to the host
     assert bm.host.num_used == 2
     bm.share(table[0])
