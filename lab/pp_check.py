@@ -54,6 +54,7 @@ def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) 
             core.step()
         elapsed = time.perf_counter() - t0
         tokens = core.stats.generation_tokens - before
+        kernels = kernel_profile(core, a.profile_steps, a.batch) if a.kernel_profile else None
         for s in seqs:
             core.abort(s.seq_id)
         while core.has_unfinished():
@@ -63,9 +64,34 @@ def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) 
                   "startup_s": llm.engine.runner.startup_s,
                   "decode_step_ms": a.batch / (tokens / elapsed) * 1e3,  # one token for each of the batch
                   "peer_all_reduce": llm.engine.runner.comm.peer is not None}
+        if kernels is not None:
+            result["kernels"] = kernels
         if emit:  # before the engine stops: a stop that hangs still leaves the figures
             print(json.dumps(result), flush=True)
         return result
+
+
+def kernel_profile(core, steps: int, batch: int) -> list[dict]:
+    """GPU kernels of this process (rank 0) over `steps` engine steps, by device time per model step
+    (a token for each of the `batch` rows; an engine step may be a round of several): what a decode
+    step's time goes to, graph replays included (CUPTI reports the kernels inside them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    before = core.stats.generation_tokens
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    model_steps = max(1, round((core.stats.generation_tokens - before) / batch))
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"kernel": ev.key[:160], "calls": ev.count, "us_per_step": us / model_steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:40]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--layout-timeout", type=float, default=300, help="seconds a layout's process may take")
+    p.add_argument("--kernel-profile", action="store_true", help="rank 0's GPU kernels over --profile-steps steps")
+    p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: this layout only
     a = p.parse_args(argv)
@@ -90,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for layout in a.layouts.split(","):
         cmd = [sys.executable, "-m", "lab.pp_check", "--model", a.model, "--one", layout]
-        for flag in ("prompts", "input_len", "output_len", "batch", "context", "steps", "dtype", "gpu_memory_utilization"):
+        for flag in ("prompts", "input_len", "output_len", "batch", "context", "steps", "dtype", "gpu_memory_utilization",
+                     "profile_steps"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+        cmd += ["--kernel-profile"] if a.kernel_profile else []
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.layout_timeout)
             out, err, code = done.stdout, done.stderr, done.returncode
@@ -106,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             continue
         runs[layout] = json.loads(lines[-1])
-        print(layout, {k: v for k, v in runs[layout].items() if k != "greedy"}, flush=True)
+        print(layout, {k: v for k, v in runs[layout].items() if k not in ("greedy", "kernels")}, flush=True)
+        for row in runs[layout].get("kernels", [])[:15]:
+            print(f"  {row['us_per_step']:9.1f} us/step {row['calls']:6d}  {row['kernel'][:110]}", flush=True)
     if a.layouts.split(",")[0] not in runs:
         print("the reference layout did not finish", file=sys.stderr)
         return 1
