@@ -45,6 +45,15 @@ class StepCostModel:
     buckets: tuple[int, ...] = field(init=False)  # the sizes no larger one beats, ascending
     bucket_ms: tuple[float, ...] = field(init=False)  # their times, strictly increasing
 
+    @classmethod
+    def roofline(cls, rows: list[int], weight_bytes: int, flops_per_row: float, kv_bytes_per_token: int,
+                 copy_bandwidth: float, matmul_flops: float, max_tokens: int) -> "StepCostModel":
+        """The model a GPU at its roofline would measure: a forward of r rows takes the longer of
+        reading the weights once and its matmuls (`serve kv-calc` predicts the engine's choices
+        from it where it cannot measure)."""
+        ms = [max(weight_bytes / copy_bandwidth, flops_per_row * r / matmul_flops) * 1e3 for r in rows]
+        return cls(tuple(rows), tuple(ms), kv_bytes_per_token / copy_bandwidth * 1e3, max_tokens)
+
     def __post_init__(self) -> None:
         if len(self.rows) < 2 or len(self.rows) != len(self.forward_ms) or list(self.rows) != sorted(set(self.rows)):
             raise ValueError("the cost model needs two or more forward sizes, ascending")

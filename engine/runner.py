@@ -17,16 +17,17 @@ import torch
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
-from engine.cuda_graph import DecodeGraphs, head_words
+from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
+from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
-from engine.piecewise import PiecewiseGraphs
+from engine.piecewise import PiecewiseGraphs, piecewise_buckets
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
-from engine.step_graph import StepGraphs, step_buckets
+from engine.step_graph import StepGraphs, step_buckets, step_shapes
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
@@ -201,10 +202,13 @@ class ModelRunner:
         clock = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # start-up phase -> seconds, in order (serve/build.py logs them)
 
+        self.free_bytes_after_phase: dict[str, int] = {}  # GPU: what each phase left free (kv-calc --measure)
+
         def phase(name: str) -> None:
             nonlocal clock
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+                self.free_bytes_after_phase[name] = torch.cuda.mem_get_info(self.device)[0]
             now = time.perf_counter()
             self.startup_s[name] = now - clock
             clock = now
@@ -227,7 +231,8 @@ class ModelRunner:
                          if why_not is None else f"through NCCL ({why_not})")
 
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
-        self.activation_bytes: int | None = None
+        self.activation_bytes: int | None = None  # the profile run's peak beyond the weights, plus outside_torch_bytes
+        self.outside_torch_bytes: int | None = None  # the CUDA context, NCCL's buffers, other processes
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec.for_model(model.stage.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
@@ -314,6 +319,19 @@ class ModelRunner:
 
             finish_compiles()  # anything the early pass compiled that no phase launched
             phase("warm-up")
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """Say so when start-up ended past the memory budget: the pool was sized from estimates of
+        what the graphs would take, and under tensor parallelism their capture took more (bench/NOTES.md)."""
+        if self.cfg.num_kv_blocks:
+            return  # the user sized the pool
+        free, total = torch.cuda.mem_get_info(self.device)
+        over = int(total * (1 - self.cfg.gpu_memory_utilization)) - free
+        if over > 64 * 2**20:
+            log.warning("GPU %d: start-up used %.2f GiB more than --gpu-memory-utilization %.2f allows (the CUDA "
+                        "graphs took more than reserved); %.2f GiB of the GPU is still free",
+                        self.device.index or 0, over / 2**30, self.cfg.gpu_memory_utilization, free / 2**30)
 
     def _build_host_tier(self, gib: float) -> None:
         """The host pool of kv_offload_gib GiB (pinned where CUDA is available) and its copier."""
@@ -393,6 +411,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
         self.activation_bytes = torch.cuda.max_memory_allocated(self.device) - weights + max(0, outside_torch)
+        self.outside_torch_bytes = max(0, outside_torch)
         self.weight_bytes = weights
         kv_bytes = kv_cache_bytes(total, self.cfg.gpu_memory_utilization, weights, self.activation_bytes,
                                   self.graph_bytes_reserved())
@@ -406,13 +425,23 @@ class ModelRunner:
         """GPU memory set aside for the decode and piecewise graphs captured after the pool is sized."""
         if self.cfg.enforce_eager:
             return 0
+        tp = self.comm.size  # this rank's share of the activations
         graphs = estimate_graph_bytes(self.model_cfg, self.dtype_name, self.cfg.max_num_seqs, self.max_model_len,
-                                      self.cfg.block_size)
+                                      self.cfg.block_size, tp)
+        prefill_tokens: list[int] = []  # the token count of each graphed forward with prompt tokens
         if self.cfg.piecewise_graphs:
-            graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens)
+            graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens, tp)
+            prefill_tokens += piecewise_buckets(self.piecewise_max_tokens, self._slow_buckets())
             if self.cfg.step_graph_max_tokens and self.pipe is None:  # a pipeline stage has none
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
                                                     self.step_max_tokens)
+                buckets = step_buckets(min(self.step_max_tokens, self.piecewise_max_tokens), self._slow_buckets())
+                prefill_tokens += [t for _, t in step_shapes(self.cfg.max_num_seqs, buckets)]
+        if tp > 1 and self.device.type == "cuda":  # NCCL's memory for the collectives the graphs capture
+            stage = self.model.stage
+            graphs += NCCL_BYTES_PER_CAPTURE * nccl_captures(
+                graph_buckets(self.cfg.max_num_seqs), prefill_tokens, self.model_cfg.hidden_size * self.dtype.itemsize,
+                stage.num_layers, stage.first, stage.last, self.comm.peer.max_bytes if self.comm.peer is not None else 0)
         return graphs
 
     @torch.inference_mode()

@@ -49,20 +49,29 @@ def step_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[in
     return sorted(set(piecewise_buckets(max_tokens, skip)) | {s for s in finer if s < max_tokens and s not in skip})
 
 
+def step_rows(max_num_seqs: int) -> list[int]:
+    """Decode-row counts R of the graphs: 1, 2, 4, .. the power of two at or above max_num_seqs."""
+    top = 1 << (max_num_seqs - 1).bit_length()
+    return [1 << i for i in range(top.bit_length())]
+
+
+def step_shapes(max_num_seqs: int, token_buckets: list[int]) -> list[tuple[int, int]]:
+    """Every (R, T) pair captured: each row count with each token bucket that holds it."""
+    return [(rows, t) for t in token_buckets for rows in step_rows(max_num_seqs) if rows <= t]
+
+
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
                  max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device,
                  skip: frozenset[int] = frozenset()) -> None:
         self.model, self.ops, self.caches, self.pw = model, ops, caches, piecewise
         # Triton: only where graphs are captured
-        from kernels.launch import next_pow2
         from kernels.prefill_attention import prefill_plan, work_list
 
         self.token_buckets = step_buckets(min(max_tokens, piecewise.max_tokens), skip)
         self.max_tokens = self.token_buckets[-1]
-        top = next_pow2(max_num_seqs)
-        self.decode_rows = [1 << i for i in range(top.bit_length())]  # R: 1, 2, 4, .. top
-        self.num_seqs = top + MAX_PREFILLS  # entries of seq_lens, block tables, query starts
+        self.decode_rows = step_rows(max_num_seqs)  # R: 1, 2, 4, .. top
+        self.num_seqs = self.decode_rows[-1] + MAX_PREFILLS  # entries of seq_lens, block tables, query starts
         self.scales = [layer.self_attn.scale for layer in model.layers]
         self._work_list = work_list
         pw, c = piecewise, caches[0]

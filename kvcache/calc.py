@@ -30,6 +30,11 @@ DEFAULT_STEP_GRAPH_MAX_TOKENS = 2304
 # Memory outside torch's allocator once CUDA, cuBLAS and the kernels are loaded: 685 MiB measured
 # on an H100 80GB HBM3 with torch 2.11 + CUDA 13; rounded up.
 RUNTIME_OVERHEAD_BYTES = 768 * MiB
+# NCCL's buffers (and the peer all-reduce's) on each GPU of a group, beyond one GPU's runtime: memory
+# outside torch measured by `kv-calc --measure` on H100s (2026-11-26): 689 MiB with one GPU (Llama-3-8B);
+# Llama-3-70B: 1,535 MiB at TP=2, 1,537 at TP=4, 1,059 at PP=2
+TP_COMM_BYTES = 848 * MiB
+PP_COMM_BYTES = 370 * MiB
 ROPE_TABLE_BYTES_PER_POSITION_DIM = 2 * 4  # the runner's cos and sin table, float32
 # The sampler's peak per logit with top-k/top-p and logprobs (the engine profiles it so): the sort's
 # float32 values and int64 indices, masks, softmax, cumsum, scatter and the noise, float32 each.
@@ -260,7 +265,7 @@ class ActivationEstimate:
 def estimate_activation_bytes(model: ModelShape, dtype: str, tensor_parallel_size: int = 1,
                               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                              max_model_len: int | None = None) -> ActivationEstimate:
+                              max_model_len: int | None = None, pipeline_parallel_size: int = 1) -> ActivationEstimate:
     """Per token, a layer keeps the residual, the layer input and its normed copy (3 x hidden),
     plus either attention's q, k, v and output or the MLP's gate_up, silu(gate) and product
     (4 x intermediate, unfused). Attention itself is flash-style: nothing quadratic in length.
@@ -278,7 +283,9 @@ def estimate_activation_bytes(model: ModelShape, dtype: str, tensor_parallel_siz
     # the lm_head's output in the model dtype and its float32 copy, over the full vocabulary
     logits = 2 * tokens * h * e + min(max_num_seqs, tokens) * model.vocab_size * (e + 4 + SAMPLER_BYTES_PER_LOGIT)
     rope = max_len * model.head_dim * ROPE_TABLE_BYTES_PER_POSITION_DIM
-    return ActivationEstimate(tokens, layer, logits, rope, RUNTIME_OVERHEAD_BYTES)
+    runtime = (RUNTIME_OVERHEAD_BYTES + (TP_COMM_BYTES if tp > 1 else 0)
+               + (PP_COMM_BYTES if pipeline_parallel_size > 1 else 0))
+    return ActivationEstimate(tokens, layer, logits, rope, runtime)
 
 
 def estimate_graph_bytes(model: ModelShape, dtype: str, max_num_seqs: int, max_model_len: int,
@@ -503,7 +510,7 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
     estimated = activation_bytes is None
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(model, weight_dtype, tensor_parallel_size, max_num_batched_tokens,
-                                                     max_num_seqs, max_len).total_bytes
+                                                     max_num_seqs, max_len, pipeline_parallel_size).total_bytes
     if pipeline_parallel_size > 1:
         spec, weights = _binding_stage(model, weight_dtype, spec, tensor_parallel_size, pipeline_parallel_size,
                                        gpu_memory_bytes, memory_utilization, activation_bytes, graph_bytes)

@@ -5,6 +5,9 @@ engine multiplies by the memory utilization. It is nvidia-smi's memory.total les
 reserved memory (H100 80GB HBM3: 81559 - 480 MiB; H200: 143771 - 616 MiB, both measured with
 driver 580). Where we have not measured a card, the preset holds nvidia-smi's memory.total, which
 overstates CUDA's figure by a few hundred MiB (under 1% of the cache); pass a size to be exact.
+Measured cards also hold their copy bandwidth and bf16 matmul rate (bench/hardware.py's figures):
+the engine sizes its prefill graphs from such rates (engine/cost_model.py), so the calculator needs
+them to predict that memory.
 """
 from __future__ import annotations
 
@@ -37,13 +40,16 @@ class GPUPreset:
     memory_bytes: int
     aliases: tuple[str, ...] = ()
     measured: bool = False  # True: CUDA's total as measured; False: nvidia-smi's memory.total
+    rates: tuple[float, float] | None = None  # copy bandwidth (bytes/s, read + written), bf16 matmul FLOP/s
 
 
 GPU_PRESETS: tuple[GPUPreset, ...] = (
-    GPUPreset("H100-80GB", 85_017_493_504, ("h100", "h100-sxm", "h100-80gb-hbm3"), measured=True),
+    # rates: bench.hardware on H100 80GB HBM3 (2026-11-26) and H200 (2026-11-26), one GPU's figures
+    GPUPreset("H100-80GB", 85_017_493_504, ("h100", "h100-sxm", "h100-80gb-hbm3"), measured=True,
+              rates=(3.00e12, 790e12)),
     GPUPreset("H100-PCIe", 81559 * MiB, ("h100-pcie-80gb",)),
     GPUPreset("H100-NVL", 95830 * MiB, ("h100-94gb",)),
-    GPUPreset("H200", 150_109_880_320, ("h200-141gb", "h200-sxm"), measured=True),
+    GPUPreset("H200", 150_109_880_320, ("h200-141gb", "h200-sxm"), measured=True, rates=(4.25e12, 794e12)),
     GPUPreset("B200", 183359 * MiB, ("b200-180gb",)),
     GPUPreset("A100-80GB", 81920 * MiB, ("a100",)),
     GPUPreset("A100-40GB", 40960 * MiB),
@@ -72,7 +78,8 @@ def find_preset(presets: Iterable[P], name: str) -> P | None:
 
 
 def find_gpu_preset(name: str) -> GPUPreset | None:
-    return find_preset(GPU_PRESETS, name)
+    """By name or alias; CUDA's device names too ("NVIDIA H100 80GB HBM3")."""
+    return find_preset(GPU_PRESETS, name) or find_preset(GPU_PRESETS, re.sub(r"(?i)^\s*nvidia\s+", "", name))
 
 
 _UNITS = {
@@ -88,6 +95,7 @@ _UNITS = {
 class GPUMemory:
     label: str  # the preset name, or the size as given
     total_bytes: int
+    rates: tuple[float, float] | None = None  # GPUPreset.rates, where known
 
 
 def parse_size(text: str) -> int:
@@ -110,7 +118,7 @@ def resolve_gpu_memory(spec: str) -> GPUMemory:
     """--gpu-memory: a GPU name (H100, A100-40GB, L4, ...) or a size with a unit (80GiB, 24GB)."""
     preset = find_gpu_preset(spec)
     if preset is not None:
-        return GPUMemory(preset.name, preset.memory_bytes)
+        return GPUMemory(preset.name, preset.memory_bytes, preset.rates)
     if not re.match(r"\s*[\d.]", spec):
         names = ", ".join(p.name for p in GPU_PRESETS)
         raise PresetError(f"unknown GPU {spec!r}: give a size such as 80GiB, or one of {names}")

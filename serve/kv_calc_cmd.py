@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig, ModelConfigError
+from engine.cost_model import MAX_ROWS as COST_MAX_ROWS, StepCostModel
+from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.presets import resolve_model
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
-                          DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
+                          DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
-                          resolve_model_dtype, table_kv_dtypes)
-from kvcache.gpus import GPUMemory, PresetError, resolve_gpu_memory
+                          resolve_model_dtype, table_kv_dtypes, weight_bytes_per_gpu)
+from kvcache.gpus import GPUMemory, PresetError, find_gpu_preset, resolve_gpu_memory
 from kvcache.host_tier import host_tier_blocks
 from kvcache.spec import default_block_size
 
@@ -70,6 +72,7 @@ class CalcRequest:
     max_num_batched_tokens: int
     max_num_seqs: int
     pipeline_parallel_size: int = 1
+    gpu_rates: tuple[float, float] | None = None  # copy bandwidth and matmul rate, where the GPU is known
 
 
 def _parse_int(flag: str, value: Any) -> int:
@@ -114,7 +117,9 @@ def local_gpu() -> GPUMemory | None:
         return None
     if not torch.cuda.is_available():
         return None
-    return GPUMemory(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
+    name = torch.cuda.get_device_name()
+    preset = find_gpu_preset(name)
+    return GPUMemory(name, torch.cuda.mem_get_info()[1], preset.rates if preset is not None else None)
 
 
 def read_request(args: argparse.Namespace) -> CalcRequest:
@@ -136,19 +141,74 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         pipeline_parallel_size=_parse_int("--pipeline-parallel-size", getattr(args, "pipeline_parallel_size", 1)),
         max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
         max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
+        gpu_rates=gpu.rates,
     )
     _check_engine_limits(req)
     return req
+
+
+# The engine's measured step costs put its largest mixed step at 640 to 1,024 tokens on H100s
+# (2026-11-26: Llama-3-8B 1,024; Llama-3-70B 768 at TP=2, 896 at TP=4, 640 at PP=2): its forwards
+# take longer than reading the weights (attention, norms, all-reduces, launches). The roofline
+# below reads the weights at this fraction of the copy bandwidth, which puts that step at 832.
+WEIGHT_READ_EFFICIENCY = 0.75
+
+
+def piecewise_tokens(req: CalcRequest, dtype: str, max_len: int) -> int:
+    """The largest step the engine's piecewise graphs will capture. The engine measures its step
+    costs at start-up and, where the GPU's step sets the pace (not the host's work per round), caps
+    these graphs at the largest mixed step its prompt budget allows (engine/runner.py); here the same
+    rule runs on the roofline of the GPU's known rates. Unknown rates: max_num_batched_tokens."""
+    if req.gpu_rates is None:
+        return req.max_num_batched_tokens
+    from engine.step_graph import step_buckets  # the sizes the engine times (imports torch: here, not at start)
+
+    copy_bw, flops = req.gpu_rates
+    weights = weight_bytes_per_gpu(req.model, dtype, req.tensor_parallel_size) // req.pipeline_parallel_size
+    rows = step_buckets(min(req.max_num_batched_tokens, max_len, COST_MAX_ROWS))
+    if len(rows) < 2:
+        return req.max_num_batched_tokens
+    param_bytes = weight_bytes_per_gpu(req.model, dtype, 1) / req.model.num_params()
+    # the largest mixed step is the one without context to read: the KV's cost does not enter
+    model = StepCostModel.roofline(rows, weights, 2 * weights / param_bytes, 0, copy_bw * WEIGHT_READ_EFFICIENCY, flops,
+                                   req.max_num_batched_tokens)
+    decodes = min(64, req.max_num_seqs)
+    if req.pipeline_parallel_size == 1 and model.scheduler_steps(decodes, AUTO_SCHEDULER_STEPS) > 1:
+        return req.max_num_batched_tokens  # host-bound: no prompt budget, graphs up to the full step
+    return min(req.max_num_batched_tokens, model.largest_mixed_step(req.max_num_seqs))
+
+
+def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: int) -> int:
+    """What NCCL holds for the collectives the graphs of a tensor-parallel rank capture
+    (engine/parallel/graph_memory.py), counted as the engine counts them, on the first stage (the
+    most layers), with the one-shot all-reduce over NVLink taking the small ones."""
+    tp, pp = req.tensor_parallel_size, req.pipeline_parallel_size
+    if tp == 1:
+        return 0
+    from engine.cuda_graph import graph_buckets
+    from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
+    from engine.piecewise import piecewise_buckets
+    from engine.step_graph import step_buckets, step_shapes
+
+    prefill = piecewise_buckets(tokens)
+    if pp == 1:
+        prefill += [t for _, t in step_shapes(req.max_num_seqs, step_buckets(min(DEFAULT_STEP_GRAPH_MAX_TOKENS, tokens)))]
+    layers = -(-req.model.num_layers // pp)
+    row_bytes = req.model.hidden_size * DTYPE_BYTES[dtype]
+    return NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(req.max_num_seqs), prefill, row_bytes, layers, True,
+                                                  pp == 1, ONE_SHOT_MAX_BYTES.get(tp, 0))
 
 
 def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:
     dtype = resolve_model_dtype(req.dtype, req.model)
     max_len = req.max_model_len or req.model.max_context_len
     block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
+    tokens = piecewise_tokens(req, dtype, max_len)
     graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
-              + estimate_piecewise_graph_bytes(req.model, dtype, req.max_num_batched_tokens, req.tensor_parallel_size))
+              + estimate_piecewise_graph_bytes(req.model, dtype, tokens, req.tensor_parallel_size))
     if req.pipeline_parallel_size == 1:  # pipeline stages capture no whole-step graphs
         graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS)
+    graphs += nccl_graph_bytes(req, dtype, tokens)
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
@@ -274,9 +334,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("serve kv-calc: --measure needs a CUDA GPU on this machine", file=sys.stderr)
         return 2
-    total = torch.cuda.mem_get_info()[1]
-    if not args.gpu_memory:
-        args.gpu_memory = f"{total}B"
+    total = torch.cuda.mem_get_info()[1]  # without --gpu-memory the request reads this GPU (local_gpu), rates too
     planned = _plan_or_exit_code(args)
     if isinstance(planned, int):
         return planned
@@ -293,12 +351,15 @@ def _run_measure(args: argparse.Namespace) -> int:
                            pipeline_parallel_size=req.pipeline_parallel_size)
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
+        # read before shutdown, which frees the graphs
+        graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
+        if runner.piecewise is not None:
+            graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
+        if runner.steps is not None:
+            graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
+        graph_reserved = runner.graph_bytes_reserved()
+        free_after_start = torch.cuda.mem_get_info()[0]
         engine.shutdown()
-    graph_pool = runner.graphs.pool_bytes if runner.graphs is not None else 0
-    if runner.piecewise is not None:
-        graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
-    if runner.steps is not None:
-        graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
     measured = plan_request(req, activation_bytes=runner.activation_bytes)
     result = {
         "model": req.model_name, "gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": total,
@@ -308,6 +369,13 @@ def _run_measure(args: argparse.Namespace) -> int:
         "weight_bytes_predicted": predicted.weight_bytes, "weight_bytes_measured": runner.weight_bytes,
         "graph_bytes_reserved": predicted.graph_bytes, "graph_pool_bytes_captured": graph_pool,
         "num_blocks_with_measured_activations": measured.num_blocks,
+        # where a gap comes from: the engine's own reservation and largest graphed step, the part of the
+        # activations outside torch (CUDA context, NCCL), and what the budget has left once started
+        "engine_graph_bytes_reserved": graph_reserved, "engine_piecewise_tokens": runner.piecewise_max_tokens,
+        "predicted_piecewise_tokens": piecewise_tokens(req, resolve_model_dtype(req.dtype, req.model),
+                                                       req.max_model_len or req.model.max_context_len),
+        "outside_torch_bytes": runner.outside_torch_bytes, "free_bytes_after_phase": runner.free_bytes_after_phase,
+        "unused_budget_bytes_after_start": free_after_start - int(total * (1 - req.memory_utilization)),
     }
     if args.json:
         print(json.dumps(result, indent=2))

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-# ranks -> the largest message (bytes) up to which the one-shot kernel beat NCCL at every size, in
-# CUDA graphs on 4x H100 (NV18), 2026-11-26 (bench/results/allreduce-4xh100-2026-11-26.json): at
-# 2 ranks 8.8 against 10.8 us at 8 KiB, 23.3 against 32.0 at 2 MiB; at 4 ranks 10.7 against 16.1
-# at 8 KiB, 23.3 against 23.6 at 1 MiB. A world size not measured uses NCCL for every message.
+# ranks -> the largest message (bytes) this path takes. Alone in CUDA graphs (lab/allreduce.py, 4x H100
+# NV18, 2026-11-26, bench/results/allreduce-4xh100-2026-11-26.json) the one-shot kernel beat NCCL up to
+# 2 MiB at 2 ranks (8.8 against 10.8 us at 8 KiB) and 1 MiB at 4 (10.7 against 16.1 us at 8 KiB). Inside
+# Llama-3-8B's decode graphs at TP=2 it was slightly slower than NCCL (a step of 16 rows 4.59 against 4.56
+# ms, of 64 rows 5.25 against 5.18). But a TP engine ends over its memory budget once its graphs are
+# captured, and more so with more NCCL collectives inside them: Llama-3-70B at TP=2 by 1.2 GB with these
+# limits, by 2.1 GB with a 64 KiB limit (kv-calc --measure, H100s, bench/NOTES.md); the limits stay until
+# that is understood. A world size not measured uses NCCL for every message.
 ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 1 << 20}
 _ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
 

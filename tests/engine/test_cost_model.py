@@ -117,3 +117,12 @@ def test_the_runner_keeps_its_measurement_on_disk(tiny_models, tmp_path, monkeyp
     assert runner.step_costs().forward_ms == (1.0, 4.5, 4.0) and len(measured) == 3
     path.write_text("not json")
     assert runner.step_costs() is not None and len(measured) == 4
+
+
+def test_roofline_model_reads_the_weights_once_then_turns_compute_bound():
+    # 1 GB of weights at 1 TB/s (1 ms); 2 GFLOP a row at 1 PFLOP/s: the ridge at 500 rows
+    m = StepCostModel.roofline([16, 256, 512, 1024, 2048], 10**9, 2e9, 0, 1e12, 1e15, 8192)
+    assert m.forward(16) == m.forward(256) == pytest.approx(1.0)
+    assert m.forward(1024) == pytest.approx(2.048) and m.forward(2048) == pytest.approx(4.096)
+    # 2.5x a 256-row decode step's forward: the largest bucket within 2.5 ms is 1,024 rows
+    assert m.largest_mixed_step(256) == 1024

@@ -43,13 +43,15 @@ def test_two_stages_hold_half_the_layers_and_more_blocks():
 
 
 def test_cli_70b_on_two_stages_fits(capsys):
-    assert cmd.run(parse("--model", "Llama-3-70B", "--gpu-memory", "H100", "-pp", "2", "--memory-utilization", "0.95",
-                         "--json")) == 0
+    argv = ("--model", "Llama-3-70B", "--gpu-memory", "H100", "-pp", "2", "--memory-utilization", "0.95")
+    assert cmd.run(parse(*argv, "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["pipeline_parallel_size"], out["num_layers"]) == (2, 40)
     model = resolve_model("Llama-3-70B").config  # decode and piecewise graphs, no whole-step graphs
+    tokens = cmd.piecewise_tokens(cmd.read_request(parse(*argv)), "bfloat16", 8192)
+    assert tokens < 8192  # a stage of 40 layers still sets the pace: graphs up to the largest mixed step
     assert out["graph_bytes"] == (calc.estimate_graph_bytes(model, "bfloat16", 256, 8192, 16)
-                                  + calc.estimate_piecewise_graph_bytes(model, "bfloat16", 8192))
+                                  + calc.estimate_piecewise_graph_bytes(model, "bfloat16", tokens))
     assert out["num_blocks"] > 0
     assert cmd.run(parse("--model", "Llama-3-70B", "--gpu-memory", "H100", "-pp", "2", "-tp", "2")) == 0
     assert "tensor parallel 2 x pipeline parallel 2 (figures per GPU: a stage of 40 layers)" in capsys.readouterr().out

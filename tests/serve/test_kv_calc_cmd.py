@@ -39,10 +39,34 @@ def test_cli_text(capsys):
         assert needle in out
     p = cmd.plan_request(cmd.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")))
     assert f"{p.num_blocks:,}" in out and f"{p.max_tokens:,}" in out
-    # the graph reserve is the engine's own estimate, counted before the KV cache
+    # the graph reserve is the engine's own estimate, counted before the KV cache, with the prefill
+    # graphs up to the largest mixed step the engine's rule allows on an H100's roofline
+    tokens = cmd.piecewise_tokens(cmd.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")), "bfloat16", 8192)
+    assert 256 < tokens < 8192
     assert p.graph_bytes == (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
-                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", 8192)
+                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", tokens)
                              + calc.estimate_step_graph_bytes(256, 8192, 16, 2304)) > 0
+
+
+@pytest.mark.parametrize("model,gpu,tp,capped", [
+    ("llama3-70b", "H100", "2", True),  # the GPU sets the pace: prefill graphs up to the largest mixed step
+    ("llama3-70b", "H200", "4", True),
+    ("llama3-8b", "H100", "4", False),  # a 64-row forward under 4x the host's work a round: no prompt budget
+    ("qwen2.5-0.5b", "H100", "1", False),
+    ("llama3-70b", "80GiB", "2", False),  # no known rates: the largest step the configuration allows
+])
+def test_piecewise_tokens_follow_the_engines_rule(model, gpu, tp, capped):
+    req = cmd.read_request(parse("--model", model, "--gpu-memory", gpu, "-tp", tp))
+    tokens = cmd.piecewise_tokens(req, "bfloat16", 8192)
+    assert (256 < tokens < 8192) if capped else tokens == 8192
+
+
+def test_cuda_device_names_find_their_gpu_preset():
+    from kvcache.gpus import find_gpu_preset
+
+    assert find_gpu_preset("NVIDIA H100 80GB HBM3").name == "H100-80GB"
+    assert find_gpu_preset("NVIDIA H200").rates is not None
+    assert find_gpu_preset("NVIDIA Some Future GPU") is None
 
 
 def test_cli_text_names_the_active_parameters_of_a_mixture_of_experts(capsys):

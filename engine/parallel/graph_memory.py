@@ -1,0 +1,35 @@
+"""GPU memory that NCCL holds for the collectives CUDA graphs capture.
+
+Each NCCL collective captured into a CUDA graph keeps about 120 KB of GPU memory for as long as the
+graph lives. Measured on H100s (torch 2.11's NCCL, 2026-11-26): Llama-3-8B at TP=2 ended start-up
+1.11 GB past its memory budget with 9,123 collectives captured through NCCL (every all-reduce NCCL's)
+and 0.75 GB past it with 6,293 (the one-shot all-reduce taking those of 2 MiB or less): 121 and 119 KB
+each; Llama-3-70B at TP=2 ended 1.20 and 2.12 GB past it, where ~11.8k and ~17.4k captures predict 1.4
+and 2.1 GB (bench/NOTES.md). The engine sets this memory aside before it sizes the KV pool, and
+`serve kv-calc` counts it the same way.
+"""
+from __future__ import annotations
+
+NCCL_BYTES_PER_CAPTURE = 120_000
+
+
+def forward_collectives(num_layers: int, first_stage: bool, last_stage: bool) -> tuple[int, int]:
+    """(all-reduces, all-gathers) of one tensor-parallel forward over a stage of num_layers layers:
+    two a layer (attention's and the MLP's row-parallel output), one for the vocabulary-parallel
+    embedding on the first stage; the LM head's gather of the logits on the last."""
+    return 2 * num_layers + int(first_stage), int(last_stage)
+
+
+def nccl_captures(decode_rows: list[int], prefill_tokens: list[int], row_bytes: int, num_layers: int,
+                  first_stage: bool, last_stage: bool, one_shot_max_bytes: int) -> int:
+    """Collectives that go through NCCL inside the graphs: one decode graph per entry of decode_rows
+    (its forward ends in the LM head), one graph or set of pieces per entry of prefill_tokens (no LM
+    head). An all-reduce of rows x row_bytes up to one_shot_max_bytes takes the one-shot kernel
+    instead (0: none does); the logits' gather is always NCCL's."""
+    reduces, gathers = forward_collectives(num_layers, first_stage, last_stage)
+    n = 0
+    for rows in decode_rows:
+        n += (reduces if rows * row_bytes > one_shot_max_bytes else 0) + gathers
+    for tokens in prefill_tokens:
+        n += reduces if tokens * row_bytes > one_shot_max_bytes else 0
+    return n

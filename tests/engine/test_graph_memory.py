@@ -1,0 +1,54 @@
+"""NCCL's memory for the collectives CUDA graphs capture (engine/parallel/graph_memory.py), and
+`serve kv-calc` setting it aside as the engine does."""
+from __future__ import annotations
+
+import argparse
+
+from engine.cuda_graph import graph_buckets
+from kvcache import calc
+from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, forward_collectives, nccl_captures
+from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
+from engine.piecewise import piecewise_buckets
+from engine.step_graph import step_buckets, step_rows, step_shapes
+from serve import kv_calc_cmd as cmd
+
+
+def test_a_forward_has_two_all_reduces_a_layer_the_embeddings_and_the_heads_gather():
+    assert forward_collectives(32, True, True) == (65, 1)
+    assert forward_collectives(16, False, True) == (32, 1)  # a later pipeline stage: no embedding
+    assert forward_collectives(16, True, False) == (33, 0)  # no LM head before the last stage
+
+
+def test_the_one_shot_all_reduce_takes_the_small_messages_out_of_nccl():
+    row = 8192  # bytes a row: 4,096 bf16 values
+    every = nccl_captures([1, 64, 256], [512], row, 32, True, True, 0)
+    assert every == 3 * (65 + 1) + 65
+    # up to 64 rows (512 KiB) the all-reduces go peer to peer; the gather stays NCCL's
+    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row) == 3 + 65 + 65
+    assert nccl_captures([], [], row, 32, True, True, 0) == 0
+
+
+def test_step_shapes_pair_each_row_count_with_the_buckets_that_hold_it():
+    assert step_rows(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and step_rows(200)[-1] == 256 and step_rows(1) == [1]
+    assert step_shapes(4, [2, 16]) == [(1, 2), (2, 2), (1, 16), (2, 16), (4, 16)]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cmd.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
+    one = cmd.read_request(parse("--model", "llama3-70b", "--gpu-memory", "H100", "-pp", "2"))
+    assert cmd.nccl_graph_bytes(one, "bfloat16", 768) == 0  # no tensor parallel group: no NCCL in the graphs
+    two = cmd.read_request(parse("--model", "llama3-70b", "--gpu-memory", "H100", "-tp", "2"))
+    tokens = cmd.piecewise_tokens(two, "bfloat16", 8192)
+    prefill = piecewise_buckets(tokens) + [t for _, t in step_shapes(256, step_buckets(min(2304, tokens)))]
+    expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, 8192 * 2, 80, True, True,
+                                                      ONE_SHOT_MAX_BYTES[2])
+    assert cmd.nccl_graph_bytes(two, "bfloat16", tokens) == expected > 10**9  # ~1.5 GB on the 70B
+    m = two.model  # the plan's graph reserve: the activations' estimates and NCCL's share
+    assert cmd.plan_request(two).graph_bytes == (
+        calc.estimate_graph_bytes(m, "bfloat16", 256, 8192, 16, 2) + calc.estimate_piecewise_graph_bytes(m, "bfloat16", tokens, 2)
+        + calc.estimate_step_graph_bytes(256, 8192, 16, 2304) + expected)
