@@ -32,6 +32,8 @@ MAX_ROWS = 2048  # the largest forward measured
 # the engine loop's host work per scheduling round (schedule, launch, process, send), measured
 # 0.6-1.2 ms a step on H100 hosts (bench/NOTES.md, 2026-11-24); multi-step rounds pay it once for K steps
 HOST_STEP_MS = 1.0
+# a forward shorter than this is paced by the host: multi-step rounds and whole-step graphs pay there
+HOST_BOUND_MS = 4 * HOST_STEP_MS
 
 
 @dataclass(frozen=True)
@@ -125,4 +127,11 @@ class StepCostModel:
     def scheduler_steps(self, decodes: int, auto_steps: int) -> int:
         """Decode steps per scheduling round: several where the host's per-round work is a large
         share of a decode step (a small model), one where the GPU step dwarfs it."""
-        return auto_steps if self.forward(decodes) < 4 * HOST_STEP_MS else 1
+        return auto_steps if self.forward(decodes) < HOST_BOUND_MS else 1
+
+    def host_bound_rows(self) -> int:
+        """The largest bucket whose forward takes less than HOST_BOUND_MS (0 if none): steps up to it
+        are paced by the host's launches, which whole-step graphs save; beyond it the GPU sets the
+        pace and a graph saves nothing."""
+        i = bisect.bisect_left(self.bucket_ms, HOST_BOUND_MS)
+        return self.buckets[i - 1] if i > 0 else 0

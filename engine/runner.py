@@ -265,6 +265,11 @@ class ModelRunner:
         if self.prompt_budget is not None:
             self.piecewise_max_tokens = min(cfg.max_num_batched_tokens, self.cost_model.largest_mixed_step(cfg.max_num_seqs))
             self.step_max_tokens = min(self.step_max_tokens, self.piecewise_max_tokens)
+        if tp.size > 1 and self.cost_model is not None:
+            # under TP each whole-step graph holds NCCL's memory for its ~2 all-reduces a layer
+            # (engine/parallel/graph_memory.py: 19 MB a graph on the 70B); only steps the host paces
+            # gain from them (on two H100s a 70B step of 16 tokens takes ~25 ms: none does)
+            self.step_max_tokens = min(self.step_max_tokens, self.cost_model.host_bound_rows())
         # the scheduler's blocks must exist on every rank: the fewest any rank can hold
         self.num_blocks = self.comm.min_int(cfg.num_kv_blocks or self._auto_num_blocks())
         if pp is not None:  # and on every stage (each holds its own layers' KV in as many blocks)
@@ -290,7 +295,7 @@ class ModelRunner:
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
                                                  self.device, self._slow_buckets())
-                if cfg.step_graph_max_tokens and self.ops.work_lists and pp is None:
+                if self.step_max_tokens > 0 and self.ops.work_lists and pp is None:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
                                             self.max_blocks_per_seq, self.step_max_tokens, self.device,
                                             self._slow_buckets())
@@ -432,7 +437,7 @@ class ModelRunner:
         if self.cfg.piecewise_graphs:
             graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens, tp)
             prefill_tokens += piecewise_buckets(self.piecewise_max_tokens, self._slow_buckets())
-            if self.cfg.step_graph_max_tokens and self.pipe is None:  # a pipeline stage has none
+            if self.step_max_tokens > 0 and self.pipe is None:  # a pipeline stage has none
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
                                                     self.step_max_tokens)
                 buckets = step_buckets(min(self.step_max_tokens, self.piecewise_max_tokens), self._slow_buckets())

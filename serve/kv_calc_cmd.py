@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,31 +154,45 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
 WEIGHT_READ_EFFICIENCY = 0.75
 
 
-def piecewise_tokens(req: CalcRequest, dtype: str, max_len: int) -> int:
-    """The largest step the engine's piecewise graphs will capture. The engine measures its step
-    costs at start-up and, where the GPU's step sets the pace (not the host's work per round), caps
-    these graphs at the largest mixed step its prompt budget allows (engine/runner.py); here the same
-    rule runs on the roofline of the GPU's known rates. Unknown rates: max_num_batched_tokens."""
+@dataclass(frozen=True)
+class GraphTokens:
+    """The largest steps the engine's graphs capture: its piecewise graphs' and its whole-step
+    graphs' (0: none)."""
+    piecewise: int
+    step: int
+
+
+def graph_tokens(req: CalcRequest, dtype: str, max_len: int) -> GraphTokens:
+    """What the engine's start-up will choose (engine/runner.py). It measures its step costs and,
+    where the GPU's step sets the pace (not the host's work per round), caps its piecewise graphs at
+    the largest mixed step its prompt budget allows; under TP it captures whole-step graphs only for
+    steps the host paces; pipeline stages capture none. Here the same rules run on the roofline of
+    the GPU's known rates; with unknown rates, the largest sizes the configuration allows."""
+    step = 0 if req.pipeline_parallel_size > 1 else min(DEFAULT_STEP_GRAPH_MAX_TOKENS, req.max_num_batched_tokens)
     if req.gpu_rates is None:
-        return req.max_num_batched_tokens
+        return GraphTokens(req.max_num_batched_tokens, step)
     from engine.step_graph import step_buckets  # the sizes the engine times (imports torch: here, not at start)
 
     copy_bw, flops = req.gpu_rates
     weights = weight_bytes_per_gpu(req.model, dtype, req.tensor_parallel_size) // req.pipeline_parallel_size
     rows = step_buckets(min(req.max_num_batched_tokens, max_len, COST_MAX_ROWS))
     if len(rows) < 2:
-        return req.max_num_batched_tokens
+        return GraphTokens(req.max_num_batched_tokens, step)
     param_bytes = weight_bytes_per_gpu(req.model, dtype, 1) / req.model.num_params()
     # the largest mixed step is the one without context to read: the KV's cost does not enter
     model = StepCostModel.roofline(rows, weights, 2 * weights / param_bytes, 0, copy_bw * WEIGHT_READ_EFFICIENCY, flops,
                                    req.max_num_batched_tokens)
-    decodes = min(64, req.max_num_seqs)
-    if req.pipeline_parallel_size == 1 and model.scheduler_steps(decodes, AUTO_SCHEDULER_STEPS) > 1:
-        return req.max_num_batched_tokens  # host-bound: no prompt budget, graphs up to the full step
-    return min(req.max_num_batched_tokens, model.largest_mixed_step(req.max_num_seqs))
+    piecewise = req.max_num_batched_tokens
+    host_bound = req.pipeline_parallel_size == 1 and model.scheduler_steps(min(64, req.max_num_seqs), AUTO_SCHEDULER_STEPS) > 1
+    if not host_bound:  # a prompt budget: graphs up to the largest mixed step it allows
+        piecewise = min(piecewise, model.largest_mixed_step(req.max_num_seqs))
+        step = min(step, piecewise)
+    if req.tensor_parallel_size > 1:
+        step = min(step, model.host_bound_rows())
+    return GraphTokens(piecewise, step)
 
 
-def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: int) -> int:
+def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: GraphTokens) -> int:
     """What NCCL holds for the collectives the graphs of a tensor-parallel rank capture
     (engine/parallel/graph_memory.py), counted as the engine counts them, on the first stage (the
     most layers), with the one-shot all-reduce over NVLink taking the small ones."""
@@ -190,9 +204,9 @@ def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: int) -> int:
     from engine.piecewise import piecewise_buckets
     from engine.step_graph import step_buckets, step_shapes
 
-    prefill = piecewise_buckets(tokens)
-    if pp == 1:
-        prefill += [t for _, t in step_shapes(req.max_num_seqs, step_buckets(min(DEFAULT_STEP_GRAPH_MAX_TOKENS, tokens)))]
+    prefill = piecewise_buckets(tokens.piecewise)
+    if tokens.step:
+        prefill += [t for _, t in step_shapes(req.max_num_seqs, step_buckets(min(tokens.step, tokens.piecewise)))]
     layers = -(-req.model.num_layers // pp)
     row_bytes = req.model.hidden_size * DTYPE_BYTES[dtype]
     return NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(req.max_num_seqs), prefill, row_bytes, layers, True,
@@ -203,11 +217,11 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     dtype = resolve_model_dtype(req.dtype, req.model)
     max_len = req.max_model_len or req.model.max_context_len
     block_size = req.block_size or default_block_size(resolve_kv_cache_dtype(req.kv_cache_dtype, dtype))
-    tokens = piecewise_tokens(req, dtype, max_len)
+    tokens = graph_tokens(req, dtype, max_len)
     graphs = (estimate_graph_bytes(req.model, dtype, req.max_num_seqs, max_len, block_size, req.tensor_parallel_size)
-              + estimate_piecewise_graph_bytes(req.model, dtype, tokens, req.tensor_parallel_size))
-    if req.pipeline_parallel_size == 1:  # pipeline stages capture no whole-step graphs
-        graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, DEFAULT_STEP_GRAPH_MAX_TOKENS)
+              + estimate_piecewise_graph_bytes(req.model, dtype, tokens.piecewise, req.tensor_parallel_size))
+    if tokens.step:
+        graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, tokens.step)
     graphs += nccl_graph_bytes(req, dtype, tokens)
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
@@ -358,6 +372,7 @@ def _run_measure(args: argparse.Namespace) -> int:
         if runner.steps is not None:
             graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
         graph_reserved = runner.graph_bytes_reserved()
+        runner_steps = runner.steps is not None
         free_after_start = torch.cuda.mem_get_info()[0]
         engine.shutdown()
     measured = plan_request(req, activation_bytes=runner.activation_bytes)
@@ -372,8 +387,9 @@ def _run_measure(args: argparse.Namespace) -> int:
         # where a gap comes from: the engine's own reservation and largest graphed step, the part of the
         # activations outside torch (CUDA context, NCCL), and what the budget has left once started
         "engine_graph_bytes_reserved": graph_reserved, "engine_piecewise_tokens": runner.piecewise_max_tokens,
-        "predicted_piecewise_tokens": piecewise_tokens(req, resolve_model_dtype(req.dtype, req.model),
-                                                       req.max_model_len or req.model.max_context_len),
+        "engine_step_graph_tokens": runner.step_max_tokens if runner_steps else 0,
+        "predicted_graph_tokens": asdict(graph_tokens(req, resolve_model_dtype(req.dtype, req.model),
+                                                                  req.max_model_len or req.model.max_context_len)),
         "outside_torch_bytes": runner.outside_torch_bytes, "free_bytes_after_phase": runner.free_bytes_after_phase,
         "unused_budget_bytes_after_start": free_after_start - int(total * (1 - req.memory_utilization)),
     }

@@ -126,3 +126,10 @@ def test_roofline_model_reads_the_weights_once_then_turns_compute_bound():
     assert m.forward(1024) == pytest.approx(2.048) and m.forward(2048) == pytest.approx(4.096)
     # 2.5x a 256-row decode step's forward: the largest bucket within 2.5 ms is 1,024 rows
     assert m.largest_mixed_step(256) == 1024
+
+
+def test_host_bound_rows_is_the_largest_bucket_under_four_host_rounds():
+    # 0.5B-like: flat at 2 ms, 4 ms at 512 rows
+    m = StepCostModel((16, 64, 256, 512, 1024), (2.0, 2.1, 2.5, 4.0, 7.9), 0.0, 8192)
+    assert m.host_bound_rows() == 256  # 512 rows take 4 ms: the GPU paces them
+    assert model().host_bound_rows() == 0  # the 8B-like GPU: 5 ms at 16 rows already

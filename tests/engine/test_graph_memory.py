@@ -41,14 +41,18 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
     one = cmd.read_request(parse("--model", "llama3-70b", "--gpu-memory", "H100", "-pp", "2"))
-    assert cmd.nccl_graph_bytes(one, "bfloat16", 768) == 0  # no tensor parallel group: no NCCL in the graphs
-    two = cmd.read_request(parse("--model", "llama3-70b", "--gpu-memory", "H100", "-tp", "2"))
-    tokens = cmd.piecewise_tokens(two, "bfloat16", 8192)
-    prefill = piecewise_buckets(tokens) + [t for _, t in step_shapes(256, step_buckets(min(2304, tokens)))]
-    expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, 8192 * 2, 80, True, True,
-                                                      ONE_SHOT_MAX_BYTES[2])
-    assert cmd.nccl_graph_bytes(two, "bfloat16", tokens) == expected > 10**9  # ~1.5 GB on the 70B
-    m = two.model  # the plan's graph reserve: the activations' estimates and NCCL's share
-    assert cmd.plan_request(two).graph_bytes == (
-        calc.estimate_graph_bytes(m, "bfloat16", 256, 8192, 16, 2) + calc.estimate_piecewise_graph_bytes(m, "bfloat16", tokens, 2)
-        + calc.estimate_step_graph_bytes(256, 8192, 16, 2304) + expected)
+    assert cmd.nccl_graph_bytes(one, "bfloat16", cmd.GraphTokens(768, 0)) == 0  # no TP group: no NCCL in the graphs
+    for model, tp, layers, hidden in (("llama3-70b", 2, 80, 8192), ("llama3-8b", 4, 32, 4096)):
+        req = cmd.read_request(parse("--model", model, "--gpu-memory", "H100", "-tp", str(tp)))
+        tokens = cmd.graph_tokens(req, "bfloat16", 8192)
+        prefill = piecewise_buckets(tokens.piecewise)
+        if tokens.step:
+            prefill += [t for _, t in step_shapes(256, step_buckets(tokens.step))]
+        expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, hidden * 2, layers, True, True,
+                                                          ONE_SHOT_MAX_BYTES[tp])
+        assert cmd.nccl_graph_bytes(req, "bfloat16", tokens) == expected > 10**8
+        m = req.model  # the plan's graph reserve: the activations' estimates and NCCL's share
+        step = calc.estimate_step_graph_bytes(256, 8192, 16, tokens.step) if tokens.step else 0
+        assert cmd.plan_request(req).graph_bytes == (
+            calc.estimate_graph_bytes(m, "bfloat16", 256, 8192, 16, tp)
+            + calc.estimate_piecewise_graph_bytes(m, "bfloat16", tokens.piecewise, tp) + step + expected)

@@ -48,10 +48,11 @@ def test_cli_70b_on_two_stages_fits(capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["pipeline_parallel_size"], out["num_layers"]) == (2, 40)
     model = resolve_model("Llama-3-70B").config  # decode and piecewise graphs, no whole-step graphs
-    tokens = cmd.piecewise_tokens(cmd.read_request(parse(*argv)), "bfloat16", 8192)
-    assert tokens < 8192  # a stage of 40 layers still sets the pace: graphs up to the largest mixed step
+    tokens = cmd.graph_tokens(cmd.read_request(parse(*argv)), "bfloat16", 8192)
+    # a stage of 40 layers still sets the pace: graphs up to the largest mixed step; no whole-step graphs
+    assert tokens.piecewise < 8192 and tokens.step == 0
     assert out["graph_bytes"] == (calc.estimate_graph_bytes(model, "bfloat16", 256, 8192, 16)
-                                  + calc.estimate_piecewise_graph_bytes(model, "bfloat16", tokens))
+                                  + calc.estimate_piecewise_graph_bytes(model, "bfloat16", tokens.piecewise))
     assert out["num_blocks"] > 0
     assert cmd.run(parse("--model", "Llama-3-70B", "--gpu-memory", "H100", "-pp", "2", "-tp", "2")) == 0
     assert "tensor parallel 2 x pipeline parallel 2 (figures per GPU: a stage of 40 layers)" in capsys.readouterr().out

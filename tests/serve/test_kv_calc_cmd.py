@@ -41,24 +41,29 @@ def test_cli_text(capsys):
     assert f"{p.num_blocks:,}" in out and f"{p.max_tokens:,}" in out
     # the graph reserve is the engine's own estimate, counted before the KV cache, with the prefill
     # graphs up to the largest mixed step the engine's rule allows on an H100's roofline
-    tokens = cmd.piecewise_tokens(cmd.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")), "bfloat16", 8192)
-    assert 256 < tokens < 8192
+    tokens = cmd.graph_tokens(cmd.read_request(parse("--model", "llama3-8b", "--gpu-memory", "H100")), "bfloat16", 8192)
+    assert 256 < tokens.piecewise < 8192 and tokens.step == tokens.piecewise  # one GPU: whole-step graphs as far
     assert p.graph_bytes == (calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
-                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", tokens)
-                             + calc.estimate_step_graph_bytes(256, 8192, 16, 2304)) > 0
+                             + calc.estimate_piecewise_graph_bytes(preset("Llama-3-8B"), "bfloat16", tokens.piecewise)
+                             + calc.estimate_step_graph_bytes(256, 8192, 16, tokens.step)) > 0
 
 
-@pytest.mark.parametrize("model,gpu,tp,capped", [
-    ("llama3-70b", "H100", "2", True),  # the GPU sets the pace: prefill graphs up to the largest mixed step
-    ("llama3-70b", "H200", "4", True),
-    ("llama3-8b", "H100", "4", False),  # a 64-row forward under 4x the host's work a round: no prompt budget
-    ("qwen2.5-0.5b", "H100", "1", False),
-    ("llama3-70b", "80GiB", "2", False),  # no known rates: the largest step the configuration allows
+@pytest.mark.parametrize("model,gpu,tp,capped,steps", [
+    # the GPU sets the pace: prefill graphs up to the largest mixed step; under TP no step the host
+    # paces, so no whole-step graphs
+    ("llama3-70b", "H100", "2", True, 0),
+    ("llama3-70b", "H200", "4", True, 0),
+    # a 64-row forward under 4x the host's work a round: no prompt budget; under TP whole-step graphs
+    # for the steps still that short
+    ("llama3-8b", "H100", "4", False, (16, 2304)),
+    ("qwen2.5-0.5b", "H100", "1", False, 2304),
+    ("llama3-70b", "80GiB", "2", False, 2304),  # no known rates: the largest steps the configuration allows
 ])
-def test_piecewise_tokens_follow_the_engines_rule(model, gpu, tp, capped):
+def test_graph_tokens_follow_the_engines_rules(model, gpu, tp, capped, steps):
     req = cmd.read_request(parse("--model", model, "--gpu-memory", gpu, "-tp", tp))
-    tokens = cmd.piecewise_tokens(req, "bfloat16", 8192)
-    assert (256 < tokens < 8192) if capped else tokens == 8192
+    tokens = cmd.graph_tokens(req, "bfloat16", 8192)
+    assert (256 < tokens.piecewise < 8192) if capped else tokens.piecewise == 8192
+    assert (steps[0] <= tokens.step < steps[1]) if isinstance(steps, tuple) else tokens.step == steps
 
 
 def test_cuda_device_names_find_their_gpu_preset():
