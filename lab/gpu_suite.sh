@@ -143,8 +143,9 @@ for stage in "$@"; do
       ;;
     tp)
       # tensor parallelism on GPUS (default 2) GPUs: the one-shot all-reduce against NCCL in graphs,
-      # the TP/PP GPU tests, the 8B decode step per layout (LAYOUTS; an "n" layout keeps NCCL), and
-      # kv-calc --measure of the 70B at TP=GPUS; each under a time limit that dumps stacks
+      # the TP/PP GPU tests, the 8B decode step per layout (LAYOUTS; an "n" layout keeps NCCL), the
+      # start-up memory against the budget (lab/tp_memory.py) and kv-calc --measure of the 70B at
+      # TP=GPUS; each under a time limit that dumps stacks
       log "all-reduce, ${GPUS:-2} GPUs"
       timeout 150 python3 -m lab.allreduce --gpus ${GPUS:-2} --out "$OUT/allreduce-${GPUS:-2}.json" 2>&1 | tail -13
       log "TP/PP GPU tests"
@@ -153,6 +154,10 @@ for stage in "$@"; do
       log "decode step ${LAYOUTS:-1x1,2x1,2x1n}"
       timeout -s ABRT 420 python3 -X faulthandler -m lab.pp_check --model llama3-8b --layouts ${LAYOUTS:-1x1,2x1,2x1n} \
         --prompts 8 --output-len 32 --steps 40 --out "$OUT/tp-decode.json" 2>&1 | grep -v '^{' | cut -c1-400
+      log "start-up memory, llama3-8b -tp ${GPUS:-2}, one-shot and NCCL only"
+      for flag in "" --nccl-only; do
+        timeout -s ABRT 150 python3 -X faulthandler -m lab.tp_memory --model llama3-8b --tp ${GPUS:-2} $flag 2>&1 | grep -E '^\{|WARN'
+      done
       log "kv-calc --measure llama3-70b -tp ${GPUS:-2}"
       timeout -s ABRT 300 python3 -X faulthandler -m serve.cli kv-calc --model llama3-70b -tp ${GPUS:-2} --measure --json \
         > "$OUT/kvcalc-70b-tp${GPUS:-2}.json" 2> "$OUT/kvcalc-70b-tp${GPUS:-2}.err"; tail -3 "$OUT/kvcalc-70b-tp${GPUS:-2}.err"
