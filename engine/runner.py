@@ -328,7 +328,8 @@ class ModelRunner:
 
     def _check_budget(self) -> None:
         """Say so when start-up ended past the memory budget: the pool was sized from estimates of
-        what the graphs would take, and under tensor parallelism their capture took more (bench/NOTES.md)."""
+        what the graphs would take (under TP, before NCCL's share was counted, their capture took
+        1-2.7 GB more: bench/NOTES.md, 2026-11-26)."""
         if self.cfg.num_kv_blocks:
             return  # the user sized the pool
         free, total = torch.cuda.mem_get_info(self.device)

@@ -183,7 +183,8 @@ def graph_tokens(req: CalcRequest, dtype: str, max_len: int) -> GraphTokens:
     model = StepCostModel.roofline(rows, weights, 2 * weights / param_bytes, 0, copy_bw * WEIGHT_READ_EFFICIENCY, flops,
                                    req.max_num_batched_tokens)
     piecewise = req.max_num_batched_tokens
-    host_bound = req.pipeline_parallel_size == 1 and model.scheduler_steps(min(64, req.max_num_seqs), AUTO_SCHEDULER_STEPS) > 1
+    decodes = min(64, req.max_num_seqs)
+    host_bound = req.pipeline_parallel_size == 1 and model.scheduler_steps(decodes, AUTO_SCHEDULER_STEPS) > 1
     if not host_bound:  # a prompt budget: graphs up to the largest mixed step it allows
         piecewise = min(piecewise, model.largest_mixed_step(req.max_num_seqs))
         step = min(step, piecewise)
@@ -264,7 +265,8 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
               + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
         _line("activations", format_bytes(base.activation_bytes), act),
-        _line("CUDA graphs", format_bytes(base.graph_bytes), "decode, piecewise and step graphs, reserved as the engine does"),
+        _line("CUDA graphs", format_bytes(base.graph_bytes),
+              "decode, piecewise and step graphs (under TP, NCCL's share too), reserved as the engine does"),
         _line("KV cache", format_bytes(base.kv_cache_bytes), base.kv_dtype),
         _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
         _line("KV bytes per block", f"{base.bytes_per_block:,}",
@@ -389,7 +391,7 @@ def _run_measure(args: argparse.Namespace) -> int:
         "engine_graph_bytes_reserved": graph_reserved, "engine_piecewise_tokens": runner.piecewise_max_tokens,
         "engine_step_graph_tokens": runner.step_max_tokens if runner_steps else 0,
         "predicted_graph_tokens": asdict(graph_tokens(req, resolve_model_dtype(req.dtype, req.model),
-                                                                  req.max_model_len or req.model.max_context_len)),
+                                                      req.max_model_len or req.model.max_context_len)),
         "outside_torch_bytes": runner.outside_torch_bytes, "free_bytes_after_phase": runner.free_bytes_after_phase,
         "unused_budget_bytes_after_start": free_after_start - int(total * (1 - req.memory_utilization)),
     }
