@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from engine.cuda_graph import graph_buckets
-from kvcache import calc
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, forward_collectives, nccl_captures
 from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
 from engine.piecewise import piecewise_buckets
 from engine.step_graph import step_buckets, step_rows, step_shapes
+from kvcache import calc
 from serve import kv_calc_cmd as cmd
 
 
