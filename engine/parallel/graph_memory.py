@@ -1,12 +1,12 @@
 """GPU memory that NCCL holds for the collectives CUDA graphs capture.
 
 Each NCCL collective captured into a CUDA graph keeps about 120 KB of GPU memory for as long as the
-graph lives. Measured on H100s (torch 2.11's NCCL, 2026-11-26): Llama-3-8B at TP=2 ended start-up
-1.11 GB past its memory budget with 9,123 collectives captured through NCCL (every all-reduce NCCL's)
-and 0.75 GB past it with 6,293 (the one-shot all-reduce taking those of 2 MiB or less): 121 and 119 KB
-each; Llama-3-70B at TP=2 ended 1.20 and 2.12 GB past it, where ~11.8k and ~17.4k captures predict 1.4
-and 2.1 GB (bench/NOTES.md). The engine sets this memory aside before it sizes the KV pool, and
-`serve kv-calc` counts it the same way.
+graph lives. Measured on H100s (torch 2.11's NCCL, 2026-11-26), before the engine set it aside:
+Llama-3-8B at TP=2 ended start-up 1.11 GB past its memory budget with 9,123 collectives captured
+through NCCL (every all-reduce NCCL's) and 0.75 GB past it with ~6,200 (the one-shot all-reduce taking
+those of 2 MiB or less): ~121 KB each; Llama-3-70B at TP=2 ended 1.20 and 2.12 GB past it with the
+2 MiB and a 64 KiB limit, where this count predicts 1.45 and 2.26 GB (bench/NOTES.md). The engine sets
+this memory aside before it sizes the KV pool, and `serve kv-calc` counts it the same way.
 """
 from __future__ import annotations
 
