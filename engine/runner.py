@@ -25,9 +25,9 @@ from engine.parallel.comm import Comm
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
-from engine.piecewise import PiecewiseGraphs, piecewise_buckets
+from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
-from engine.step_graph import StepGraphs, step_buckets, step_shapes
+from engine.step_graph import StepGraphs, graphed_token_counts, step_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
@@ -437,12 +437,12 @@ class ModelRunner:
         prefill_tokens: list[int] = []  # the token count of each graphed forward with prompt tokens
         if self.cfg.piecewise_graphs:
             graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens, tp)
-            prefill_tokens += piecewise_buckets(self.piecewise_max_tokens, self._slow_buckets())
-            if self.step_max_tokens > 0 and self.pipe is None:  # a pipeline stage has none
+            step_tokens = self.step_max_tokens if self.pipe is None else 0  # a pipeline stage has none
+            if step_tokens > 0:
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
-                                                    self.step_max_tokens)
-                buckets = step_buckets(min(self.step_max_tokens, self.piecewise_max_tokens), self._slow_buckets())
-                prefill_tokens += [t for _, t in step_shapes(self.cfg.max_num_seqs, buckets)]
+                                                    step_tokens)
+            prefill_tokens = graphed_token_counts(self.cfg.max_num_seqs, self.piecewise_max_tokens, step_tokens,
+                                                  self._slow_buckets())
         if tp > 1 and self.device.type == "cuda":  # NCCL's memory for the collectives the graphs capture
             stage = self.model.stage
             graphs += NCCL_BYTES_PER_CAPTURE * nccl_captures(

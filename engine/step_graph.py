@@ -60,6 +60,18 @@ def step_shapes(max_num_seqs: int, token_buckets: list[int]) -> list[tuple[int, 
     return [(rows, t) for t in token_buckets for rows in step_rows(max_num_seqs) if rows <= t]
 
 
+def graphed_token_counts(max_num_seqs: int, piecewise_tokens: int, step_tokens: int,
+                         skip: frozenset[int] = frozenset()) -> list[int]:
+    """The token count of every graphed forward with prompt tokens: each piecewise bucket up to
+    piecewise_tokens, then each whole-step (R, T) pair up to step_tokens (0: none), less the skipped
+    buckets (what NCCL's share of graph memory counts: engine/parallel/graph_memory.py)."""
+    counts = piecewise_buckets(piecewise_tokens, skip)
+    if step_tokens > 0:
+        buckets = step_buckets(min(step_tokens, piecewise_tokens), skip)
+        counts += [t for _, t in step_shapes(max_num_seqs, buckets)]
+    return counts
+
+
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], piecewise: PiecewiseGraphs,
                  max_num_seqs: int, max_blocks_per_seq: int, max_tokens: int, device: torch.device,

@@ -178,10 +178,9 @@ def graph_tokens(req: CalcRequest, dtype: str, max_len: int) -> GraphTokens:
     rows = step_buckets(min(req.max_num_batched_tokens, max_len, COST_MAX_ROWS))
     if len(rows) < 2:
         return GraphTokens(req.max_num_batched_tokens, step)
-    param_bytes = weight_bytes_per_gpu(req.model, dtype, 1) / req.model.num_params()
     # the largest mixed step is the one without context to read: the KV's cost does not enter
-    model = StepCostModel.roofline(rows, weights, 2 * weights / param_bytes, 0, copy_bw * WEIGHT_READ_EFFICIENCY, flops,
-                                   req.max_num_batched_tokens)
+    model = StepCostModel.roofline(rows, weights, 2 * weights / DTYPE_BYTES[dtype], 0, copy_bw * WEIGHT_READ_EFFICIENCY,
+                                   flops, req.max_num_batched_tokens)
     piecewise = req.max_num_batched_tokens
     decodes = min(64, req.max_num_seqs)
     host_bound = req.pipeline_parallel_size == 1 and model.scheduler_steps(decodes, AUTO_SCHEDULER_STEPS) > 1
@@ -202,12 +201,9 @@ def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: GraphTokens) -> int:
         return 0
     from engine.cuda_graph import graph_buckets
     from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
-    from engine.piecewise import piecewise_buckets
-    from engine.step_graph import step_buckets, step_shapes
+    from engine.step_graph import graphed_token_counts
 
-    prefill = piecewise_buckets(tokens.piecewise)
-    if tokens.step:
-        prefill += [t for _, t in step_shapes(req.max_num_seqs, step_buckets(min(tokens.step, tokens.piecewise)))]
+    prefill = graphed_token_counts(req.max_num_seqs, tokens.piecewise, tokens.step)
     layers = -(-req.model.num_layers // pp)
     row_bytes = req.model.hidden_size * DTYPE_BYTES[dtype]
     return NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(req.max_num_seqs), prefill, row_bytes, layers, True,
