@@ -36,11 +36,17 @@ from kvcache.pool import LayerCache
 log = logging.getLogger("pagedserve")
 
 
-def piecewise_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[int]:
+def piecewise_buckets(max_tokens: int, skip: frozenset[int] = frozenset(), fine_above: int | None = None) -> list[int]:
     """Token counts to capture: 16 .. 512 (powers of two, then 384), every 256 above, and max_tokens,
     less those in skip (sizes a larger one computes faster: engine/cost_model.py). Above 512 tokens
-    a step is compute bound, so the padding (< 256 rows) costs < 1/3 there and < 1/16 from 4096 up."""
+    a step is compute bound, so the padding (< 256 rows) costs < 1/3 there and < 1/16 from 4096 up.
+    Above fine_above (the largest step a whole-step graph takes, engine/step_graph.py), also every 64
+    from 512 to 1024 and every 128 above: the sizes the prompt budget fills, so that a mixed step
+    pays for no padding (a 70B at TP=2 padded its ~570-token steps to 768: 30% more a prompt token)."""
     sizes = [16, 32, 64, 128, 256, 384, 512] + list(range(768, max_tokens + 1, 256))
+    if fine_above is not None:
+        finer = list(range(512, 1024, 64)) + list(range(1024, max_tokens, 128))
+        sizes += [s for s in finer if s > fine_above]
     return sorted({s for s in sizes if s < max_tokens and s not in skip} | {max_tokens})
 
 
@@ -69,9 +75,9 @@ class StaticBuffers:
 
 class PiecewiseGraphs:
     def __init__(self, model: LlamaForCausalLM, ops: Ops, caches: list[LayerCache], max_tokens: int,
-                 device: torch.device, skip: frozenset[int] = frozenset()) -> None:
+                 device: torch.device, skip: frozenset[int] = frozenset(), fine_above: int | None = None) -> None:
         self.model, self.ops, self.caches = model, ops, caches
-        self.buckets = piecewise_buckets(max_tokens, skip)
+        self.buckets = piecewise_buckets(max_tokens, skip, fine_above)
         self.max_tokens = self.buckets[-1]
         self.dtype = next(model.parameters()).dtype
         self.buf = StaticBuffers.allocate(model, self.max_tokens, self.dtype, device)

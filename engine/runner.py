@@ -270,6 +270,8 @@ class ModelRunner:
             # (engine/parallel/graph_memory.py: 19 MB a graph on the 70B); only steps the host paces
             # gain from them (on two H100s a 70B step of 16 tokens takes ~25 ms: none does)
             self.step_max_tokens = min(self.step_max_tokens, self.cost_model.host_bound_rows())
+        if not self.ops.work_lists or pp is not None:  # no whole-step graphs (see below)
+            self.step_max_tokens = 0
         # the scheduler's blocks must exist on every rank: the fewest any rank can hold
         self.num_blocks = self.comm.min_int(cfg.num_kv_blocks or self._auto_num_blocks())
         if pp is not None:  # and on every stage (each holds its own layers' KV in as many blocks)
@@ -294,8 +296,8 @@ class ModelRunner:
                                        self.max_blocks_per_seq, cfg.block_size, self.device, self.num_scheduler_steps)
             if cfg.piecewise_graphs:
                 self.piecewise = PiecewiseGraphs(self.model, self.ops, self.pool.layers, self.piecewise_max_tokens,
-                                                 self.device, self._slow_buckets())
-                if self.step_max_tokens > 0 and self.ops.work_lists and pp is None:
+                                                 self.device, self._slow_buckets(), fine_above=self.step_max_tokens)
+                if self.step_max_tokens > 0:
                     self.steps = StepGraphs(self.model, self.ops, self.pool.layers, self.piecewise, cfg.max_num_seqs,
                                             self.max_blocks_per_seq, self.step_max_tokens, self.device,
                                             self._slow_buckets())
@@ -437,7 +439,7 @@ class ModelRunner:
         prefill_tokens: list[int] = []  # the token count of each graphed forward with prompt tokens
         if self.cfg.piecewise_graphs:
             graphs += estimate_piecewise_graph_bytes(self.model_cfg, self.dtype_name, self.piecewise_max_tokens, tp)
-            step_tokens = self.step_max_tokens if self.pipe is None else 0  # a pipeline stage has none
+            step_tokens = self.step_max_tokens
             if step_tokens > 0:
                 graphs += estimate_step_graph_bytes(self.cfg.max_num_seqs, self.max_model_len, self.cfg.block_size,
                                                     step_tokens)

@@ -45,8 +45,7 @@ MAX_PREFILLS = 16  # chunks in one step graph; a step with more runs piecewise
 def step_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[int]:
     """Token counts to capture: the piecewise graphs', plus every 64 from 512 to 1024 and every 128
     above (padding < 1/8 of a step from 512 tokens up), less those in skip."""
-    finer = list(range(512, 1024, 64)) + list(range(1024, max_tokens, 128))
-    return sorted(set(piecewise_buckets(max_tokens, skip)) | {s for s in finer if s < max_tokens and s not in skip})
+    return piecewise_buckets(max_tokens, skip, fine_above=0)
 
 
 def step_rows(max_num_seqs: int) -> list[int]:
@@ -65,7 +64,7 @@ def graphed_token_counts(max_num_seqs: int, piecewise_tokens: int, step_tokens: 
     """The token count of every graphed forward with prompt tokens: each piecewise bucket up to
     piecewise_tokens, then each whole-step (R, T) pair up to step_tokens (0: none), less the skipped
     buckets (what NCCL's share of graph memory counts: engine/parallel/graph_memory.py)."""
-    counts = piecewise_buckets(piecewise_tokens, skip)
+    counts = piecewise_buckets(piecewise_tokens, skip, fine_above=step_tokens)
     if step_tokens > 0:
         buckets = step_buckets(min(step_tokens, piecewise_tokens), skip)
         counts += [t for _, t in step_shapes(max_num_seqs, buckets)]

@@ -45,7 +45,7 @@ def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
     for model, tp, layers, hidden in (("llama3-70b", 2, 80, 8192), ("llama3-8b", 4, 32, 4096)):
         req = cmd.read_request(parse("--model", model, "--gpu-memory", "H100", "-tp", str(tp)))
         tokens = cmd.graph_tokens(req, "bfloat16", 8192)
-        prefill = piecewise_buckets(tokens.piecewise)
+        prefill = piecewise_buckets(tokens.piecewise, fine_above=tokens.step)
         if tokens.step:
             prefill += [t for _, t in step_shapes(256, step_buckets(tokens.step))]
         expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, hidden * 2, layers, True, True,

@@ -12,3 +12,12 @@ def test_step_buckets_pad_less_than_an_eighth_from_512_tokens():
     assert 576 in b  # 64 decodes + one 512-token prompt: no padding
     assert step_buckets(100) == [16, 32, 64, 100]
     assert step_buckets(1000)[-3:] == [896, 960, 1000]
+
+
+def test_piecewise_graphs_take_the_fine_sizes_that_no_whole_step_graph_takes():
+    # the prompt budget fills step_buckets' sizes; a mixed step past the whole-step graphs (under TP,
+    # on a pipeline stage) replays the piecewise graphs, which then hold those sizes too
+    assert piecewise_buckets(1024, fine_above=0) == step_buckets(1024)
+    b = piecewise_buckets(1024, fine_above=640)
+    assert 576 not in b and {704, 768, 832, 896, 960, 1024} <= set(b)
+    assert piecewise_buckets(1024, fine_above=1024) == piecewise_buckets(1024)
