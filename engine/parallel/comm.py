@@ -39,7 +39,7 @@ class Comm:
         call at the same point. Returns why not, or None when it is on."""
         if self.size == 1:
             return "one rank"
-        why = peer_allreduce.peer_access(device, self.size)
+        why = peer_allreduce.peer_access(device, self.size, self.group.device.group_name)
         if self.min_int(int(why is None)) == 0:
             return why or "another rank can't use peer memory"
         peer = None

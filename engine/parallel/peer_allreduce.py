@@ -20,10 +20,9 @@ import torch
 # NV18, 2026-11-26, bench/results/allreduce-4xh100-2026-11-26.json) the one-shot kernel beat NCCL up to
 # 2 MiB at 2 ranks (8.8 against 10.8 us at 8 KiB) and 1 MiB at 4 (10.7 against 16.1 us at 8 KiB). Inside
 # Llama-3-8B's decode graphs at TP=2 it was slightly slower than NCCL (a step of 16 rows 4.59 against 4.56
-# ms, of 64 rows 5.25 against 5.18). But a TP engine ends over its memory budget once its graphs are
-# captured, and more so with more NCCL collectives inside them: Llama-3-70B at TP=2 by 1.2 GB with these
-# limits, by 2.1 GB with a 64 KiB limit (kv-calc --measure, H100s, bench/NOTES.md); the limits stay until
-# that is understood. A world size not measured uses NCCL for every message.
+# ms, of 64 rows 5.25 against 5.18). They stay for memory: NCCL keeps ~120 KB for each collective a CUDA
+# graph captures (engine/parallel/graph_memory.py), and this path takes most of the decode graphs' out of
+# it (8B TP=2: ~6,200 captures against 9,123 with NCCL alone). A world size not measured uses NCCL.
 ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 1 << 20}
 _ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
 
@@ -57,7 +56,7 @@ class PeerAllReduce:
         return out
 
 
-def peer_access(device: torch.device, ranks: int) -> str | None:
+def peer_access(device: torch.device, ranks: int, group_name: str | None = None) -> str | None:
     """Why this rank can't use peer memory, or None when it can."""
     if device.type != "cuda":
         return "not a GPU"
@@ -69,11 +68,22 @@ def peer_access(device: torch.device, ranks: int) -> str | None:
         return "this torch has no symmetric memory"
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
         return "this torch has no one-shot all-reduce"
+    if group_name is not None and _set_up_before(group_name):
+        # torch keeps what it set up by group name, and names restart with a new world group: a second
+        # engine in this process (LLM, then another LLM) hung mapping the buffers (2x H100, 2026-11-26)
+        return f"peer memory was set up for a group named {group_name!r} earlier in this process"
     me = device.index if device.index is not None else torch.cuda.current_device()
     for peer in range(torch.cuda.device_count()):
         if peer != me and not torch.cuda.can_device_access_peer(me, peer):
             return f"GPU {me} can't reach GPU {peer} directly"
     return None
+
+
+def _set_up_before(group_name: str) -> bool:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    return bool(enabled is not None and enabled(group_name))
 
 
 def allocate(device: torch.device, group, ranks: int, max_bytes: int | None = None) -> PeerAllReduce:
