@@ -1,10 +1,11 @@
 """The fused mixture-of-experts layer: tokens sorted by expert, two grouped matmuls, a sum.
 
-1. align (two small kernels, no host sync): the T*k (token, expert) assignments are sorted by expert and
-   each expert's run padded to a multiple of BLOCK_M; sorted_ids[r] names the assignment of row r
-   (T*k: a padding row), block_expert[b] the expert of rows b*BLOCK_M.. (-1: past the last
-   expert's rows; another rank's experts get none). The buffers have the worst case's size, which the
-   shapes alone fix (T*k // BLOCK_M + min(E, T*k) blocks), so CUDA graphs can capture it.
+1. align (three small kernels, no host sync): the T*k (token, expert) assignments are sorted by
+   expert and each expert's run padded to a multiple of BLOCK_M; sorted_ids[r] names the
+   assignment of row r (T*k: a padding row), block_expert[b] the expert of rows b*BLOCK_M.. (-1:
+   past the last expert's rows; another rank's experts get none). The buffers have the worst
+   case's size, which the shapes alone fix (T*k // BLOCK_M + min(E, T*k) blocks), so CUDA graphs
+   can capture it.
 2. gate/up kernel: a program takes one block of rows (one expert) and BLOCK_N columns of I, gathers
    the rows' tokens from x and keeps the gate and up accumulators, SiLU and multiply in the
    epilogue -> act [rows, I] in sorted order.
@@ -13,13 +14,15 @@
 
 Decode (a few rows per expert) reads each touched expert's weights once, in BLOCK_M = 16 blocks
 (the smallest tl.dot): memory bound. Prefill takes larger tiles: compute bound. plan() picks from
-the mean rows per expert. A Plan's options beside the tiles (program order, gate and up as one dot,
-TMA descriptors, the down kernel's own tiles) are there for lab/moe_gpu.py --sweep to measure.
+the mean rows per expert (PLAN_TABLE). A Plan's options beside the tiles (program order, gate and
+up as one dot, TMA descriptors, the down kernel's own tiles) are there for lab/moe_gpu.py --sweep
+to measure.
 
 Rounding as kernels/moe_reference.py (the reference and the CPU path).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -69,24 +72,32 @@ class Plan:
         return self.down or self.gate_up_tiles()
 
 
-def plan(tokens: int, top_k: int, num_experts: int) -> Plan:
-    """Tiles from the mean rows an expert gets (T*k / E). Each expert's run is padded to BLOCK_M,
-    so bigger row tiles waste more of a run (E x BLOCK_M / 2 rows on average) until the runs are
-    long. Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py, 2026-11-26): at 4 rows an
-    expert (64 tokens) 16 x 64 x 128 tiles read the experts at 93% of the copy bandwidth (the
-    other plans 88-93%); at 256 rows (4,096 tokens) 128 x 128 x 64 with 8 warps ran 5% faster
-    than 64 x 128 x 64 (both ~1/3 of the matmul rate). From 128 rows an expert, the sweep's best
-    (`lab/moe_gpu.py --sweep`, H100, same shape, bench/results/moe-sweep-2026-11-26.json): weights
-    through TMA, gate and up in one dot, the down kernel's own 128 x 256 tiles in groups of 4 row
-    blocks: 4,096 tokens 1.21 -> 0.85 ms (32% -> 46% of the matmul rate), 16,384 tokens 3.76 ->
-    2.65 ms (41% -> 59%)."""
+# (most rows an expert, Plan): plan() takes the first entry whose bound holds for the mean rows an
+# expert gets (T*k / E); the last bound is math.inf. Each expert's run is padded to BLOCK_M, so
+# bigger row tiles waste more of a run (E x BLOCK_M / 2 rows on average) until the runs are long.
+# Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py): at 4 rows an expert (64 tokens)
+# 16 x 64 x 128 tiles read the experts at 95% of the copy bandwidth; 64-row tiles up to 128 rows an
+# expert (less padding); from there `lab/moe_gpu.py --sweep`'s winners per size (weights through
+# TMA, gate and up in one dot, the down kernel's own 128 x 256 tiles; 2026-11-26,
+# bench/results/moe-sweep-h100-2026-11-26-b.json): 4,096 tokens 783 us (50% of the matmul rate),
+# 8,192 tokens 1,338 us (58%), 16,384 tokens 2,467 us (63%). `--sweep` prints a table in this form.
+PLAN_TABLE: tuple[tuple[float, Plan], ...] = (
+    (16, Plan(16, 64, 128, 4, 4)),
+    (128, Plan(64, 128, 64, 4, 4)),
+    (362, Plan(128, 128, 64, 8, 4, group_m=2, tma=True, fuse_gate_up=True,
+               down=Tiles(256, 64, 8, 4, group_m=2, tma=True))),
+    (724, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
+               down=Tiles(256, 64, 8, 4, group_m=2, tma=True))),
+    (math.inf, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
+                    down=Tiles(256, 64, 8, 3, group_m=4, tma=True))),
+)
+
+
+def plan(tokens: int, top_k: int, num_experts: int,
+         table: tuple[tuple[float, Plan], ...] = PLAN_TABLE) -> Plan:
+    """The tiles for the mean rows an expert gets (T*k / E), from `table` (see PLAN_TABLE)."""
     rows = tokens * top_k / max(1, num_experts)
-    if rows <= 16:
-        return Plan(16, 64, 128, 4, 4)
-    if rows <= 128:
-        return Plan(64, 128, 64, 4, 4)
-    return Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
-                down=Tiles(256, 64, 8, 3, group_m=4, tma=True))
+    return next(p for bound, p in table if rows <= bound)
 
 
 def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
@@ -97,9 +108,10 @@ def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
 def align(topk_ids: torch.Tensor, num_experts: int, expert_start: int,
           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int32 -> (sorted_ids int32 [blocks * block_m], block_expert int32 [blocks]),
-    see the module's docstring; two kernels (counts, then each assignment's row by an atomic add:
-    the order of rows within an expert's run varies, which changes no row's result). Experts outside
-    [expert_start, expert_start + num_experts) get no rows."""
+    see the module's docstring; three kernels, each over many programs (counts by atomics, then
+    each expert's first row and each block's expert, then each assignment's row by an atomic add:
+    the order of rows within an expert's run varies, which changes no row's result). Experts
+    outside [expert_start, expert_start + num_experts) get no rows."""
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous(), "topk_ids must be contiguous int32"
     n = topk_ids.numel()
     blocks = max_blocks(n, num_experts, block_m)
@@ -107,41 +119,51 @@ def align(topk_ids: torch.Tensor, num_experts: int, expert_start: int,
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     e_pad = next_pow2(num_experts + 1)  # the last bin collects other ranks' experts
+    counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    launch(_align_counts_kernel, (1,), topk_ids, cursor, block_expert, sorted_ids, n, blocks, expert_start,
-           num_experts, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, BLOCKS_CHUNK=max(16, 8192 // e_pad), num_warps=4)
-    launch(_align_scatter_kernel, (cdiv(n, 1024),), topk_ids, cursor, sorted_ids, n, blocks * block_m,
-           expert_start, num_experts, CHUNK=1024, num_warps=4)
+    chunk, blocks_chunk = 1024, max(16, 8192 // e_pad)
+    launch(_align_counts_kernel, (cdiv(max(n, blocks * block_m, 1), chunk),), topk_ids, counts, sorted_ids, n,
+           blocks * block_m, expert_start, num_experts, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    launch(_align_blocks_kernel, (cdiv(max(blocks, 1), blocks_chunk),), counts, cursor, block_expert, blocks,
+           num_experts, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_CHUNK=blocks_chunk, num_warps=4)
+    launch(_align_scatter_kernel, (cdiv(n, chunk),), topk_ids, cursor, sorted_ids, n, blocks * block_m,
+           expert_start, num_experts, CHUNK=chunk, num_warps=4)
     return sorted_ids, block_expert
 
 
-@triton.jit(do_not_specialize=["n", "num_blocks"])
-def _align_counts_kernel(ids_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr, n, num_blocks, expert_start,
-                         num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCKS_CHUNK: tl.constexpr):
-    # one program: each expert's rows (counts padded to BLOCK_M), its first row (the scatter's
-    # cursor), the expert of each block, and every row marked padding (n) until the scatter fills it
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c0 in tl.range(0, n, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ok = offs < n
-        e = tl.load(ids_ptr + offs, mask=ok, other=0) - expert_start
-        e = tl.where(ok & (e >= 0) & (e < num_experts), e, E_PAD - 1)
-        counts += tl.histogram(e, E_PAD)
+# Align and the sum took 0.11 ms beside the two matmuls at 4,096 tokens on an H100
+# (bench/results/moe-kernel-2026-11-26.json) when one program counted every assignment in a loop
+# (T*k / 1024 steps): the counts now spread over a program per 1,024 rows.
+@triton.jit(do_not_specialize=["n", "num_rows"])
+def _align_counts_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, n, num_rows, expert_start, num_experts,
+                         E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # a chunk of assignments added to each expert's count (zeroed before), and a chunk of rows
+    # marked padding (n) until the scatter fills them
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < n
+    e = tl.load(ids_ptr + offs, mask=ok, other=0) - expert_start
+    e = tl.where(ok & (e >= 0) & (e < num_experts), e, E_PAD - 1)
+    hist = tl.histogram(e, E_PAD)
+    lanes = tl.arange(0, E_PAD)
+    tl.atomic_add(counts_ptr + lanes, hist, mask=(lanes < num_experts) & (hist > 0))
+    tl.store(sorted_ids_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=offs < num_rows)
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def _align_blocks_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_blocks, num_experts, BLOCK_M: tl.constexpr,
+                         E_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    # each expert's count padded to BLOCK_M; program 0 writes each expert's first row (the
+    # scatter's cursor), every program the expert of its chunk of blocks
     lanes = tl.arange(0, E_PAD)
     mine = lanes < num_experts
-    counts = tl.where(mine, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (tl.load(counts_ptr + lanes, mask=mine, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + lanes, ends - padded)
-    for b0 in tl.range(0, num_blocks, BLOCKS_CHUNK):
-        b = b0 + tl.arange(0, BLOCKS_CHUNK)
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & mine[None, :]
-        expert = tl.sum(before.to(tl.int32), axis=1)  # experts whose rows end before the block
-        tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
-    for r0 in tl.range(0, num_blocks * BLOCK_M, CHUNK):
-        r = r0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + r, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=r < num_blocks * BLOCK_M)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + lanes, ends - padded)
+    b = tl.program_id(0) * BLOCKS_CHUNK + tl.arange(0, BLOCKS_CHUNK)
+    before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & mine[None, :]
+    expert = tl.sum(before.to(tl.int32), axis=1)  # experts whose rows end before the block
+    tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
 
 
 @triton.jit(do_not_specialize=["n", "num_rows"])
@@ -290,7 +312,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """kernels/moe_reference.py's fused_moe on the Triton kernels: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H]. num_global_experts: the
     model's experts, where this rank holds only E of them (expert parallel)."""
-    t, h = x.shape
+    t = x.shape[0]
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     assert topk_ids.shape == topk_weights.shape == (t, top_k), "topk_ids and topk_weights must be [T, k]"
     if t == 0:
@@ -300,8 +322,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # a token's pick of another rank's expert leaves its row unwritten: it must read zero
     rows = experts(x, w13, w2, topk_weights, sorted_ids, block_expert, p,
                    zero_fill=num_global_experts not in (None, num_experts))
-    out = torch.empty_like(x)
-    launch(_moe_sum_kernel, (t, cdiv(h, 1024)), rows, out, h, rows.stride(0), out.stride(0), TOP_K=top_k,
+    return sum_rows(rows, top_k)
+
+
+def sum_rows(rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """rows [T*k, H] (a token's k rows one after another) -> [T, H], summed in float32."""
+    n, h = rows.shape
+    assert n % top_k == 0 and rows.stride(1) == 1, "rows must be [T*k, H] with contiguous rows"
+    out = torch.empty((n // top_k, h), dtype=rows.dtype, device=rows.device)
+    launch(_moe_sum_kernel, (n // top_k, cdiv(h, 1024)), rows, out, h, rows.stride(0), out.stride(0), TOP_K=top_k,
            BLOCK_H=1024, num_warps=4)
     return out
 

@@ -16,17 +16,22 @@ Hidden 2048, 128 experts, top 8, expert width 768, bf16, random weights and unif
 Writes one JSON with the GPU's name and the date to --out.
 
 --sweep instead times the prefill variants of kernels/moe.py's Plan (tiles, program order, gate and
-up as one dot, TMA weights, the down kernel's own tiles) at 4,096 and 16,384 tokens, kernel by
-kernel: every candidate compiled first on threads, each timed (CUDA events, median) and its layer
-output (the other kernel as it was, the k rows summed) checked once against the torch reference;
-then the two kernels' fastest program orders; then, per row tile, the fastest gate/up with the
-fastest down as one Plan, timed as a whole layer (CUDA graph) beside plan()'s pick. Decode at 64
-tokens is the control (plan()'s pick in each mode). Also a dense matmul pair with the layer's FLOPs.
-The JSON (rewritten after each phase) has every candidate's ms, TFLOP/s and fraction of the
-matmul rate measured in the same run, and the best Plan per token count. About 90 compiles (on
---threads threads) and 170 timings: estimated at a minute or so on an H100, not yet measured:
+up as one dot, TMA weights, the down kernel's own tiles) at --tokens (4,096, 8,192 and 16,384:
+256, 512 and 1,024 rows an expert), kernel by kernel: every candidate compiled first on threads,
+each timed (CUDA events, median) in program order FIRST_GROUP and its layer output (the other
+kernel as the base Plan's, the k rows summed) checked once against the torch reference; then
+other program orders of each kernel's fastest at each size; then, per size and row tile, the two
+fastest gate/ups with the two fastest downs, each pair timed as a whole layer (CUDA graph, checked
+against the reference) beside plan()'s pick, and the best layer's parts alone (align, gate/up,
+down, the sum). Decode at 64 tokens is the control (plan()'s pick in each mode). Also a dense
+matmul pair with each size's FLOPs. The JSON (rewritten after each phase) has every candidate's
+ms, TFLOP/s and fraction of the matmul rate measured in the same run, the best Plan per token
+count, and the lines of kernels/moe.py's PLAN_TABLE with the winners (also printed last). About
+20 + 12-36 compiles (on --threads threads), 70-140 kernel timings and 27 graph timings: 1-2
+minutes on an H100 (estimated; the 2026-11-26 sweep, 86 compiles and 2 sizes, took 20 s after
+the hardware probe):
 
-    python -m lab.moe_gpu --sweep --out moe_sweep.json
+    python -m lab.moe_gpu --sweep --tokens 4096,8192,16384 --out moe_sweep.json
 
 --sm90 (no GPU needed) compiles every --sweep candidate for an H100 with Triton's own ptxas and
 prints one JSON line each: shared memory, registers, spills, whether the loop runs on wgmma and
@@ -38,6 +43,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import statistics
 import time
@@ -206,20 +212,27 @@ def engine() -> dict:
 
 
 # --- --sweep -----------------------------------------------------------------------------------
-# Candidates, by BLOCK_M. Every one compiles for sm_90 with triton 3.6 without register spills and
-# within the 227 KB of shared memory (checked on a CPU with Triton's own ptxas); 128-row tiles
-# with 4 warps and 128 columns spill. Gate/up tiles (block_n, block_k, num_warps, num_stages),
-# each in the four modes (two dots or one fused dot, x pointer weights or TMA weights):
-SWEEP_T = (4096, 16384)
-GATE_UP_TILES = {128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 3)],
-                 64: [(128, 64, 4, 4), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)]}
-GATE_UP_MODES = ((False, False), (False, True), (True, False), (True, True))  # (fuse_gate_up, tma)
-# down tiles, each with pointer and with TMA loads (act rows and w2)
-DOWN_TILES = {128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3),
-                    (64, 64, 4, 4), (64, 128, 4, 3)],
-              64: [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 3)]}
-GROUPS = (1, 4, 16)  # program orders tried on each kernel's two fastest candidates (at the first size)
+# Candidates, by BLOCK_M. The sweep of 2026-11-26 (H100, bench/results/moe-sweep-2026-11-26.json)
+# pruned them: the fastest 64-row layer ran 18% (4,096 tokens) and 21% (16,384) behind the fastest
+# 128-row one; weights through TMA tied or beat pointer loads at every tile, and with TMA one
+# gate/up dot beat two at every tile; 64 gate/up columns (x2 fused) lost by 8% (4,096) and 27%
+# (16,384), 64 or 128 down columns (ungrouped) by >= 36%; group_m 4 was the best order of both
+# kernels at 16,384 tokens (g1, g16 within 1-7%). Kept: those winners and neighbours that 256 to
+# 1,024 rows an expert may favour (deeper pipelines, BLOCK_K 128 in two stages, 16 warps, 128 down
+# columns in groups, where two programs fit an SM). Every one compiles for sm_90 with triton 3.9
+# without register spills and within the 227 KB of shared memory (`--sm90`).
+# Gate/up tiles (block_n, block_k, num_warps, num_stages), each in GATE_UP_MODES:
+SWEEP_T = (4096, 8192, 16384)
+GATE_UP_TILES = {128: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 16, 4)]}
+GATE_UP_MODES = ((True, True),)  # (fuse_gate_up, tma)
+# down tiles, each with the loads of DOWN_TMA (act rows and w2 through TMA: True)
+DOWN_TILES = {128: [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (256, 64, 16, 3), (128, 64, 8, 3),
+                    (128, 64, 4, 3)]}
+DOWN_TMA = (True,)
+FIRST_GROUP = 4  # every candidate's program order in the first phase
+GROUPS = (1, 2, 8)  # then each kernel's fastest (TOP_FOR_GROUPS at each size) in these orders
 TOP_FOR_GROUPS = 2
+TOP_FOR_LAYERS = 2  # per size and row tile: the fastest gate/ups x the fastest downs, each as a layer
 DECODE_MODES = ((False, False), (False, True), (True, False), (True, True))  # plan()'s decode tiles in each
 
 
@@ -239,19 +252,22 @@ class Sweep:
     device: str = "cuda"
     decode_layers: int = LAYERS
     gate_up_tiles: dict = field(default_factory=lambda: GATE_UP_TILES)
+    gate_up_modes: tuple[tuple[bool, bool], ...] = GATE_UP_MODES
     down_tiles: dict = field(default_factory=lambda: DOWN_TILES)
+    down_tma: tuple[bool, ...] = DOWN_TMA
+    first_group: int = FIRST_GROUP
     groups: tuple[int, ...] = GROUPS
     tol: float = 1.5e-2  # relative error against the reference (bf16: tests/kernels/util.py's REL_TOL)
 
     def __post_init__(self) -> None:
-        # a down candidate runs on the first gate/up tiles' output at its row tile
+        # a down candidate runs on the first gate/up candidate's output at its row tile
         assert set(self.down_tiles) <= set(self.gate_up_tiles), "every down row tile needs gate/up tiles"
 
 
 @dataclass
 class _Case:
-    """One token count and row tile: inputs, align()'s rows, the reference output, and the
-    gate/up output of the kernels as they were (the down candidates' input)."""
+    """One token count and row tile: inputs, align()'s rows, the reference output, and the base
+    Plan's gate/up output (the down candidates' input; the gate/up candidates' down)."""
     t: int
     block_m: int
     x: torch.Tensor
@@ -314,14 +330,16 @@ def _plan_json(p: Plan) -> dict:
 
 def gate_up_candidates(cfg: Sweep) -> list[Plan]:
     from kernels import moe
-    return [moe.Plan(bm, *tiles, tma=tma, fuse_gate_up=fused)
-            for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in GATE_UP_MODES]
+    return [moe.Plan(bm, *tiles, group_m=cfg.first_group, tma=tma, fuse_gate_up=fused)
+            for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in cfg.gate_up_modes]
 
 
 def down_candidates(cfg: Sweep) -> list[Plan]:
+    """Each down tile as the Plan of the row tile's first gate/up candidate with that down."""
     from kernels import moe
-    return [moe.Plan(bm, *cfg.gate_up_tiles[bm][0], down=moe.Tiles(*tiles, tma=tma))
-            for bm, tile_list in cfg.down_tiles.items() for tiles in tile_list for tma in (False, True)]
+    first = {p.block_m: p for p in reversed(gate_up_candidates(cfg))}
+    return [dataclasses.replace(first[bm], down=moe.Tiles(*tiles, group_m=cfg.first_group, tma=tma))
+            for bm, tile_list in cfg.down_tiles.items() for tiles in tile_list for tma in cfg.down_tma]
 
 
 def _grouped(kind: str, p: Plan, group_m: int) -> Plan:
@@ -359,18 +377,20 @@ def _rel_err_to(rows, case: _Case, top_k: int) -> float:
 
 
 def _cases(cfg: Sweep, w13, w2, block_ms) -> dict:
-    """(T, BLOCK_M) -> _Case for every sweep size and row tile."""
+    """(T, BLOCK_M) -> _Case for every sweep size and row tile; the base Plan: the row tile's first
+    gate/up candidate with its first down candidate (compiled here, one after the other)."""
     from kernels import moe
     from kernels import moe_reference as ref
+    bases = {p.block_m: p for p in reversed(gate_up_candidates(cfg))}
+    bases |= {p.block_m: p for p in reversed(down_candidates(cfg))}
     cases = {}
     for t in cfg.sizes:
         x, weights, ids = _sweep_inputs(cfg, t, seed=t)
         expect = ref.fused_moe(x, w13, w2, weights, ids)
         for bm in block_ms:
             sorted_ids, block_expert = moe.align(ids, cfg.experts, 0, bm)
-            base = moe.Plan(bm, *cfg.gate_up_tiles[bm][0])
-            act = moe.gate_up(x, w13, sorted_ids, block_expert, cfg.top_k, base)
-            cases[t, bm] = _Case(t, bm, x, weights, ids, sorted_ids, block_expert, expect, base, act)
+            act = moe.gate_up(x, w13, sorted_ids, block_expert, cfg.top_k, bases[bm])
+            cases[t, bm] = _Case(t, bm, x, weights, ids, sorted_ids, block_expert, expect, bases[bm], act)
     return cases
 
 
@@ -535,8 +555,8 @@ def sweep(cfg: Sweep, header: dict, matmul_flops: float, copy_bw: float) -> dict
     """--sweep; writes cfg.out after each phase (and on a failure, what it has) and returns it."""
     t0 = time.perf_counter()
     shape = {"hidden": cfg.hidden, "experts": cfg.experts, "top_k": cfg.top_k, "width": cfg.width, "dtype": cfg.dtype}
-    result: dict = {"mode": "sweep", **header, "shape": shape, "iters": cfg.iters, "compile": [], "kernels": [],
-                    "layers": [], "best": {}}
+    result: dict = {"mode": "sweep", **header, "shape": shape, "sizes": list(cfg.sizes), "iters": cfg.iters,
+                    "compile": [], "kernels": [], "layers": [], "best": {}}
 
     def save() -> None:
         result["wall_s"] = time.perf_counter() - t0
@@ -550,16 +570,35 @@ def sweep(cfg: Sweep, header: dict, matmul_flops: float, copy_bw: float) -> dict
         _candidates_phase(cfg, cases, w13, w2, matmul_flops, result, save)
         _groups_phase(cfg, cases, w13, w2, matmul_flops, block_ms, result, save)
         _layers_phase(cfg, cases, w13, w2, matmul_flops, block_ms, result, save)
+        result["plan_table"] = plan_table_source(cfg, result, header)
         result["decode"] = _decode_control(cfg, copy_bw)
     finally:
         save()
-    for t, best in result["best"].items():
-        b, pick = best["layer"], best["plan_pick"]
-        if b and "ms" in pick:
-            print(f"T={t}: best {b['plan']['repr']}: {b['ms'] * 1e3:.0f} us, {b['fraction_of_matmul']:.0%} of the "
-                  f"matmul rate (plan() pick {pick['ms'] * 1e3:.0f} us, {pick['fraction_of_matmul']:.0%})", flush=True)
+    _summary(result)
     print(f"wrote {cfg.out} ({result['wall_s']:.0f} s)", flush=True)
     return result
+
+
+def _summary(result: dict) -> None:
+    """Per size: the best layer against plan()'s pick and the dense pair, and where its time went;
+    then the plan table."""
+    dense = {d["tokens"]: d for d in result.get("dense_equivalent", [])}
+    for t, best in result["best"].items():
+        b, pick, parts = best["layer"], best["plan_pick"], best.get("parts", {})
+        if not b:
+            print(f"T={t}: no layer ran correctly", flush=True)
+            continue
+        d = dense.get(int(t))
+        print(f"T={t}: best {_plan_source(_plan_from(b))}: {b['ms'] * 1e3:.0f} us, {b['fraction_of_matmul']:.1%} of "
+              f"the matmul rate, err {b['rel_err']:.1e}"
+              + (f" (plan() pick {pick['ms'] * 1e3:.0f} us, {pick['fraction_of_matmul']:.1%})" if "ms" in pick else "")
+              + (f"; dense pair {d['ms'] * 1e3:.0f} us ({d['fraction_of_matmul']:.0%}): the layer at "
+                 f"{best['fraction_of_dense']:.0%} of its rate" if d else ""), flush=True)
+        if "align_ms" in parts:
+            print("  parts from graphs: " + ", ".join(f"{k[:-3]} {v * 1e3:.0f} us" for k, v in parts.items()),
+                  flush=True)
+    if result.get("plan_table"):
+        print("\n".join(result["plan_table"]), flush=True)
 
 
 def _decode_compiles(cfg: Sweep, w13, w2) -> list[Callable[[], object]]:
@@ -597,14 +636,14 @@ def _candidates_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, res
 def _groups_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_ms: list[int], result: dict,
                   save) -> None:
     """cfg.groups' program orders on each kernel's TOP_FOR_GROUPS fastest candidates per row tile
-    (ranked at the first size), timed at every size."""
+    at each size (their union), timed at every size."""
     rows = result["kernels"]
     grouped = []
     for kind in ("gate_up", "down"):
         for bm in block_ms:
-            ranked = sorted((r for r in rows if r["kernel"] == kind and r["tokens"] == cfg.sizes[0] and r.get("ok")
-                             and r["plan"]["block_m"] == bm), key=lambda r: r["ms"])
-            grouped += [(kind, _grouped(kind, _plan_from(r), g)) for r in ranked[:TOP_FOR_GROUPS] for g in cfg.groups]
+            top = [_plan_from(r) for t in cfg.sizes for r in _ranked(rows, kind, bm, t)[:TOP_FOR_GROUPS]]
+            grouped += [(kind, _grouped(kind, p, g)) for p in dict.fromkeys(top) for g in cfg.groups
+                        if g != _tiles(kind, p).group_m]
     tasks = [task for kind in ("gate_up", "down")
              for task in _compile_tasks(kind, [p for k, p in grouped if k == kind], cases, w13, w2, cfg.top_k)]
     result["compile"].append(_compile_all(tasks, cfg.threads, cfg.device))
@@ -615,10 +654,21 @@ def _groups_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_m
     save()
 
 
+def _ranked(rows: list[dict], kind: str, bm: int, t: int) -> list[dict]:
+    """The kernel's correct candidates at row tile bm and size t, fastest first."""
+    return sorted((r for r in rows if r["kernel"] == kind and r["tokens"] == t and r.get("ok")
+                   and r["plan"]["block_m"] == bm), key=lambda r: r["ms"])
+
+
+def _tiles(kind: str, p: Plan):
+    return p.gate_up_tiles() if kind == "gate_up" else p.down_tiles()
+
+
 def _layers_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_ms: list[int], result: dict,
                   save) -> None:
-    """Per size: plan()'s pick and, per row tile, the fastest gate/up with the fastest down, each as
-    a whole layer; the best of them."""
+    """Per size: plan()'s pick and, per row tile, each of the TOP_FOR_LAYERS fastest gate/ups with
+    each of the TOP_FOR_LAYERS fastest downs, as whole layers from CUDA graphs; the best of them,
+    and its parts timed alone."""
     from kernels import moe
     rows, layers = result["kernels"], result["layers"]
     for t in cfg.sizes:
@@ -628,16 +678,85 @@ def _layers_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_m
         layers.append(pick_row)
         _print_row(pick_row)
         for bm in block_ms:
-            mine = [r for r in rows if r["plan"]["block_m"] == bm and r["tokens"] == t]
-            gu, dn = _best(mine, kernel="gate_up"), _best(mine, kernel="down")
-            if gu and dn:
-                layers.append(_layer(_composed(gu, dn), cases[t, bm], w13, w2, cfg, matmul_flops,
-                                     f"fastest gate/up + down, BLOCK_M {bm}"))
-                _print_row(layers[-1])
-        result["best"][str(t)] = {"layer": _best(layers, tokens=t), "plan_pick": pick_row,
+            for gu in _ranked(rows, "gate_up", bm, t)[:TOP_FOR_LAYERS]:
+                for dn in _ranked(rows, "down", bm, t)[:TOP_FOR_LAYERS]:
+                    p = _composed(gu, dn)
+                    if p != pick:
+                        layers.append(_layer(p, cases[t, bm], w13, w2, cfg, matmul_flops,
+                                             f"gate/up {gu['label']} + down {dn['label']}"))
+                        _print_row(layers[-1])
+        best = _best(layers, tokens=t)
+        dense = next((d for d in result.get("dense_equivalent", []) if d["tokens"] == t), None)
+        result["best"][str(t)] = {"layer": best, "plan_pick": pick_row,
                                   "gate_up": _best(rows, kernel="gate_up", tokens=t),
-                                  "down": _best(rows, kernel="down", tokens=t)}
+                                  "down": _best(rows, kernel="down", tokens=t), "dense_equivalent": dense,
+                                  "fraction_of_dense": dense["ms"] / best["ms"] if best and dense else None,
+                                  "parts": _parts(_plan_from(best), cases[t, best["plan"]["block_m"]], w13, w2, cfg)
+                                  if best and (t, best["plan"]["block_m"]) in cases else {}}
         save()
+
+
+def _parts(p: Plan, case: _Case, w13, w2, cfg: Sweep) -> dict:
+    """ms of each of the layer's parts alone, each from a CUDA graph: align, gate/up, down, the sum."""
+    from kernels import moe
+    k = cfg.top_k
+    try:
+        sorted_ids, block_expert = moe.align(case.ids, cfg.experts, 0, p.block_m)
+        act = moe.gate_up(case.x, w13, sorted_ids, block_expert, k, p)
+        rows = moe.down(act, w2, sorted_ids, block_expert, case.weights, p)
+        return {"align_ms": _graph_ms(lambda: moe.align(case.ids, cfg.experts, 0, p.block_m), cfg.device),
+                "gate_up_ms": _graph_ms(lambda: moe.gate_up(case.x, w13, sorted_ids, block_expert, k, p), cfg.device),
+                "down_ms": _graph_ms(lambda: moe.down(act, w2, sorted_ids, block_expert, case.weights, p), cfg.device),
+                "sum_ms": _graph_ms(lambda: moe.sum_rows(rows, k), cfg.device)}
+    except Exception as e:  # noqa: BLE001 - a diagnosis only
+        return {"error": _one_line(e)}
+
+
+def _plan_source(p: Plan) -> str:
+    """p as kernels/moe.py writes its plans: the tiles by position, other fields where not default."""
+    from kernels import moe
+
+    def src(obj, positional: int) -> str:
+        fields = dataclasses.fields(obj)
+        args = [repr(getattr(obj, f.name)) for f in fields[:positional]]
+        for f in fields[positional:]:
+            v = getattr(obj, f.name)
+            if v != f.default:
+                args.append(f"{f.name}={src(v, 4) if isinstance(v, moe.Tiles) else repr(v)}")
+        return f"{type(obj).__name__}({', '.join(args)})"
+    return src(p, 5)
+
+
+def plan_table(cfg: Sweep, winners: dict[int, Plan]) -> list[tuple[float, Plan, list[int]]]:
+    """kernels/moe.py's PLAN_TABLE with the sweep's winners: the entries below the smallest size's
+    rows an expert kept, then each size's winner up to the rows halfway (geometric mean) to the
+    next size's, the largest's to math.inf; neighbours with one Plan merged. (bound, Plan, sizes)."""
+    from kernels import moe
+    sizes = sorted(winners)
+    rows = [t * cfg.top_k / cfg.experts for t in sizes]
+    bounds = [round(math.sqrt(a * b)) for a, b in zip(rows, rows[1:])] + [math.inf]
+    entries = [(b, p, []) for b, p in moe.PLAN_TABLE if b < rows[0]]
+    for bound, t in zip(bounds, sizes):
+        if entries and entries[-1][1] == winners[t]:
+            entries[-1] = (bound, winners[t], entries[-1][2] + [t])
+        else:
+            entries.append((bound, winners[t], [t]))
+    return entries
+
+
+def plan_table_source(cfg: Sweep, result: dict, header: dict) -> list[str]:
+    """plan_table() of the best layers as lines to paste into kernels/moe.py (none if no size ran)."""
+    best = {int(t): b["layer"] for t, b in result["best"].items() if b["layer"]}
+    if not best:
+        return []
+    lines = [f"# {header.get('gpu')}, {header.get('date')}, triton {header.get('triton')}: lab/moe_gpu.py --sweep",
+             "PLAN_TABLE: tuple[tuple[float, Plan], ...] = ("]
+    for bound, p, sizes in plan_table(cfg, {t: _plan_from(b) for t, b in best.items()}):
+        note = "; ".join(f"{t:,} tokens {best[t]['ms'] * 1e3:.0f} us, {best[t]['fraction_of_matmul']:.0%} of the "
+                         "matmul rate" for t in sizes)
+        lines.append(f"    ({'math.inf' if bound == math.inf else bound}, {_plan_source(p)}),"
+                     + (f"  # {note}" if note else ""))
+    return lines + [")"]
 
 
 def _case_for(cfg: Sweep, cases: dict, t: int, bm: int) -> _Case:
@@ -715,11 +834,23 @@ def sm90(cfg: Sweep) -> int:
     return 1 if bad else 0
 
 
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts like 4096,8192,16384, got {text!r}")
+    return tuple(sorted(set(sizes)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="the JSON file to write (needed but with --sm90)")
     ap.add_argument("--engine", action="store_true", help="also serve the preset through LLM (a few minutes)")
-    ap.add_argument("--sweep", action="store_true", help="time the prefill Plan variants instead (about a minute)")
+    ap.add_argument("--sweep", action="store_true", help="time the prefill Plan variants instead (about 2 minutes)")
+    ap.add_argument("--tokens", type=_token_counts, default=SWEEP_T,
+                    help="--sweep: the prefill token counts, comma separated (default %(default)s)")
     ap.add_argument("--iters", type=int, default=20, help="--sweep: timed calls per candidate (median)")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1),
                     help="--sweep: threads that compile the candidates")
@@ -748,7 +879,8 @@ def main(argv: list[str] | None = None) -> int:
         header = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
                   "torch": torch.__version__, "triton": triton.__version__,
                   "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
-        sweep(Sweep(out=args.out, iters=args.iters, threads=args.threads), header, hw.matmul_flops, hw.copy_bandwidth)
+        sweep(Sweep(out=args.out, iters=args.iters, threads=args.threads, sizes=args.tokens), header,
+              hw.matmul_flops, hw.copy_bandwidth)
         return 0
     layers = [_layer_weights(i) for i in range(LAYERS)]
     result = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),

@@ -1,5 +1,7 @@
 """The fused MoE kernels (kernels/moe.py) against kernels/moe_reference.py, under TRITON_INTERPRET=1
 on the CPU at tiny shapes, and at Qwen3-30B-A3B's shape on a GPU."""
+import math
+
 import pytest
 import torch
 
@@ -49,6 +51,38 @@ def test_align_many_assignments():
     for b, e in enumerate(block_expert.tolist()):
         rows = [r for r in sorted_ids[b * 16:(b + 1) * 16].tolist() if r < 2100]
         assert all(flat[r] == e for r in rows) and (e >= 0 or not rows)
+
+
+def test_align_many_programs_and_expert_parallel():
+    """Counts over several programs (3,000 assignments, 1,024 a program), block experts over
+    several (130 experts: 32 blocks a program), a rank's experts 20..119 only: each local
+    assignment lands once, in its expert's run; runs start on a block, in expert order; the rest
+    is padding."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 130, (1000, 3), generator=g, dtype=torch.int32).to(DEVICE)
+    n, start, local = ids.numel(), 20, 100
+    sorted_ids, block_expert = moe.align(ids, local, start, 16)
+    blocks = moe.max_blocks(n, local, 16)
+    assert block_expert.numel() == blocks > 32 and sorted_ids.numel() == blocks * 16
+    flat = ids.flatten().tolist()
+    mine = [a for a in range(n) if start <= flat[a] < start + local]
+    assert sorted(r for r in sorted_ids.tolist() if r < n) == mine
+    assert all(r == n for r in sorted_ids.tolist() if r >= n)
+    experts = block_expert.tolist()
+    used = [e for e in experts if e >= 0]
+    assert used == sorted(used) and experts[len(used):] == [-1] * (blocks - len(used))
+    for b, e in enumerate(experts):
+        rows = [r for r in sorted_ids[b * 16:(b + 1) * 16].tolist() if r < n]
+        assert all(flat[r] == start + e for r in rows) and (e >= 0 or not rows)
+    e_local = ids.flatten().long().cpu() - start
+    counts = torch.bincount(e_local[(e_local >= 0) & (e_local < local)], minlength=local)
+    assert used == [e for e in range(local) for _ in range(-(-int(counts[e]) // 16))]
+
+
+def test_sum_rows():
+    rows = torch.randn(12, 40).to(torch.float16).to(DEVICE)
+    want = rows.view(4, 3, 40).float().sum(dim=1).to(torch.float16)
+    assert torch.equal(moe.sum_rows(rows, 3), want)
 
 
 @pytest.mark.parametrize("T, H, I, E, k, plan", [
@@ -122,8 +156,22 @@ def test_plans_decode_small_prefill_large():
     # prefill from 128 rows an expert the sweep's best (TMA, one gate|up dot, the down's own tiles)
     assert moe.plan(64, 8, 128) == moe.Plan(16, 64, 128, 4, 4)
     assert moe.plan(64, 8, 128).down_tiles() == moe.Tiles(64, 128, 4, 4)
-    big = moe.plan(4096, 8, 128)
-    assert big.tma and big.fuse_gate_up and big.down_tiles() == moe.Tiles(256, 64, 8, 3, group_m=4, tma=True)
+    for tokens in (4096, 8192, 16384):  # each size its sweep's winner
+        big = moe.plan(tokens, 8, 128)
+        assert big.tma and big.fuse_gate_up and big.down_tiles().block_n == 256
+    assert moe.plan(4096, 8, 128).group_m == 2 and moe.plan(8192, 8, 128).group_m == 4
+    assert moe.plan(16384, 8, 128).down_tiles() == moe.Tiles(256, 64, 8, 3, group_m=4, tma=True)
+
+
+def test_plan_table():
+    """plan() takes the first entry whose bound holds for the mean rows an expert; bounds rise to
+    math.inf (lab/moe_gpu.py --sweep prints a table in this form)."""
+    bounds = [b for b, _ in moe.PLAN_TABLE]
+    assert bounds == sorted(bounds) and bounds[-1] == math.inf
+    a, b, c = moe.Plan(16, 16, 16, 1, 1), moe.Plan(32, 16, 16, 1, 1), moe.Plan(64, 16, 16, 1, 1)
+    table = ((16, a), (362, b), (math.inf, c))
+    assert [moe.plan(t, 8, 128, table) for t in (1, 256, 257, 5792, 5793, 10 ** 6)] == [a, a, b, b, c, c]
+    assert moe.plan(100, 2, 0, table) == b  # no experts: 200 rows, as over one
 
 
 def test_gate_up_and_down_kernels_alone():

@@ -3,7 +3,9 @@ its GPU candidates against an H100's limits (compiled for sm_90 here: Triton's o
 its command line without a GPU."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import moe
 from kernels.moe import Plan, Tiles
 from lab import moe_gpu as mg
 from tests.kernels.util import HAS_CUDA
@@ -21,65 +24,95 @@ ROOT = Path(__file__).resolve().parents[2]
 def _tiny(out: Path) -> mg.Sweep:
     return mg.Sweep(out=out, iters=1, threads=2, sizes=(10, 16), decode_t=2, hidden=32, experts=4, top_k=2, width=16,
                     dtype="float32", device="cpu", decode_layers=1,
-                    gate_up_tiles={16: [(16, 32, 1, 1)], 32: [(16, 16, 1, 1)]},
-                    down_tiles={16: [(32, 32, 1, 1)], 32: [(16, 32, 1, 1)]}, groups=(2,), tol=1e-4)
+                    gate_up_tiles={16: [(16, 32, 1, 1)], 32: [(16, 16, 1, 1)]}, gate_up_modes=mg.DECODE_MODES,
+                    down_tiles={16: [(32, 32, 1, 1)], 32: [(16, 32, 1, 1)]}, down_tma=(False, True), first_group=0,
+                    groups=(2,), tol=1e-4)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU run of the sweep")
 def test_sweep_on_cpu(tmp_path):
     cfg = _tiny(tmp_path / "sweep.json")
-    res = mg.sweep(cfg, {"gpu": None}, 1e12, 1e12)
+    res = mg.sweep(cfg, {"gpu": None, "date": "today", "triton": "x"}, 1e12, 1e12)
     assert json.loads(cfg.out.read_text()) == json.loads(json.dumps(res))
     kernels = res["kernels"]
-    # 2 row tiles x 4 gate/up modes + 2 x 2 down modes, at each size; then 3 program orders on
-    # each kernel's (up to) two fastest per row tile
+    # 2 row tiles x 4 gate/up modes + 2 x 2 down modes, at each size; then group_m 2 on each
+    # kernel's two fastest per row tile at each size (their union), timed at every size
     first = [r for r in kernels if r["plan"]["group_m"] == 0 and (r["plan"]["down"] or {}).get("group_m", 0) == 0]
     assert len(first) == 2 * (8 + 4)
-    assert len(kernels) - len(first) == 2 * 2 * (2 + 2)  # sizes x row tiles x (2 gate/up + 2 down)
+    grouped = len(kernels) - len(first)
+    assert 2 * 2 * (2 + 2) <= grouped <= 2 * 2 * (4 + 2) and grouped % 2 == 0
     assert all(r["ok"] and r["rel_err"] < 1e-4 and r["ms"] > 0 for r in kernels), [r for r in kernels if not r["ok"]]
     assert res["compile"][0]["compiles"] == 8 + 4 + len(mg.DECODE_MODES) and res["compile"][0]["failed"] == 0
     for t in ("10", "16"):
         best = res["best"][t]
         assert best["layer"]["ok"] and best["layer"]["ms"] <= best["plan_pick"]["ms"]
         assert best["gate_up"]["kernel"] == "gate_up" and best["down"]["kernel"] == "down"
-        # the repr is the Plan to paste into plan()
+        assert best["dense_equivalent"]["tokens"] == int(t) and best["fraction_of_dense"] > 0
+        assert set(best["parts"]) == {"align_ms", "gate_up_ms", "down_ms", "sum_ms"}
+        # the repr is the Plan
         assert eval(best["layer"]["plan"]["repr"], {"Plan": Plan, "Tiles": Tiles}) == mg._plan_from(best["layer"])
-    assert len([r for r in res["layers"] if r["ok"]]) == 2 * 3
+    # per size: plan()'s pick and 2 x 2 pairs per row tile, all equal to the reference
+    assert len(res["layers"]) == 2 * (1 + 2 * 4) and all(r["ok"] for r in res["layers"])
     assert [r["ok"] for r in res["decode"]] == [True] * len(mg.DECODE_MODES)
     assert len(res["dense_equivalent"]) == 2
+    # the printed table, pasted into kernels/moe.py, picks each size's best layer
+    space = {"Plan": Plan, "Tiles": Tiles, "math": math, "tuple": tuple, "float": float}
+    exec("\n".join(res["plan_table"]), space)
+    table = space["PLAN_TABLE"]
+    assert table[-1][0] == math.inf and [b for b, _ in table] == sorted(b for b, _ in table)
+    for t in (10, 16):
+        assert moe.plan(t, 2, 4, table) == mg._plan_from(res["best"][str(t)]["layer"])
+
+
+def test_plan_table_keeps_small_entries_and_merges():
+    """Entries below the smallest size's rows stay; a size's winner reaches halfway (geometric) to
+    the next size's rows; neighbours with one Plan become one entry."""
+    cfg = mg.Sweep(out=Path(os.devnull))
+    a, b = Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True), Plan(128, 128, 64, 8, 3)
+    entries = mg.plan_table(cfg, {4096: a, 8192: a, 16384: b})
+    assert [(bound, p) for bound, p, _ in entries] == [*moe.PLAN_TABLE[:2], (724, a), (math.inf, b)]
+    assert [sizes for *_, sizes in entries] == [[], [], [4096, 8192], [16384]]
+    assert moe.plan(4096 + 2048, 8, 128, tuple(e[:2] for e in entries)) == a
+    assert eval(mg._plan_source(a), {"Plan": Plan, "Tiles": Tiles}) == a
+    today = ("Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True, "
+             "down=Tiles(256, 64, 8, 3, group_m=4, tma=True))")
+    assert mg._plan_source(moe.PLAN_TABLE[-1][1]) == today
 
 
 def test_gpu_candidates():
-    """The lists the GPU run times: power-of-two tiles, the shared memory of the pipeline's stages
-    within an H100's (a lower bound: --sm90 compiles them for the real figure), not too many."""
+    """The lists the GPU run times: 128-row tiles, TMA, gate and up in one dot (the 2026-11-26
+    sweep's winners), power-of-two tiles, the shared memory of the pipeline's stages within an
+    H100's (a lower bound: --sm90 compiles them for the real figure), not too many compiles."""
     cfg = mg.Sweep(out=Path(os.devnull))
+    assert cfg.sizes == (4096, 8192, 16384)
     gate_ups, downs = mg.gate_up_candidates(cfg), mg.down_candidates(cfg)
-    assert len(gate_ups) <= 40 and len(downs) <= 24 and len(set(gate_ups)) == len(gate_ups)
+    assert len(gate_ups) + len(downs) <= 16 and len(set(gate_ups)) == len(gate_ups) and len(set(downs)) == len(downs)
     for p in gate_ups + downs:
+        assert p.block_m == 128 and p.group_m == mg.FIRST_GROUP and p.tma and p.fuse_gate_up
         for v in (p.block_m, p.block_n, p.block_k, p.down_tiles().block_n, p.down_tiles().block_k):
             assert v & (v - 1) == 0
     for p in gate_ups:
         assert p.num_stages * (p.block_m + 2 * p.block_n) * p.block_k * 2 <= mg.SM90_SHARED
     for p in downs:
         d = p.down_tiles()
+        assert d.tma and d.group_m == mg.FIRST_GROUP
         assert d.num_stages * (p.block_m + d.block_n) * d.block_k * 2 <= mg.SM90_SHARED
+    # the first phase's candidates include today's plan() at 16,384 tokens (but its program order)
+    pick = moe.plan(16384, 8, 128)
+    assert dataclasses.replace(pick, group_m=mg.FIRST_GROUP, down=None) in gate_ups
+    assert pick.down_tiles() in {p.down_tiles() for p in downs}
 
 
 def test_candidates_compile_for_h100():
-    """A few of the GPU candidates (each gate/up mode at the largest tile, the down kernel with
-    TMA) compiled for sm_90: wgmma, TMA where asked, no spills, shared memory within an H100's."""
-    code = ("import json; from pathlib import Path; from lab import moe_gpu as mg; from kernels import moe\n"
-            "cfg = mg.Sweep(out=Path('x'))\n"
-            "for fused, tma in mg.GATE_UP_MODES:\n"
-            "    print(json.dumps(mg.sm90_report('gate_up', moe.Plan(128, 128, 64, 8, 4, 0, tma, fused), cfg)))\n"
-            "down = moe.Plan(128, 128, 64, 8, 3, down=moe.Tiles(256, 64, 8, 3, 0, True))\n"
-            "print(json.dumps(mg.sm90_report('down', down, cfg)))\n")
+    """Every GPU candidate compiled for sm_90 (`--sm90`): wgmma, TMA where asked, no spills,
+    shared memory within an H100's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "lab.moe_gpu", "--sm90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 5
+    cfg = mg.Sweep(out=Path(os.devnull))
+    assert len(rows) == len(mg.gate_up_candidates(cfg)) + len(mg.down_candidates(cfg))
     for r in rows:
         assert r["fits"] and r["wgmma"] and r["tma"] == r["label"].endswith("tma"), r
 
@@ -95,3 +128,7 @@ def test_command_line_without_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         mg.main(["--sweep"])
     assert e.value.code == 2  # --out is needed
+    with pytest.raises(SystemExit) as e:
+        mg.main(["--sweep", "--tokens", "4096,lots", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "positive token counts" in capsys.readouterr().err
+    assert mg._token_counts("16384,4096,8192,4096") == (4096, 8192, 16384)
