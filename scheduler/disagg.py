@@ -39,23 +39,33 @@ class KVTransport(Protocol):
     """Moves the pages of KV blocks to and from a peer engine process (engine/kv_transfer.py)."""
 
     def send(self, blocks: list[int], peer: int, tag: int) -> int: ...  # bytes; the blocks may be reused on return
-    def recv(self, blocks: list[int], peer: int, tag: int) -> int: ...  # bytes written into the blocks
+    # bytes written into the blocks; on a GPU the bytes may still be on their way, and every later
+    # step of this engine waits for them on the device, not the host
+    def recv(self, blocks: list[int], peer: int, tag: int) -> int: ...
     def discard(self, num_blocks: int, peer: int, tag: int) -> int: ...  # receive and drop
+    def timings(self) -> list[tuple[int, float]]: ...  # (bytes, seconds) of each receive done since the last call
 
 
 @dataclass
 class TransferStats:
     num_transfers: int = 0
     num_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # sending: host time; receiving: the timed receives' own time
+    timed_bytes: int = 0  # the bytes of the receives that `seconds` counts
+
+    def add_timed(self, timed: tuple[tuple[int, float], ...]) -> None:
+        for n, s in timed:
+            self.timed_bytes += n
+            self.seconds += s
 
 
 @dataclass(frozen=True)
 class Received:
-    """What receive_kv reports to the server."""
+    """What receive_kv reports to the server: this transfer's bytes, and (bytes, seconds) of each
+    receive that finished since the last report (on a GPU a receive finishes after receive_kv)."""
 
     num_bytes: int
-    seconds: float
+    timed: tuple[tuple[int, float], ...] = ()
     discarded: bool = False
 
 
@@ -248,10 +258,9 @@ class DecodeCore(EngineCore):
         it. A sequence aborted meanwhile: the transfer is drained and dropped."""
         assert self.transport is not None, "no KV transport"
         seq = self.arriving.get(seq_id)
-        t0 = time.perf_counter()
         if seq is None or not seq.block_table:
             n = self.transport.discard(num_blocks, peer, tag)
-            return Received(n, time.perf_counter() - t0, discarded=True)
+            return Received(n, self._timed(), discarded=True)
         del self.arriving[seq_id]
         if num_blocks != self.block_manager.blocks_needed(seq.num_prompt_tokens):
             self._drop(seq)
@@ -262,7 +271,6 @@ class DecodeCore(EngineCore):
         except BaseException:
             self._drop(seq)
             raise
-        seconds = time.perf_counter() - t0
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.first_token_time = time.monotonic()  # the prompt was not prefilled here (stats.prompt_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -270,8 +278,12 @@ class DecodeCore(EngineCore):
         self.scheduler.seqs[seq.seq_id] = seq
         self.transfer.num_transfers += 1
         self.transfer.num_bytes += n
-        self.transfer.seconds += seconds
-        return Received(n, seconds)
+        return Received(n, self._timed())
+
+    def _timed(self) -> tuple[tuple[int, float], ...]:
+        timed = tuple(self.transport.timings())
+        self.transfer.add_timed(timed)
+        return timed
 
     def abort(self, seq_id: int) -> bool:
         seq = self.arriving.pop(seq_id, None)

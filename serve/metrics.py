@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from scheduler.disagg import Received
 from scheduler.loop import AsyncEngine, EngineSnapshot, RequestRecord
 from serve.disagg import ROLES, DisaggregatedSet
 from serve.replicas import ReplicaSet, total_snapshot
@@ -138,7 +139,9 @@ class _EngineCollector(Collector):
         t = e.transfers
         for name, doc, value in (("kv_transfers", "Prompts whose KV moved from a prefill to a decode engine.",
                                   t.num_transfers),
-                                 ("kv_transfer_bytes", "KV bytes moved from prefill to decode engines.", t.num_bytes)):
+                                 ("kv_transfer_bytes", "KV bytes moved from prefill to decode engines.", t.num_bytes),
+                                 ("kv_transfer_timed_bytes", "The bytes of the transfers kv_transfer_seconds observed.",
+                                  t.timed_bytes)):
             m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             m.add_metric([self.model], value)
             yield m
@@ -171,9 +174,14 @@ class Metrics:
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused at admission, by reason.",
                                 ["model_name", "reason"], registry=r)
         if isinstance(engine, DisaggregatedSet):
-            transfer = Histogram(PREFIX + "kv_transfer_seconds", "Time to receive one prompt's KV on a decode engine.",
+            transfer = Histogram(PREFIX + "kv_transfer_seconds", "Time to receive one prompt's KV on a decode engine "
+                                 "(observed once its bytes arrived, on a GPU by CUDA events).",
                                  ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
-            engine.on_transfer = lambda got: transfer.labels(self.model).observe(got.seconds)
+            def observe(got: Received) -> None:
+                for _, seconds in got.timed:
+                    transfer.labels(self.model).observe(seconds)
+
+            engine.on_transfer = observe
         self.http = Counter(PREFIX + "http_requests", "HTTP responses by path and status.", ["path", "status"], registry=r)
 
     # LoopObserver

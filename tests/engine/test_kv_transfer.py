@@ -62,11 +62,13 @@ def _side(rank: int, port: int, out: dict) -> None:
         else:
             before = pool.kv.clone()
             n = transport.recv(INTO, 0, tag=2 * tag)
-            transport.discard(1, 0, tag=2 * tag + 1)
+            dropped = transport.discard(1, 0, tag=2 * tag + 1)
+            timed = transport.timings()
             untouched = [b for b in range(6) if b not in INTO]
             scales = None if pool.scales is None else pool.scales[:, INTO].clone()
             out[(dtype, rank)] = (pool.kv[:, :, INTO].clone(), scales, n,
                                   torch.equal(_raw(pool.kv[:, :, untouched]), _raw(before[:, :, untouched])))
+            out[("timed", dtype)] = (timed, [n, dropped], transport.timings())
     leave_group()
 
 
@@ -92,6 +94,12 @@ def test_blocks_arrive_in_other_block_ids(exchanged, dtype):
     if dtype == "int8":
         assert torch.equal(got_scales, scales)
     assert n == kv.numel() * kv.element_size() + (0 if scales is None else scales.numel() * 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_each_receive_is_timed_once(exchanged, dtype):
+    timed, sizes, again = exchanged[("timed", dtype)]
+    assert [n for n, _ in timed] == sizes and all(s >= 0 for _, s in timed) and again == []
 
 
 def test_a_pool_of_another_layout_fails_the_handshake(exchanged):

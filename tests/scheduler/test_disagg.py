@@ -54,6 +54,7 @@ class FakeTransport:
 
     def __init__(self, pool: FakePool, rank: int, mailbox: dict) -> None:
         self.pool, self.rank, self.mailbox = pool, rank, mailbox
+        self.timed: list[tuple[int, float]] = []
 
     def send(self, blocks, peer, tag):
         self.mailbox[(self.rank, peer, tag)] = [list(self.pool.pages[b]) for b in blocks]
@@ -64,11 +65,17 @@ class FakeTransport:
         assert len(pages) == len(blocks)
         for b, page in zip(blocks, pages):
             self.pool.pages[b] = list(page)
+        self.timed.append((len(blocks) * BS * 8, 0.001))
         return len(blocks) * BS * 8
 
     def discard(self, num_blocks, peer, tag):
         assert len(self.mailbox.pop((peer, self.rank, tag))) == num_blocks
+        self.timed.append((num_blocks * BS * 8, 0.001))
         return num_blocks * BS * 8
+
+    def timings(self):
+        timed, self.timed = self.timed, []
+        return timed
 
 
 def make(cls, num_blocks=32, caching=True, max_num_seqs=8):

@@ -54,6 +54,8 @@ def test_greedy_output_equals_one_engines_and_kv_moves(pd, server):
     assert got == want + want
     assert series(pd, "pagedserve:kv_transfers_total") - moved == 2 * len(PROMPTS)
     assert series(pd, "pagedserve:kv_transfer_bytes_total") > 0
+    # on the CPU a receive is timed as it returns: every byte moved is a timed byte
+    assert series(pd, "pagedserve:kv_transfer_timed_bytes_total") == series(pd, "pagedserve:kv_transfer_bytes_total")
     assert series(pd, "pagedserve:kv_transfer_seconds_count") >= 2 * len(PROMPTS)
     assert series(pd, "pagedserve:request_success_total", finished_reason="length") >= 2 * len(PROMPTS)
     prefill_gen, decode_gen = per_role(pd, "pagedserve:generation_tokens_total")
