@@ -1,6 +1,7 @@
-"""engine/kv_transfer.py between two processes on the CPU (gloo): a prefill side sends some of its
-pool's blocks (pages and, for int8, scales) and a decode side receives them into other block ids;
-a drained transfer leaves the pool alone; a pool of another layout fails the handshake."""
+"""engine/kv_transfer.py between two processes, on the CPU (gloo) and on two GPUs (NCCL, marked
+gpu): a prefill side sends some of its pool's blocks (pages and, for int8, scales) and a decode side
+receives them into other block ids; a drained transfer leaves the pool alone; each receive is timed
+once; a pool of another layout fails the handshake."""
 from __future__ import annotations
 
 import socket
@@ -13,6 +14,7 @@ from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec
 
 SENT, INTO = [3, 1, 4], [0, 5, 2]
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def _free_port() -> int:
@@ -26,8 +28,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _pool(dtype: str, seed: int, heads: int = 2) -> KVPool:
-    pool = KVPool(KVCacheSpec(2, heads, 8, 4, dtype), 6, "cpu")
+def _pool(dtype: str, seed: int, heads: int = 2, device: str = "cpu") -> KVPool:
+    pool = KVPool(KVCacheSpec(2, heads, 8, 4, dtype), 6, device)
     g = torch.Generator().manual_seed(seed)
     pool.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv.view(torch.uint8).shape, generator=g,
                                                   dtype=torch.uint8))
@@ -36,19 +38,20 @@ def _pool(dtype: str, seed: int, heads: int = 2) -> KVPool:
     return pool
 
 
-def _side(rank: int, port: int, out: dict) -> None:
+def _side(rank: int, port: int, out: dict, device_type: str) -> None:
     from engine.kv_transfer import PoolTransport, join_group, leave_group
 
     torch.set_num_threads(1)
-    join_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=60)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    join_group(rank, 2, "127.0.0.1", port, device, timeout_s=60)
     # a decode pool of one KV head against a prefill pool of two
     try:
-        PoolTransport(_pool("float32", seed=rank, heads=2 - rank)).handshake([0], [1], rank)
+        PoolTransport(_pool("float32", seed=rank, heads=2 - rank, device=str(device))).handshake([0], [1], rank)
         out[("handshake", rank)] = "passed"
     except RuntimeError as e:
         out[("handshake", rank)] = str(e)
     for tag, dtype in enumerate(("float32", "int8")):
-        pool = _pool(dtype, seed=rank)
+        pool = _pool(dtype, seed=rank, device=str(device))
         transport = PoolTransport(pool)
         transport.handshake([0], [1], rank)
         if rank == 0:
@@ -57,27 +60,29 @@ def _side(rank: int, port: int, out: dict) -> None:
             for works, _ in transport._sending:
                 for w in works:
                     w.wait()
-            scales = None if pool.scales is None else pool.scales[:, SENT].clone()
-            out[(dtype, rank)] = (pool.kv[:, :, SENT].clone(), scales)
+            scales = None if pool.scales is None else pool.scales[:, SENT].cpu()
+            out[(dtype, rank)] = (pool.kv[:, :, SENT].cpu(), scales)
         else:
             before = pool.kv.clone()
             n = transport.recv(INTO, 0, tag=2 * tag)
             dropped = transport.discard(1, 0, tag=2 * tag + 1)
+            if device.type == "cuda":  # the receives were queued, not waited for
+                torch.cuda.synchronize(device)
             timed = transport.timings()
             untouched = [b for b in range(6) if b not in INTO]
-            scales = None if pool.scales is None else pool.scales[:, INTO].clone()
-            out[(dtype, rank)] = (pool.kv[:, :, INTO].clone(), scales, n,
+            scales = None if pool.scales is None else pool.scales[:, INTO].cpu()
+            out[(dtype, rank)] = (pool.kv[:, :, INTO].cpu(), scales, n,
                                   torch.equal(_raw(pool.kv[:, :, untouched]), _raw(before[:, :, untouched])))
             out[("timed", dtype)] = (timed, [n, dropped], transport.timings())
     leave_group()
 
 
-@pytest.fixture(scope="module")
-def exchanged() -> dict:
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def exchanged(request) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Manager().dict()
     port = _free_port()
-    procs = [ctx.Process(target=_side, args=(r, port, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_side, args=(r, port, out, request.param)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
