@@ -148,9 +148,9 @@ for stage in "$@"; do
       # TP=GPUS; each under a time limit that dumps stacks
       log "all-reduce, ${GPUS:-2} GPUs"
       timeout 150 python3 -m lab.allreduce --gpus ${GPUS:-2} --out "$OUT/allreduce-${GPUS:-2}.json" 2>&1 | tail -13
-      log "TP/PP GPU tests"
+      log "TP/PP and KV transfer GPU tests"
       timeout -s ABRT 420 python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider \
-        tests/engine/test_peer_allreduce.py tests/engine/test_pipeline_parallel.py 2>&1 | tail -12
+        tests/engine/test_peer_allreduce.py tests/engine/test_pipeline_parallel.py tests/engine/test_kv_transfer.py 2>&1 | tail -12
       log "decode step ${LAYOUTS:-1x1,2x1,2x1n}"
       timeout -s ABRT 420 python3 -X faulthandler -m lab.pp_check --model llama3-8b --layouts ${LAYOUTS:-1x1,2x1,2x1n} \
         --prompts 8 --output-len 32 --steps 40 --out "$OUT/tp-decode.json" 2>&1 | grep -v '^{' | cut -c1-400
