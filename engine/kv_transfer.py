@@ -6,8 +6,8 @@ A send gathers the blocks' pages (and fp8/int8 scales) into one buffer, so the b
 reused by the next step at once (it waits for the gather); the send itself runs in the background
 (isend) and the buffer lives until it completes. A receive scatters the pages into the decode
 engine's blocks; on a GPU the host does not wait for them (the engine's next steps do, on the
-device), and CUDA events time each receive (timings()). The whole prompt moves in one batch once it is computed: no
-overlap with the prefill's layers yet. Both pools must have the same page layout:
+device), and CUDA events time each receive (timings()). The whole prompt moves in one batch once
+it is computed: no overlap with the prefill's layers yet. Both pools must have the same page layout:
 handshake() checks it, and on GPUs also sets up each pair's NCCL communicator before serving (the
 first send of a pair would otherwise block until its peer joins).
 """

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from scheduler.core import EngineCore
-from scheduler.disagg import HANDOFF, DecodeCore, PrefillCore, Received, receive_kv, release_kv, send_kv
+from scheduler.disagg import HANDOFF, DecodeCore, PrefillCore, Received, TransferStats, receive_kv, release_kv, send_kv
 from scheduler.engine_proc import ProcessCore
 from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, LoopConfig, QueueFull,
                             OutputStream, RequestRecord, unavailable, wait_set)
@@ -177,14 +177,6 @@ def start_disaggregated(cfg: EngineConfig, num_prefill: int, num_decode: int, sh
 
 # -- serving -----------------------------------------------------------------------------------
 
-@dataclass
-class TransferTotals:
-    num_transfers: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0  # the timed receives' own time (a receive is timed once its bytes arrived)
-    timed_bytes: int = 0  # their bytes
-
-
 class TransferFailed(Exception):
     pass
 
@@ -241,7 +233,7 @@ class DisaggregatedSet:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self.failures: dict[str, list[str | None]] = {r: [None] * len(self.engines[r]) for r in ROLES}
-        self.transfers = TransferTotals()
+        self.transfers = TransferStats()  # the decode engines' receives, all of them
         self.on_transfer: Callable[[Received], None] | None = None  # the metrics' transfer-time histogram
         self._requests: set[_Request] = set()
         self._idle = asyncio.Event()
@@ -483,9 +475,7 @@ class DisaggregatedSet:
         t = self.transfers
         t.num_transfers += 1
         t.num_bytes += got.num_bytes
-        for n, s in got.timed:
-            t.timed_bytes += n
-            t.seconds += s
+        t.add_timed(got.timed)
         if self.on_transfer is not None:
             self.on_transfer(got)
 

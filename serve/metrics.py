@@ -177,6 +177,7 @@ class Metrics:
             transfer = Histogram(PREFIX + "kv_transfer_seconds", "Time to receive one prompt's KV on a decode engine "
                                  "(observed once its bytes arrived, on a GPU by CUDA events).",
                                  ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
+
             def observe(got: Received) -> None:
                 for _, seconds in got.timed:
                     transfer.labels(self.model).observe(seconds)
