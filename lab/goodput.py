@@ -82,6 +82,15 @@ def load(spec: str) -> tuple[str, dict]:
     return label or Path(path).stem, data
 
 
+def load_closed_loop(spec: str) -> tuple[str, dict]:
+    """A closed-loop run's result (serve bench --concurrency C, no --request-rate): throughput at saturation."""
+    path, _, label = spec.partition("=")
+    data = json.loads(Path(path).read_text())
+    if "runs" in data or "output_throughput" not in data:
+        raise ValueError(f"{path} is not one closed-loop run's result (serve bench --concurrency C --result-json)")
+    return label or Path(path).stem, data
+
+
 def rate_label(rate: float | None) -> str:
     return "inf" if rate is None else f"{rate:g}"
 
@@ -90,7 +99,7 @@ def baseline_step_ms(setups: dict[str, dict]) -> float | None:
     return next(iter(setups.values()))["runs"][0].get("roofline_decode_step_ms")
 
 
-def tables(setups: dict[str, dict], objectives: list[Objective]) -> str:
+def tables(setups: dict[str, dict], objectives: list[Objective], saturated: dict[str, dict] | None = None) -> str:
     labels = list(setups)
     lines = []
     first = setups[labels[0]]
@@ -100,13 +109,22 @@ def tables(setups: dict[str, dict], objectives: list[Objective]) -> str:
                  f"{first['runs'][0]['range_ratio']}, temperature {first['runs'][0]['temperature']}, "
                  f"{first['date'][:10]}")
     lines.append("")
-    lines.append("| setup | server args | saturation output tok/s | vs " + labels[0] + " | peak req/s |")
+    # a sweep's highest rate is mostly the tail of its last streams: a closed-loop run measures saturation
+    lines.append("| setup | server args | the sweep's highest output tok/s | vs " + labels[0] + " | peak req/s |")
     lines.append("|---|---|---|---|---|")
     base = max(r["output_throughput"] for r in first["runs"])
     for label, data in setups.items():
         top = max(r["output_throughput"] for r in data["runs"])
         lines.append(f"| {label} | `{data.get('server_args') or ''}` | {top:,.0f} | {top / base:.2f}x | "
                      f"{max(r['request_throughput'] for r in data['runs']):.2f} |")
+    if saturated:
+        first_sat = next(iter(saturated.values()))["output_throughput"]
+        lines += ["", "| setup | server args | clients | saturated output tok/s (closed loop) | vs "
+                  + next(iter(saturated)) + " |",
+                  "|---|---|---|---|---|"]
+        for label, data in saturated.items():
+            lines.append(f"| {label} | `{data.get('server_args') or ''}` | {data.get('concurrency')} | "
+                         f"{data['output_throughput']:,.0f} | {data['output_throughput'] / first_sat:.2f}x |")
     for obj in objectives:
         lines += ["", f"Goodput (req/s), {obj.name}: {obj.describe(step)}", ""]
         lines.append("| rate (req/s) | " + " | ".join(f"{label} goodput | {label} req/s" for label in labels) + " |")
@@ -161,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", metavar="FILE[=LABEL]", help="sweep result JSONs; the first is the baseline")
     p.add_argument("--slo", action="append", metavar="NAME=KEY:MS,...", default=[],
                    help="an objective, e.g. loose=ttft:2000,tpot:50 or tight=ttft:500,tpot:1.25x (repeatable)")
+    p.add_argument("--saturated", action="append", metavar="FILE[=LABEL]", default=[],
+                   help="a closed-loop run's result: the throughput at saturation (repeatable; the first is the baseline)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables here too")
     p.add_argument("--plot", metavar="PATH")
     args = p.parse_args(argv)
@@ -168,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         objectives = [Objective.parse(s) for s in args.slo] or [Objective("loose", {"ttft_ms": (2000.0, False),
                                                                                    "tpot_ms": (50.0, False)})]
         setups = dict(load(spec) for spec in args.results)
-        text = tables(setups, objectives)
+        text = tables(setups, objectives, dict(load_closed_loop(spec) for spec in args.saturated))
     except (ValueError, OSError, KeyError) as e:
         print(f"lab.goodput: error: {e}", file=sys.stderr)
         return 2

@@ -93,6 +93,7 @@ PY
       files=()
       for label in 1gpu dp2 tp2 disagg; do
         [ -f "$R/$label.json" ] && files+=("$R/$label.json=$label")
+        [ -f "$R/$label-saturated.json" ] && files+=(--saturated "$R/$label-saturated.json=$label")
       done
       python3 -m lab.goodput "${files[@]}" --slo loose=ttft:2000,tpot:50 --slo tight=ttft:500,tpot:1.25x \
         --markdown "$R/goodput.md" --plot "$R/goodput.png"

@@ -41,12 +41,18 @@ def test_tables_and_plot(tmp_path, capsys):
         run["roofline_decode_step_ms"] = 4.0  # its own roofline splits the step: the baseline's counts
     two.write_text(json.dumps(dp))
     png, md = tmp_path / "g.png", tmp_path / "g.md"
+    sat1, sat2 = tmp_path / "s1.json", tmp_path / "s2.json"
+    sat1.write_text(json.dumps({"output_throughput": 7000.0, "concurrency": 128, "server_args": ""}))
+    sat2.write_text(json.dumps({"output_throughput": 14000.0, "concurrency": 256, "server_args": "-dp 2"}))
     assert main([f"{one}=1gpu", f"{two}=dp2", "--slo", "loose=ttft:2000", "--slo", "tight=ttft:250,tpot:1.25x",
+                 "--saturated", f"{sat1}=1gpu", "--saturated", f"{sat2}=dp2",
                  "--plot", str(png), "--markdown", str(md)]) == 0
     out = capsys.readouterr().out
     assert "| dp2 | `` | 3,800 | 1.90x | 1.00 |" in out
+    assert "| dp2 | `-dp 2` | 256 | 14,000 | 2.00x |" in out
     assert "Goodput (req/s), tight: ttft <= 250 ms, tpot <= 1.25x roofline step (10.0 ms)" in out
     # at 8 req/s the TTFTs double: 1gpu's 200 and 600 ms, dp2's 200 and 200 ms
     assert "| 8 | 0.50 | 1.00 | 1.00 | 1.00 |" in out
     assert md.read_text() == out.rstrip("\n") + "\n" and png.stat().st_size > 10_000
     assert main([str(tmp_path / "missing.json")]) == 2
+    assert main([f"{one}=1gpu", "--saturated", str(one)]) == 2  # a sweep is not a closed-loop run
