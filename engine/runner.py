@@ -27,7 +27,7 @@ from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
 from engine.piecewise import PiecewiseGraphs
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
-from engine.step_graph import StepGraphs, graphed_token_counts, step_buckets
+from engine.step_graph import StepGraphs, graph_token_limits, graphed_token_counts, step_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
 from kvcache.calc import (cpu_kv_blocks, estimate_graph_bytes, estimate_piecewise_graph_bytes, estimate_step_graph_bytes,
                           kv_cache_bytes)
@@ -258,20 +258,10 @@ class ModelRunner:
         self.prompt_budget = (self.cost_model.prompt_budget if self.cost_model is not None
                               and (self.num_scheduler_steps == 1 or cfg.max_step_ms is not None) else None)
         # the largest step with prefill tokens that the piecewise graphs replay, and the whole-step
-        # graphs: with a prompt budget, the largest mixed step it allows (bigger steps are compute
-        # bound, launched eagerly: nothing is lost, and start-up captures far fewer graphs)
-        self.piecewise_max_tokens = cfg.max_num_batched_tokens
-        self.step_max_tokens = min(cfg.step_graph_max_tokens, cfg.max_num_batched_tokens)
-        if self.prompt_budget is not None:
-            self.piecewise_max_tokens = min(cfg.max_num_batched_tokens, self.cost_model.largest_mixed_step(cfg.max_num_seqs))
-            self.step_max_tokens = min(self.step_max_tokens, self.piecewise_max_tokens)
-        if tp.size > 1 and self.cost_model is not None:
-            # under TP each whole-step graph holds NCCL's memory for its ~2 all-reduces a layer
-            # (engine/parallel/graph_memory.py: 19 MB a graph on the 70B); only steps the host paces
-            # gain from them (on two H100s a 70B step of 16 tokens takes ~25 ms: none does)
-            self.step_max_tokens = min(self.step_max_tokens, self.cost_model.host_bound_rows())
-        if not self.ops.work_lists or pp is not None:  # no whole-step graphs (see below)
-            self.step_max_tokens = 0
+        # graphs' (a pipeline stage has none)
+        self.piecewise_max_tokens, self.step_max_tokens = graph_token_limits(
+            self.cost_model, self.prompt_budget is not None, cfg.max_num_batched_tokens, cfg.step_graph_max_tokens,
+            cfg.max_num_seqs, tp.size, self.ops.work_lists and pp is None)
         # the scheduler's blocks must exist on every rank: the fewest any rank can hold
         self.num_blocks = self.comm.min_int(cfg.num_kv_blocks or self._auto_num_blocks())
         if pp is not None:  # and on every stage (each holds its own layers' KV in as many blocks)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.attention import Ops, attend_fixed, rotate_and_store
+from engine.cost_model import StepCostModel
 from engine.cuda_graph import capture_graph, smallest_bucket
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise import PiecewiseGraphs, piecewise_buckets
@@ -46,6 +47,24 @@ def step_buckets(max_tokens: int, skip: frozenset[int] = frozenset()) -> list[in
     """Token counts to capture: the piecewise graphs', plus every 64 from 512 to 1024 and every 128
     above (padding < 1/8 of a step from 512 tokens up), less those in skip."""
     return piecewise_buckets(max_tokens, skip, fine_above=0)
+
+
+def graph_token_limits(costs: StepCostModel | None, budgeted: bool, max_num_batched_tokens: int,
+                       step_graph_max_tokens: int, max_num_seqs: int, tp: int, whole_steps: bool) -> tuple[int, int]:
+    """(the largest step the piecewise graphs capture, the largest the whole-step graphs capture, 0:
+    none): the engine's rule, which `serve kv-calc` runs on a roofline cost model. With a prompt budget
+    (budgeted) both stop at the largest mixed step it allows (bigger steps are compute bound and
+    launched eagerly: nothing is lost, and start-up captures far fewer graphs). Under TP each
+    whole-step graph holds NCCL's memory for its ~2 all-reduces a layer (engine/parallel/graph_memory.py:
+    19 MB a graph on the 70B), so they stop at the steps the host paces (on two H100s a 70B step of 16
+    tokens takes ~25 ms: none is). whole_steps False (a pipeline stage, ops without work lists): none."""
+    piecewise, step = max_num_batched_tokens, min(step_graph_max_tokens, max_num_batched_tokens)
+    if budgeted and costs is not None:
+        piecewise = min(piecewise, costs.largest_mixed_step(max_num_seqs))
+        step = min(step, piecewise)
+    if tp > 1 and costs is not None:
+        step = min(step, costs.host_bound_rows())
+    return piecewise, step if whole_steps else 0
 
 
 def step_rows(max_num_seqs: int) -> list[int]:

@@ -168,28 +168,23 @@ def graph_tokens(req: CalcRequest, dtype: str, max_len: int) -> GraphTokens:
     the largest mixed step its prompt budget allows; under TP it captures whole-step graphs only for
     steps the host paces; pipeline stages capture none. Here the same rules run on the roofline of
     the GPU's known rates; with unknown rates, the largest sizes the configuration allows."""
-    step = 0 if req.pipeline_parallel_size > 1 else min(DEFAULT_STEP_GRAPH_MAX_TOKENS, req.max_num_batched_tokens)
-    if req.gpu_rates is None:
-        return GraphTokens(req.max_num_batched_tokens, step)
-    from engine.step_graph import step_buckets  # the sizes the engine times (imports torch: here, not at start)
+    # the sizes the engine times and its rule (import torch: here, not at start)
+    from engine.step_graph import graph_token_limits, step_buckets
 
-    copy_bw, flops = req.gpu_rates
-    weights = weight_bytes_per_gpu(req.model, dtype, req.tensor_parallel_size) // req.pipeline_parallel_size
+    pipeline = req.pipeline_parallel_size > 1
     rows = step_buckets(min(req.max_num_batched_tokens, max_len, COST_MAX_ROWS))
-    if len(rows) < 2:
-        return GraphTokens(req.max_num_batched_tokens, step)
-    # the largest mixed step is the one without context to read: the KV's cost does not enter
-    model = StepCostModel.roofline(rows, weights, 2 * weights / DTYPE_BYTES[dtype], 0, copy_bw * WEIGHT_READ_EFFICIENCY,
-                                   flops, req.max_num_batched_tokens)
-    piecewise = req.max_num_batched_tokens
-    decodes = min(64, req.max_num_seqs)
-    host_bound = req.pipeline_parallel_size == 1 and model.scheduler_steps(decodes, AUTO_SCHEDULER_STEPS) > 1
-    if not host_bound:  # a prompt budget: graphs up to the largest mixed step it allows
-        piecewise = min(piecewise, model.largest_mixed_step(req.max_num_seqs))
-        step = min(step, piecewise)
-    if req.tensor_parallel_size > 1:
-        step = min(step, model.host_bound_rows())
-    return GraphTokens(piecewise, step)
+    model = None
+    if req.gpu_rates is not None and len(rows) >= 2:
+        copy_bw, flops = req.gpu_rates
+        weights = weight_bytes_per_gpu(req.model, dtype, req.tensor_parallel_size) // req.pipeline_parallel_size
+        # the largest mixed step is the one without context to read: the KV's cost does not enter
+        model = StepCostModel.roofline(rows, weights, 2 * weights / DTYPE_BYTES[dtype], 0,
+                                       copy_bw * WEIGHT_READ_EFFICIENCY, flops, req.max_num_batched_tokens)
+    # a prompt budget where the GPU paces the steps (a pipeline stage runs no multi-step rounds)
+    budgeted = model is not None and (pipeline or model.scheduler_steps(min(64, req.max_num_seqs),
+                                                                         AUTO_SCHEDULER_STEPS) == 1)
+    return GraphTokens(*graph_token_limits(model, budgeted, req.max_num_batched_tokens, DEFAULT_STEP_GRAPH_MAX_TOKENS,
+                                           req.max_num_seqs, req.tensor_parallel_size, not pipeline))
 
 
 def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: GraphTokens) -> int:
