@@ -93,7 +93,7 @@ class PoolTransport:
         if step_stream is not None:
             step_stream.wait_stream(self._side)  # later steps may write into these blocks
         self._sending.append((works, bufs))  # alive until sent
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return _nbytes(bufs)
 
     def recv(self, blocks: list[int], peer: int, tag: int) -> int:
         bufs = self._receive(len(blocks), peer, tag)
@@ -108,11 +108,11 @@ class PoolTransport:
         self.kv.index_copy_(2, idx, bufs[0])
         if self.pool.scales is not None:
             self.pool.scales.index_copy_(1, idx, bufs[1])
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return _nbytes(bufs)
 
     def discard(self, num_blocks: int, peer: int, tag: int) -> int:
         bufs = self._receive(num_blocks, peer, tag)
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return _nbytes(bufs)
 
     def _receive(self, num_blocks: int, peer: int, tag: int) -> list[torch.Tensor]:
         """The pages, into new buffers: on the CPU they are here on return; on a GPU the receive is
@@ -125,7 +125,7 @@ class PoolTransport:
                 start.record()
             for b in bufs:
                 dist.recv(_bytes(b), peer, tag=tag)
-            n = sum(b.numel() * b.element_size() for b in bufs)
+            n = _nbytes(bufs)
             if start is None:
                 self._timed.append((n, time.perf_counter() - t0))
             else:
@@ -164,6 +164,10 @@ class PoolTransport:
         dims = [*kv.shape[:2], *kv.shape[3:], zlib.crc32(self.pool.spec.dtype.encode()),
                 int(self.pool.scales is not None)]
         return torch.tensor(dims, dtype=torch.long, device=kv.device)
+
+
+def _nbytes(bufs: list[torch.Tensor]) -> int:
+    return sum(b.numel() * b.element_size() for b in bufs)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

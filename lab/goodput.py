@@ -74,21 +74,25 @@ class Objective:
         return good / run["duration_s"] if run["duration_s"] > 0 else 0.0
 
 
-def load(spec: str) -> tuple[str, dict]:
+def _read(spec: str) -> tuple[str, str, dict]:
+    """FILE[=LABEL] -> (label, path, the result JSON); the label defaults to the file's stem."""
     path, _, label = spec.partition("=")
-    data = json.loads(Path(path).read_text())
+    return label or Path(path).stem, path, json.loads(Path(path).read_text())
+
+
+def load(spec: str) -> tuple[str, dict]:
+    label, path, data = _read(spec)
     if "runs" not in data:
         raise ValueError(f"{path} is not a rate sweep's result (serve bench --request-rate R1,R2,... --result-json)")
-    return label or Path(path).stem, data
+    return label, data
 
 
 def load_closed_loop(spec: str) -> tuple[str, dict]:
     """A closed-loop run's result (serve bench --concurrency C, no --request-rate): throughput at saturation."""
-    path, _, label = spec.partition("=")
-    data = json.loads(Path(path).read_text())
+    label, path, data = _read(spec)
     if "runs" in data or "output_throughput" not in data:
         raise ValueError(f"{path} is not one closed-loop run's result (serve bench --concurrency C --result-json)")
-    return label or Path(path).stem, data
+    return label, data
 
 
 def rate_label(rate: float | None) -> str:
