@@ -172,19 +172,25 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return self.logits[bs][:, :n]
 
-    def replay_steps(self, n: int, words: int, steps: int) -> torch.Tensor:
+    def replay_steps(self, n: int, words: int, steps: int,
+                     draw: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
         """replay(), then steps - 1 more replays, each on the tokens the one before sampled, one
         position further: on the device, the staged positions go up by one and every row's input is
         pending on its own row, so the host only queues the replays (the rows' blocks must cover
-        all the positions). -> every step's greedy tokens [steps, n], a view of a static buffer."""
-        self.replay(n, words)
+        all the positions). draw(logits [n, V], step) -> tokens [n]: where rows sample rather than
+        take the graph's greedy tokens, queued after each replay, its tokens the next one's input.
+        -> every step's tokens [steps, n], a view of a static buffer."""
+        logits, tokens = self.replay(n, words)
+        bs = self.bucket_for(n)
+        graph = self.graphs[bs]
         out = self.step_tokens[:steps, :n]
-        out[0].copy_(self.tokens[:n])
         positions = self.stage[2 + n:2 + 2 * n]
         self.stage[2 + 2 * n:2 + 3 * n].copy_(self._rows[:n])
-        graph = self.graphs[self.bucket_for(n)]
-        for j in range(1, steps):
-            positions.add_(1)
-            graph.replay()
-            out[j].copy_(self.tokens[:n])
+        for j in range(steps):
+            if j:
+                positions.add_(1)
+                graph.replay()
+            if draw is not None:
+                tokens.copy_(draw(logits, j))
+            out[j].copy_(tokens)
         return out

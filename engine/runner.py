@@ -948,8 +948,12 @@ class ModelRunner:
         if carry is not None:
             g.carry[:, :n].copy_(carry)
         params = [it.seq.params for it in items]
-        if batch.num_steps > 1:  # greedy rows without logprobs (the scheduler's rule)
-            samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps))
+        if batch.num_steps > 1:  # rows without logprobs or a grammar (the scheduler's rule)
+            draw = None
+            if any(p.temperature != 0.0 for p in params):
+                sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
+                draw = lambda logits, step: sample_on_device(logits, sbatch, self.generator, step).tokens  # noqa: E731
+            samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None for p in params):
             samples = DeviceSamples(g.replay(n, words)[1], params)
         else:  # sampled, with logprobs or constrained: from the graph's logits

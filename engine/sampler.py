@@ -6,7 +6,7 @@ its tokens don't depend on what else is in the batch, and a preempted request re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,9 @@ class SamplingBatch:
     """Per-row sampling parameters, built by the runner for the rows that sample."""
     params: list[SamplingParams]
     output_positions: list[int]  # how many tokens each row's sequence has generated so far
+    # the rows' parameters on the device, built by the first sampling: every step of a multi-step
+    # round samples the same rows
+    _device: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def all_greedy(self) -> bool:
@@ -33,17 +36,24 @@ def _seed_for(seed: int, position: int) -> int:
     return (seed * 0x9E3779B1 + position * 0x85EBCA77 + 1) % (2**63 - 1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits [N, V] outside each row's top-k and top-p nucleus with -inf.
-    top_k [N] long (V = disabled), top_p [N] float (1 = disabled)."""
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+def _sorted_outside(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits sorted by row, descending: (mask of the ranks outside each row's top-k and top-p
+    nucleus, the probabilities of the ranks within top-k)."""
+    vocab = sorted_logits.shape[-1]
+    ranks = torch.arange(vocab, device=sorted_logits.device).unsqueeze(0)
     mask = ranks >= top_k.unsqueeze(1)
     probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
     # Drop a token when the tokens ranked before it already reach top_p; the top token always stays.
     mask |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
     mask[:, 0] = False
+    return mask, probs
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [N, V] outside each row's top-k and top-p nucleus with -inf.
+    top_k [N] long (V = disabled), top_p [N] float (1 = disabled)."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    mask, _ = _sorted_outside(sorted_logits, top_k, top_p)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
@@ -135,36 +145,87 @@ class DeviceSamples:
         return token_list, out
 
 
-def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> DeviceSamples:
+def _row_tensors(batch: SamplingBatch, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's per-row temperature, top-k/top-p and greedy flags on the device, once per batch."""
+    t = batch._device
+    if "temps" not in t:
+        params = batch.params
+        t["temps"] = _to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            t["top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+            t["top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
+        t["greedy"] = _to_device([p.greedy for p in params], torch.bool, device)
+    return t
+
+
+def _kernel_rows(batch: SamplingBatch, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's per-row parameters as kernels/sample.py takes them, once per batch."""
+    t = batch._device
+    if "k_temps" not in t:
+        params = batch.params
+        t["k_temps"] = _to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, device)
+        t["k_top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
+        t["k_top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
+    return t
+
+
+def _row_seeds(batch: SamplingBatch, generator: torch.Generator | None, step: int, device: torch.device) -> torch.Tensor:
+    """Each row's noise key for kernels/sample.py: a seeded row's from (seed, output position), the
+    others' drawn from the engine's generator."""
+    seeds = torch.randint(0, 2**62, (len(batch.params),), generator=generator, device=device, dtype=torch.int64)
+    seeded = [(i, _seed_for(p.seed, batch.output_positions[i] + step)) for i, p in enumerate(batch.params)
+              if p.seed is not None and not p.greedy]
+    if seeded:
+        rows, values = zip(*seeded)
+        seeds[_to_device(list(rows), torch.int64, device)] = _to_device(list(values), torch.int64, device)
+    return seeds
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
+                     step: int = 0) -> DeviceSamples:
     """logits [N, V] (any float dtype) -> one token id per row (and logprobs for the rows that
     asked), on the device, with no host synchronization. Greedy rows read the logits as they are
     (the argmax of a bf16 row is the argmax of its exact float32 copy); temperature, top-k/top-p
-    and logprobs work in float32."""
+    and logprobs work in float32. On a GPU, sampled rows without logprobs take one kernel
+    (kernels/sample.py), no sort. step: the how-manieth step of a multi-step round this is (a
+    seeded row's output position moves on by it)."""
     n, vocab = logits.shape
     device = logits.device
-    greedy_tokens = logits.argmax(dim=-1)
     k = batch.max_logprobs
+    if k is None and not batch.all_greedy and device.type == "cuda":
+        from kernels.sample import sample_rows  # Triton: only on a GPU
+
+        rows = _kernel_rows(batch, vocab, device)
+        tokens = sample_rows(logits, rows["k_temps"], rows["k_top_k"], rows["k_top_p"],
+                             _row_seeds(batch, generator, step, device))
+        return DeviceSamples(tokens, batch.params)
+    greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy and k is None:
         return DeviceSamples(greedy_tokens, batch.params)
     logits = logits.float()
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
-        temps = _to_device([p.temperature if p.temperature > 0 else 1.0 for p in batch.params], torch.float32, device)
-        scaled = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in batch.params):
-            top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in batch.params], torch.int64, device)
-            top_p = _to_device([p.top_p for p in batch.params], torch.float32, device)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        rows = _row_tensors(batch, vocab, device)
+        scaled = logits / rows["temps"].unsqueeze(1)
+        # the exponential race, among the nucleus in sorted order where there is one (the order
+        # the noise is drawn in is immaterial; sorted, no scatter back is needed)
+        idx = None
+        if "top_k" in rows:
+            scaled, idx = scaled.sort(dim=-1, descending=True)
+            outside, probs = _sorted_outside(scaled, rows["top_k"], rows["top_p"])
+            probs = probs.masked_fill_(outside, 0.0)
+        else:
+            probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for i, p in enumerate(batch.params):
             if p.seed is not None and not p.greedy:
-                g = torch.Generator(device=device).manual_seed(_seed_for(p.seed, batch.output_positions[i]))
+                g = torch.Generator(device=device).manual_seed(_seed_for(p.seed, batch.output_positions[i] + step))
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = _to_device([p.greedy for p in batch.params], torch.bool, device)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        sampled = probs.div_(noise).argmax(dim=-1)
+        if idx is not None:
+            sampled = idx.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        tokens = torch.where(rows["greedy"], greedy_tokens, sampled)
     if k is None:
         return DeviceSamples(tokens, batch.params)
     logprobs = logits.log_softmax(dim=-1)

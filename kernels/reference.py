@@ -152,6 +152,31 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return torch.argmax(x, dim=-1, out=out)
 
 
+def sample_probs(x: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """What kernels/sample.py draws from: per row, softmax(x / T) over the tokens with fewer than
+    top_k tokens and less than top_p of the mass above them, renormalized; a row with T = 0 puts
+    all of it on its first largest logit. -> float64 [N, V]."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        row = x[i]
+        if temps[i] <= 0:
+            out[i, int(row.argmax())] = 1.0
+            continue
+        p = torch.softmax(row / float(temps[i]), dim=-1)
+        vals, order = row.sort(descending=True)
+        ps = p[order]
+        # a token's count and mass above it: those of the first token of its value in sorted order
+        _, group, sizes = torch.unique_consecutive(vals, return_inverse=True, return_counts=True)
+        starts = torch.cumsum(sizes, 0) - sizes
+        count = starts[group]
+        mass = (torch.cumsum(ps, 0) - ps)[count]
+        keep = (count < int(top_k[i])) & ((mass < float(top_p[i])) | (float(top_p[i]) >= 1.0))
+        out[i, order] = torch.where(keep, ps, 0.0)
+        out[i] /= out[i].sum()
+    return out
+
+
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's activation: x @ weight.T holding gate then up -> silu(gate) * up."""
     return silu_and_mul(linear(x, weight))

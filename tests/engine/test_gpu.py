@@ -179,7 +179,8 @@ def test_async_scheduling_equals_sync_with_graphs(tiny_models, kv):
 def test_multi_step_decode_equals_single_steps(tiny_models):
     """num_scheduler_steps 4: the same greedy tokens as one step per batch (the same graphs replayed
     on the same rows), with several steps per batch once only decodes run; a stop token inside such
-    a batch drops what follows it; a sampled request keeps its batches at one step; no block leaks."""
+    a batch drops what follows it; sampled rows sample every step of a round on the device, a
+    seeded one as in single steps; no block leaks."""
     ps = prompts()
 
     def run(steps, params):
@@ -210,9 +211,15 @@ def test_multi_step_decode_equals_single_steps(tiny_models):
     want, _ = run(1, stop)
     got, seen4 = run(4, stop)
     assert got == want and 4 in seen4 and all(r == "stop" for _, r in got)
-    mixed = greedy[:-1] + [SamplingParams(max_tokens=N, temperature=0.8, seed=1, ignore_eos=True)]
+    # sampled rows run in the rounds too, each step sampled on the device: a seeded row draws the
+    # tokens of single steps (its noise comes from its output position), an unseeded one its own
+    mixed = greedy[:-3] + [SamplingParams(max_tokens=N, temperature=0.8, seed=1, ignore_eos=True),
+                           SamplingParams(max_tokens=N, temperature=0.8, top_p=0.9, top_k=50, seed=2, ignore_eos=True),
+                           SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True)]
     got, seen4 = run(4, mixed)
-    assert [t for t, _ in got[:-1]] == [t for t, _ in run(1, mixed)[0][:-1]]
+    want, _ = run(1, mixed)
+    assert [t for t, _ in got[:-1]] == [t for t, _ in want[:-1]] and 4 in seen4
+    assert len(got[-1][0]) == N
 
 
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import SamplingBatch, apply_top_k_top_p, sample
+from engine.sampler import SamplingBatch, apply_top_k_top_p, sample, sample_on_device
 from serve import LLM, SamplingParams
 
 
@@ -83,6 +83,44 @@ def test_sampling_follows_the_distribution():
     tokens, _ = sample(logits, SamplingBatch(params, [0] * 4000), torch.Generator().manual_seed(0))
     freq = Counter(tokens)
     assert abs(freq[0] / 4000 - 0.5) < 0.04 and abs(freq[1] / 4000 - 0.3) < 0.04 and freq[3] == 0
+
+
+def test_top_p_top_k_sampling_follows_the_nucleus():
+    """Inside the nucleus the tokens keep their odds; outside it none is drawn."""
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.05, 0.25]])).repeat(4000, 1)
+    for kw, want in (({"top_p": 0.7}, {1: 0.5 / 0.75, 3: 0.25 / 0.75}), ({"top_k": 2}, {1: 0.5 / 0.75, 3: 0.25 / 0.75}),
+                     ({"top_p": 0.9, "top_k": 3}, {1: 0.5 / 0.95, 3: 0.25 / 0.95, 0: 0.2 / 0.95})):
+        params = [SamplingParams(temperature=1.0, **kw)] * 4000
+        freq = Counter(sample(logits, SamplingBatch(params, [0] * 4000), torch.Generator().manual_seed(1))[0])
+        assert set(freq) == set(want), kw
+        for tok, p in want.items():
+            assert abs(freq[tok] / 4000 - p) < 0.04, (kw, tok)
+
+
+def test_a_seeded_rows_later_step_draws_as_its_later_position():
+    """A multi-step round samples step j of a row at output position start + j: the same token as a
+    single step at that position, so a seeded request does not depend on the rounds."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8),
+              SamplingParams(temperature=0)]
+    for j in (1, 3):
+        later = sample_on_device(logits, SamplingBatch(params, [4, 9, 0]), step=j).to_host()[0]
+        assert later == sample(logits, SamplingBatch(params, [4 + j, 9 + j, 0]))[0]
+    draws = {tuple(sample_on_device(logits, SamplingBatch(params, [4, 9, 0]), step=j).to_host()[0]) for j in range(6)}
+    assert len(draws) > 1
+
+
+def test_row_seeds_for_the_sampling_kernel():
+    """A seeded row's noise key comes from (seed, output position + step); the others' from the
+    engine's generator, new every call."""
+    from engine.sampler import _row_seeds, _seed_for
+
+    params = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.9), SamplingParams(temperature=0, seed=3)]
+    batch = SamplingBatch(params, [4, 9, 2])
+    gen = torch.Generator().manual_seed(0)
+    a, b = _row_seeds(batch, gen, 0, torch.device("cpu")), _row_seeds(batch, gen, 2, torch.device("cpu"))
+    assert a[0] == _seed_for(7, 4) and b[0] == _seed_for(7, 6)
+    assert a[1] != b[1] and a[2] != b[2]  # unseeded, and greedy (whose key the kernel ignores)
 
 
 def test_logprobs(llm):
