@@ -5,10 +5,14 @@
     python -m lab.text_prompts lengths [--model DIR]     the server's token counts of the bench's text prompts
     python -m lab.text_prompts encode [--model DIR]      planning a 512-token request: text vs ids, and
                                                          the GIL a tokenizing thread holds, by encode path
-    python -m lab.text_prompts burst [--model DIR]       bursts of text requests through the server's
-                                                         tokenizing threads: how far apart they come out
+    python -m lab.text_prompts busy [--model DIR]        bursts of text requests planned beside an event loop kept
+                                                         busy: on threads (by switch interval), on the loop, and
+                                                         through the server's tokenizing processes
     python -m lab.text_prompts steps RESULT.json ...     `serve bench --result-json` files: the steps that
                                                          carried prompts, from each request's first token
+    python -m lab.text_prompts probe --model DIR --out DIR   (GPU) one server, `serve bench --url` with ids,
+                                                         text, ids, text prompts; the server's own TTFT from
+                                                         /metrics around each run beside the client's
 
 `steps` reads what the client saw: requests whose first tokens came within 0.5 ms of each other were
 prefilled in one step. With multi-step scheduling (scheduler/policy.py) every such step ends a round of
@@ -49,16 +53,16 @@ def check(args: argparse.Namespace) -> None:
     import tokenizers
     import transformers
 
-    from serve.api import tokenize_threads
     from serve.prompts import ENCODE_PATH, RequestPlanner
     from serve.server_config import ServerConfig
+    from serve.tokenize_pool import pool_size
 
     tok = _tokenizer(args.model)
     planner = RequestPlanner(tok, len(tok), 32768, ServerConfig())
     print(f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, {type(tok).__name__}, "
           f"{os.cpu_count()} CPUs: encodes through "
           f"{'the Rust tokenizer (encode_batch_fast)' if planner.rust_encode else 'tokenizer.encode'}, "
-          f"{tokenize_threads(planner)} tokenizing thread(s)")
+          f"{pool_size() if planner.rust_encode else 0} tokenizing process(es)")
     if planner.rust_encode is None:
         backend = getattr(tok, "backend_tokenizer", None)
         print(f"  truncation {getattr(backend, 'truncation', None)}, padding {getattr(backend, 'padding', None)}, "
@@ -166,38 +170,124 @@ def encode(args: argparse.Namespace) -> None:
               f"{lost:4.0%} of its time ({rate:.0f} encodes/s)")
 
 
-def burst(args: argparse.Namespace) -> None:
-    """Bursts of k text requests into a pool of threads running planner.completion, as the server's
-    event loop hands them over: the spread from the first plan done to the last, per burst size."""
-    from serve.api import tokenize_threads
+def busy(args: argparse.Namespace) -> None:
+    """Bursts of k text requests planned while the event loop runs 40 us Python tasks back to back
+    (a server streaming under load): the median and last request's wait, and the loop's own work
+    done meanwhile, for threads at several GIL switch intervals, the loop itself, and the pool."""
+    import asyncio
+
     from serve.prompts import RequestPlanner
     from serve.protocol import CompletionRequest
     from serve.server_config import ServerConfig
+    from serve.tokenize_pool import TokenizePool
 
     tok = _tokenizer(args.model)
     reqs = [CompletionRequest.model_validate({"prompt": r.prompt, "max_tokens": 128}) for r in _text_requests(tok, 64)]
-    old = RequestPlanner(tok, len(tok), 32768, ServerConfig())
-    old.rust_encode = None
-    new = RequestPlanner(tok, len(tok), 32768, ServerConfig())
-    setups = [("1 thread, tokenizer.encode (before)", old, 1),
-              (f"{tokenize_threads(new)} thread(s), Rust (this machine's default)", new, tokenize_threads(new)),
-              (f"{args.threads} threads, Rust", new, args.threads)]
-    for label, planner, threads in setups:
-        with ThreadPoolExecutor(threads) as pool:
-            for k in (1, 4, 8):
-                spreads, lasts = [], []
-                for rep in range(args.reps):
-                    batch = [reqs[(rep * k + i) % len(reqs)] for i in range(k)]
-                    done: list[float] = []
-                    start = time.perf_counter()
-                    futures = [pool.submit(lambda r=r: (planner.completion(r), done.append(time.perf_counter())))
-                               for r in batch]
-                    for f in futures:
-                        f.result()
-                    spreads.append((max(done) - min(done)) * 1e3)
-                    lasts.append((max(done) - start) * 1e3)
-                print(f"{label:45s} burst {k}: spread {statistics.median(spreads):5.2f} ms, "
-                      f"last done after {statistics.median(lasts):5.2f} ms (medians of {args.reps})")
+    planner = RequestPlanner(tok, len(tok), 32768, ServerConfig())
+    k = 13
+
+    def work(us: float) -> None:
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    async def loop_busy(stop: asyncio.Event, count: list[int]) -> None:
+        while not stop.is_set():
+            work(40)
+            count[0] += 1
+            await asyncio.sleep(0)
+
+    async def run(mode: str) -> tuple[float, float, float]:
+        loop = asyncio.get_running_loop()
+        threads = ThreadPoolExecutor(args.threads)
+        pool = TokenizePool.for_tokenizer(tok) if mode == "pool" else None
+        if pool is not None:
+            await pool.start()
+            await pool.encode(["warm"], True)
+        stop, count = asyncio.Event(), [0]
+        task = asyncio.create_task(loop_busy(stop, count))
+        waits, lasts, t0 = [], [], time.perf_counter()
+        for rep in range(args.reps):
+            start = time.perf_counter()
+
+            async def one(r: CompletionRequest) -> float:
+                if mode == "loop":
+                    planner.completion(r)
+                elif mode == "pool":
+                    d = planner.completion_draft(r)
+                    d.finish(await pool.encode(d.texts, d.add_special_tokens))
+                else:
+                    await loop.run_in_executor(threads, planner.completion, r)
+                return time.perf_counter() - start
+            got = await asyncio.gather(*[one(reqs[(rep * k + i) % len(reqs)]) for i in range(k)])
+            waits += got
+            lasts.append(max(got))
+            await asyncio.sleep(0.02)
+        rate = count[0] / (time.perf_counter() - t0)
+        stop.set()
+        await task
+        threads.shutdown()
+        if pool is not None:
+            pool.close()
+        return statistics.median(waits) * 1e3, statistics.median(lasts) * 1e3, rate
+
+    default = sys.getswitchinterval()
+    setups = [(f"{args.threads} threads, switch interval {si * 1e3:g} ms", "threads", si) for si in (0.005, 0.001, 0.0002)]
+    setups += [("on the loop", "loop", default), ("tokenizing processes", "pool", default)]
+    for label, mode, si in setups:
+        sys.setswitchinterval(si)
+        med, last, rate = asyncio.run(run(mode))
+        print(f"{label:40s} burst of {k}: median wait {med:6.1f} ms, last {last:6.1f} ms; loop tasks {rate:,.0f}/s")
+    sys.setswitchinterval(default)
+
+
+def probe(args: argparse.Namespace) -> None:
+    import subprocess
+    import urllib.request
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "serve.cli", "run", "--model", args.model, "--load-format", "dummy",
+                               "--port", str(port)], stdout=open(out_dir / "probe-server.out", "w"), stderr=subprocess.STDOUT)
+
+    def ttft() -> tuple[float, float]:
+        total = count = 0.0
+        for line in urllib.request.urlopen(base + "/metrics").read().decode().splitlines():
+            if line.startswith("pagedserve:time_to_first_token_seconds_sum"):
+                total += float(line.split()[-1])
+            elif line.startswith("pagedserve:time_to_first_token_seconds_count"):
+                count += float(line.split()[-1])
+        return total, count
+
+    try:
+        for _ in range(1200):
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        rows = []
+        for i, fmt in enumerate(("ids", "text", "ids", "text")):
+            label = f"probe-{fmt}-{i}"
+            s0, c0 = ttft()
+            subprocess.run([sys.executable, "-m", "serve.cli", "bench", "--url", base, "--model", args.model,
+                            "--concurrency", "64", "--num-prompts", str(args.n), "--input-len", "512", "--output-len", "128",
+                            "--ignore-eos", "--num-warmups", "64", "--prompt-format", fmt,
+                            "--result-json", str(out_dir / f"{label}.json")],
+                           stdout=open(out_dir / f"{label}.out", "w"), stderr=subprocess.STDOUT, timeout=300)
+            s1, c1 = ttft()
+            res = json.loads((out_dir / f"{label}.json").read_text())
+            row = {"run": label, "tok_s": round(res["output_throughput"]), "client_median_ttft_ms": round(res["median_ttft_ms"], 1),
+                   "client_mean_ttft_ms": round(res["mean_ttft_ms"], 1),
+                   "server_mean_ttft_ms": round((s1 - s0) / max(c1 - c0, 1) * 1e3, 1), "median_tpot_ms": round(res["median_tpot_ms"], 3)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        (out_dir / "probe.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def prompt_steps(path: str) -> dict[str, Any]:
@@ -228,16 +318,21 @@ def steps(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.text_prompts", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("check", "lengths", "encode", "burst"):
+    for name in ("check", "lengths", "encode", "busy"):
         s = sub.add_parser(name)
         s.add_argument("--model", default=DEFAULT_MODEL)
         s.add_argument("--n", type=int, default=200)
         s.add_argument("--reps", type=int, default=20)
-        s.add_argument("--threads", type=int, default=4)
+        s.add_argument("--threads", type=int, default=8)
     s = sub.add_parser("steps")
     s.add_argument("results", nargs="+")
+    s = sub.add_parser("probe")
+    s.add_argument("--model", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--n", type=int, default=640)
+    s.add_argument("--port", type=int, default=8071)
     args = p.parse_args(argv)
-    {"check": check, "lengths": lengths, "encode": encode, "burst": burst, "steps": steps}[args.cmd](args)
+    {"check": check, "lengths": lengths, "encode": encode, "busy": busy, "steps": steps, "probe": probe}[args.cmd](args)
     return 0
 
 

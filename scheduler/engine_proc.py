@@ -198,8 +198,8 @@ def _step(core: EngineCore) -> tuple:
 
 # -- the parent --------------------------------------------------------------------------------
 
-class _FrameReader(asyncio.Protocol):
-    """Splits the child's byte stream into messages."""
+class FrameReader(asyncio.Protocol):
+    """Splits a child process's byte stream (multiprocessing Connection frames of pickles) into messages."""
 
     def __init__(self, on_message: Callable[[tuple], None], on_lost: Callable[[], None]) -> None:
         self._buf = bytearray()
@@ -223,14 +223,14 @@ class _FrameReader(asyncio.Protocol):
             try:
                 messages.append(pickle.loads(buf[pos + head:pos + head + size]))
             except Exception:
-                log.exception("a message from the engine process could not be read")
+                log.exception("a message from a child process could not be read")
             pos += head + size
         del buf[:pos]
         for msg in messages:
             try:
                 self._on_message(msg)
             except Exception:
-                log.exception("handling a message from the engine process failed")
+                log.exception("handling a message from a child process failed")
 
     def eof_received(self) -> None:
         self._on_lost()
@@ -323,7 +323,7 @@ class ProcessCore:
             raise EngineUnavailable(self.failure or "the engine process is not running")
         self._events = events
         self._state = "running"  # before the reader exists: a child that died meanwhile is reported
-        self._reader, _ = await loop.connect_read_pipe(lambda: _FrameReader(self._on_message, self._on_lost),
+        self._reader, _ = await loop.connect_read_pipe(lambda: FrameReader(self._on_message, self._on_lost),
                                                        self._results)
         self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, self._commands)
 

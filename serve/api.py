@@ -8,9 +8,8 @@ process`, serve.engine_process.ProcessEngine (its core runs in a child process).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,13 +26,14 @@ from serve.grammar_check import GrammarChecker
 from serve.guards import ApiKeyGuard, BodyLimit
 from serve.metrics import HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
-from serve.prompts import Plan, RequestPlanner
+from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                             ErrorResponse, ModelCard, ModelList)
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.replicas import ReplicaSet, ReplicatedEngine
 from serve.server_config import ServerConfig
 from serve.streaming import ClientGone, EngineStreamingResponse, collect_while_connected, sse_events
+from serve.tokenize_pool import TokenizePool, TokenizerGone
 
 if TYPE_CHECKING:
     from serve.build import Engine
@@ -57,30 +57,11 @@ class ServerState:
     model_name: str
     started: float
     # Tokenizing a text prompt (~1 ms for 512 tokens) would stall every stream on the event loop:
-    # threads run it beside the loop (the Rust tokenizer's encode_batch_fast lets go of the GIL),
-    # several at once where the planner allows it (tokenize_threads)
+    # processes encode where the planner takes the Rust tokenizer's ids (serve/tokenize_pool.py),
+    # else one thread plans text requests beside the loop
+    tokenizers: TokenizePool | None
     tokenize: ThreadPoolExecutor
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
-
-
-MAX_TOKENIZE_THREADS = 8
-
-
-def tokenize_threads(planner: RequestPlanner, cpus: int | None = None) -> int:
-    """Threads that plan (tokenize) requests beside the event loop: half the CPUs, at most
-    MAX_TOKENIZE_THREADS, where several may tokenize at once (planner.thread_safe); else one.
-
-    Why several: the clients of a closed loop whose requests ended in the same step send their next
-    ones together. Token ids reach the engine together and share one prompt step; text prompts
-    through one thread reached it a tokenize (~1 ms) apart, one prompt step each, and every prompt
-    step ends the decode rounds of multi-step scheduling (scheduler/policy.py). On an H100, Qwen2.5-0.5B
-    shape, 64 clients, 640 requests of 512 + 128 tokens: 505 prompt steps (1.3 prompts each) against
-    154 (4.2 each) for token ids, TPOT 1.63 against 1.42 ms, 87% of the token-id throughput."""
-    if not planner.thread_safe:
-        return 1
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_TOKENIZE_THREADS, cpus // 2))
 
 
 def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | DisaggregatedEngine",
@@ -91,13 +72,16 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
     loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config)
     name = config.served_model_name or engine.model_name
     planner = RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config)
+    pool = TokenizePool.for_tokenizer(engine.tokenizer) if planner.thread_safe else None
     state = ServerState(engine, loop, Metrics(name, loop), config, planner,
-                        TokenStrings(engine.tokenizer), name, time.time(),
-                        ThreadPoolExecutor(tokenize_threads(planner), thread_name_prefix="pagedserve-tokenize"),
+                        TokenStrings(engine.tokenizer), name, time.time(), pool,
+                        ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
                         GrammarChecker(engine, config.grammar_timeout_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if pool is not None:
+            await pool.start()
         await loop.start()
         state.grammars.warm()
         try:
@@ -105,6 +89,8 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
         finally:
             await loop.drain(config.shutdown_timeout_s)
             await loop.stop()
+            if pool is not None:
+                pool.close()
             state.tokenize.shutdown(wait=False, cancel_futures=True)
             state.grammars.shutdown()
 
@@ -125,14 +111,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(st, body.model)
         text = isinstance(body.prompt, str) or bool(body.prompt) and isinstance(body.prompt[0], str)
-        plan = await _off_loop(st, st.planner.completion, body) if text else st.planner.completion(body)
+        plan = await _planned(st, st.planner.completion_draft, body) if text else st.planner.completion(body)
         await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, CompletionFormat(plan, st.model_name, st.strings, st.engine.tokenizer))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(st, body.model)
-        plan = await _off_loop(st, st.planner.chat, body)
+        plan = await _planned(st, st.planner.chat_draft, body)
         await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
 
@@ -156,9 +142,21 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _off_loop(st: ServerState, plan: Any, body: Any) -> Plan:
-    """plan(body) on a tokenizing thread: the loop streams other requests meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(st.tokenize, plan, body)
+async def _planned(st: ServerState, draft: Callable[[Any], Draft], body: Any) -> Plan:
+    """The request's plan: checked (and its chat template rendered) on the loop, its texts encoded
+    in the tokenizing processes; without them, planned whole on the tokenizing thread. The loop
+    streams other requests meanwhile."""
+    pool = st.tokenizers
+    if pool is None or not pool.alive:
+        return await asyncio.get_running_loop().run_in_executor(st.tokenize, lambda: st.planner.encode_here(draft(body)))
+    d = draft(body)
+    try:
+        ids = await pool.encode(d.texts, d.add_special_tokens) if d.texts else []
+    except ValueError as e:  # the tokenizer refused a text
+        raise APIError(400, str(e), param="prompt") from None
+    except TokenizerGone as e:
+        raise APIError(503, f"{e}; send the request again", code="unavailable", headers={"Retry-After": "1"}) from None
+    return d.finish(ids)
 
 
 def _check_model(st: ServerState, model: str | None) -> None:

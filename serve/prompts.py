@@ -102,6 +102,15 @@ class Plan:
         return [(p.token_ids, sp) for p in self.prompts for sp in self.params]
 
 
+@dataclass
+class Draft:
+    """A request checked, its chat template rendered, before its texts are encoded (wherever the
+    caller encodes them): finish(their ids, in order) -> the Plan."""
+    texts: list[str]
+    add_special_tokens: bool
+    finish: Callable[[list[list[int]]], Plan]
+
+
 def check_text(value: str, name: str) -> str:
     try:
         value.encode("utf-8")
@@ -127,6 +136,16 @@ class RequestPlanner:
     # -- the two endpoints ---------------------------------------------------------------------
 
     def completion(self, req: CompletionRequest) -> Plan:
+        return self.encode_here(self.completion_draft(req))
+
+    def chat(self, req: ChatCompletionRequest) -> Plan:
+        return self.encode_here(self.chat_draft(req))
+
+    def encode_here(self, draft: Draft) -> Plan:
+        """A draft finished with its texts encoded in this thread."""
+        return draft.finish([self._encode(text, draft.add_special_tokens) for text in draft.texts])
+
+    def completion_draft(self, req: CompletionRequest) -> Draft:
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -135,12 +154,17 @@ class RequestPlanner:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs needs prompt logprobs, which this server does not compute; "
                                 "drop one of them", param="echo")
-        texts = self._prompt_list(req.prompt)
-        self._check_count(len(texts), req.n)  # before tokenizing what may be a huge list
-        prompts = [self._encode_prompt(p) for p in texts]
-        return self._plan(req, prompts, req.max_tokens, req.logprobs, echo=req.echo)
+        prompts = self._prompt_list(req.prompt)
+        self._check_count(len(prompts), req.n)  # before tokenizing what may be a huge list
+        texts = [self._encodable(check_text(p, "prompt")) for p in prompts if isinstance(p, str)]
 
-    def chat(self, req: ChatCompletionRequest) -> Plan:
+        def finish(ids: list[list[int]]) -> Plan:
+            encoded = iter(ids)
+            inputs = [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in prompts]
+            return self._plan(req, inputs, req.max_tokens, req.logprobs, echo=req.echo)
+        return Draft(texts, True, finish)
+
+    def chat_draft(self, req: ChatCompletionRequest) -> Draft:
         tools = plan_tools(req, self.tool_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -148,7 +172,11 @@ class RequestPlanner:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._plan(req, [self._chat_prompt(req, tools)], max_tokens, logprobs, tools=tools)
+        text = self._encodable(self._chat_text(req, tools))
+
+        def finish(ids: list[list[int]]) -> Plan:
+            return self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
+        return Draft([text], False, finish)
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -162,9 +190,7 @@ class RequestPlanner:
             return [prompt]
         return list(prompt)
 
-    def _encode_prompt(self, prompt: str | list[int]) -> PromptInput:
-        if isinstance(prompt, str):
-            return PromptInput(self._encode(check_text(prompt, "prompt"), add_special_tokens=True), prompt)
+    def _id_prompt(self, prompt: list[int]) -> PromptInput:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} in the prompt is outside the vocabulary (0..{self.vocab_size - 1})",
@@ -173,11 +199,12 @@ class RequestPlanner:
 
     @property
     def thread_safe(self) -> bool:
-        """Whether several threads may plan requests at once: encodes go to the Rust tokenizer,
-        which nothing changes (the transformers wrapper may set its truncation or padding)."""
+        """Whether encodes may run anywhere else (other threads, the server's tokenizing
+        processes): they go to the Rust tokenizer, which nothing changes (the transformers wrapper
+        may set its truncation or padding)."""
         return self.rust_encode is not None
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encodable(self, text: str) -> str:
         # Refuse text that could not fit anyway before spending time on it. No real tokenizer
         # averages anywhere near this many characters per token.
         limit = self.max_model_len * MAX_CHARS_PER_TOKEN
@@ -185,6 +212,9 @@ class RequestPlanner:
             raise APIError(400, f"the prompt has {len(text)} characters, far more than the model's context length of "
                                 f"{self.max_model_len} tokens can hold; shorten it", param="prompt",
                            code="context_length_exceeded")
+        return text
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             if self.rust_encode is not None:
                 return self.rust_encode(text, add_special_tokens)
@@ -192,7 +222,7 @@ class RequestPlanner:
         except ValueError as e:  # e.g. a model folder without a tokenizer
             raise APIError(400, str(e), param="prompt") from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> PromptInput:
+    def _chat_text(self, req: ChatCompletionRequest, tools: ToolPlan) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         messages = []
@@ -206,7 +236,7 @@ class RequestPlanner:
         except Exception as e:  # the template's own raise_exception(), or a template error
             reason = str(e).splitlines()[0][:200] if str(e) else "it raised an error"
             raise APIError(400, f"the chat template cannot render these messages: {reason}", param="messages") from None
-        return PromptInput(self._encode(text, add_special_tokens=False))
+        return text
 
     # -- shared checks -------------------------------------------------------------------------
 

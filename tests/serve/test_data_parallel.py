@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from engine.config import EngineConfig
 from serve.engine_set import visible_gpus
 from serve.replicas import place_replicas
 from tests.serve.helpers import HOST, SubprocessServer, client_of, metric_samples, serve_run_usage_error, wait_gauges
-from tests.serve.test_shutdown import child_pids, start_server
+from tests.serve.test_shutdown import engine_children, start_server
 
 PROMPTS = [[5, 80, 17, 301, 44, 9, 120], [250, 3, 3, 77], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 98]]
 MAX_NEW = 12
@@ -143,10 +142,6 @@ def test_bad_flags_are_one_line(model_dir, args, message):
     assert serve_run_usage_error(model_dir, *args) == [f"serve run: error: {message}"]
 
 
-def engine_pids(server_pid: int) -> list[int]:
-    return [p for p in child_pids(server_pid) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
 def stream_tokens(port: int, prompt: list[int], first: threading.Event, out: dict) -> None:
     """Stream a long completion; out gets the number of token chunks, the finish reason and the
     error, if one came."""
@@ -176,7 +171,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(dp, server)
     for t, e in zip(threads, firsts):
         t.start()
         assert e.wait(60)
-    victim, survivor = engine_pids(proc.pid)
+    victim, survivor = engine_children(proc.pid)
     os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(60)

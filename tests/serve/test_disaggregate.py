@@ -18,8 +18,8 @@ import pytest
 from engine.config import EngineConfig
 from serve.disagg import parse_disaggregate, place_engines
 from tests.serve.helpers import HOST, SubprocessServer, client_of, metric_samples, serve_run_usage_error, wait_gauges
-from tests.serve.test_data_parallel import PROMPTS, MAX_NEW, body, complete, engine_pids
-from tests.serve.test_shutdown import start_server
+from tests.serve.test_data_parallel import PROMPTS, MAX_NEW, body, complete
+from tests.serve.test_shutdown import engine_children, start_server
 
 LONG = 120  # tokens: a stream that outlasts the kill of its engine
 
@@ -123,7 +123,7 @@ def test_bad_flags_are_one_line(model_dir, args, message):
 
 
 def engine_named(server_pid: int, comm: str) -> int:
-    (pid,) = [p for p in engine_pids(server_pid) if Path(f"/proc/{p}/comm").read_text().strip() == comm]
+    (pid,) = [p for p in engine_children(server_pid) if Path(f"/proc/{p}/comm").read_text().strip() == comm]
     return pid
 
 

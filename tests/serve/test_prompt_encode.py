@@ -1,15 +1,11 @@
 """The planner's plain encodes straight from the Rust tokenizer (serve/prompts.py rust_encoder): the
-same ids as tokenizer.encode, or the wrapper where they could differ; and the threads that tokenize
-beside the event loop (serve/api.py tokenize_threads)."""
+same ids as tokenizer.encode, or the wrapper where they could differ."""
 from __future__ import annotations
 
 import random
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serve.api import MAX_TOKENIZE_THREADS, tokenize_threads
 from serve.build import TokenIdTokenizer
 from serve.prompts import RequestPlanner, rust_encoder
 from serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -119,30 +115,3 @@ def test_planner_plans_alike_either_way(tmp_path):
         a, b = (p.chat(ChatCompletionRequest.model_validate(chat)) for p in (fast, slow))
         rendered = tok.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=False)
         assert a.prompts[0].token_ids == b.prompts[0].token_ids == tok.encode(rendered, add_special_tokens=False)
-
-
-def test_planners_on_several_threads_at_once(tmp_path):
-    """The server's tokenizing threads plan at once: each request gets its own ids."""
-    tok = _tokenizer(tmp_path)
-    planner = RequestPlanner(tok, 384, 4096, ServerConfig())
-    texts = [t for t in _texts(tok, n=200, seed=3) if t]
-    want = [tok.encode(t) for t in texts]
-    barrier = threading.Barrier(8)
-
-    def plan(i: int) -> list[int]:
-        if i < 8:
-            barrier.wait()  # all eight threads start together
-        return planner.completion(CompletionRequest(prompt=texts[i], max_tokens=1)).prompts[0].token_ids
-
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(plan, range(len(texts)))) == want
-
-
-def test_tokenize_threads(tmp_path):
-    tok = _tokenizer(tmp_path)
-    planner = RequestPlanner(tok, 384, 4096, ServerConfig())
-    assert [tokenize_threads(planner, cpus) for cpus in (1, 2, 3, 8, 16, 64)] == [1, 1, 1, 4, 8, MAX_TOKENIZE_THREADS]
-    assert tokenize_threads(planner) >= 1
-    planner.rust_encode = None  # tokenizer.encode: one thread, never two at once
-    assert tokenize_threads(planner, 64) == 1
-    assert tokenize_threads(RequestPlanner(TokenIdTokenizer(384), 384, 4096, ServerConfig()), 64) == 1

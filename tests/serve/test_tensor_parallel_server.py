@@ -16,7 +16,7 @@ import pytest
 
 from tests.models import hf_greedy
 from tests.serve.helpers import free_port
-from tests.serve.test_shutdown import REPO, child_pids, start_server
+from tests.serve.test_shutdown import REPO, engine_children, start_server
 
 PROMPTS = [[5, 80, 17, 301, 44, 9, 120], [250, 3, 3, 77]]
 MAX_NEW = 12
@@ -69,10 +69,9 @@ def test_a_size_that_does_not_split_the_model_is_one_line(model_dir):
 
 
 def rank_pids(server_pid: int) -> list[int]:
-    """The tensor-parallel ranks: the engine process's children other than multiprocessing's
-    resource tracker."""
-    (engine,) = [p for p in child_pids(server_pid) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
-    return [p for p in child_pids(engine) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    """The tensor-parallel ranks: the engine process's children."""
+    (engine,) = engine_children(server_pid)
+    return engine_children(engine)
 
 
 def kill_rank_mid_stream(model_dir: Path, *server_args: str) -> tuple[str | None, int, str]:
