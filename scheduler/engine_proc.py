@@ -198,6 +198,18 @@ def _step(core: EngineCore) -> tuple:
 
 # -- the parent --------------------------------------------------------------------------------
 
+def settle(pending: dict[int, asyncio.Future], req_id: int, ok: bool, value: Any) -> None:
+    """A child's answer to request req_id: its future gets the value, or the exception when not
+    ok; an answer whose caller was cancelled (or that came twice) is dropped."""
+    fut = pending.pop(req_id, None)
+    if fut is None or fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
 class FrameReader(asyncio.Protocol):
     """Splits a child process's byte stream (multiprocessing Connection frames of pickles) into messages."""
 
@@ -406,13 +418,7 @@ class ProcessCore:
             self._events.on_outputs(unpack_outputs(msg[1]))
         elif kind == "replies":
             for req_id, ok, value in msg[1]:
-                reply = self._replies.pop(req_id, None)
-                if reply is None or reply.done():
-                    continue  # its caller was cancelled
-                if ok:
-                    reply.set_result(value)
-                else:
-                    reply.set_exception(value)
+                settle(self._replies, req_id, ok, value)
         elif kind == "fault":
             self._events.on_fault(msg[1])
         elif kind == "lost":

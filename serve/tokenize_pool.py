@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler.engine_proc import FrameReader
+from scheduler.engine_proc import FrameReader, settle
 
 log = logging.getLogger("pagedserve")
 
@@ -110,13 +110,7 @@ class TokenizePool:
 
     def _on_result(self, w: _Worker, msg: tuple) -> None:
         req_id, ok, out = msg
-        fut = w.pending.pop(req_id, None)
-        if fut is None or fut.done():
-            return  # its caller was cancelled
-        if ok:
-            fut.set_result(out)
-        else:
-            fut.set_exception(ValueError(out))
+        settle(w.pending, req_id, ok, out if ok else ValueError(out))
 
     def _on_lost(self, w: _Worker) -> None:
         if not w.alive:
