@@ -6,10 +6,11 @@ only every `sys.getswitchinterval()` (5 ms). Text requests planned on threads th
 engine late and in bursts (bench/NOTES.md, 2026-11-26). A tokenizing process shares no GIL: the loop
 only writes the text to a pipe and reads the ids back when they are there.
 
-A worker (serve/tokenize_worker.py) holds a copy of the Rust tokenizer (`tokenizers.Tokenizer`, from its JSON) and encodes a
-request's texts in one `encode_batch_fast` call. A worker that dies fails the encodes it held (the
-requests get an error, the server stays up); the pool goes on with the others, and with none left
-the planner's own encoder takes over (serve/api.py).
+A worker (serve/tokenize_worker.py) holds a copy of the Rust tokenizer (`tokenizers.Tokenizer`,
+from its JSON) and encodes a request's texts in one `encode_batch_fast` call. A worker that dies
+fails the encodes it held (those requests get a 503, the server stays up); the pool goes on with
+the others, and with none left the planner's own encoder takes over (serve/api.py). The chat
+template is rendered on the loop before (serve/prompts.py Draft).
 """
 from __future__ import annotations
 
