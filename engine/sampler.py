@@ -18,8 +18,8 @@ class SamplingBatch:
     """Per-row sampling parameters, built by the runner for the rows that sample."""
     params: list[SamplingParams]
     output_positions: list[int]  # how many tokens each row's sequence has generated so far
-    # the rows' parameters on the device, built by the first sampling: every step of a multi-step
-    # round samples the same rows
+    # the rows' parameters on the device (_row_tensors), built by the first sampling: every step of
+    # a multi-step round samples the same rows
     _device: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -146,26 +146,14 @@ class DeviceSamples:
 
 
 def _row_tensors(batch: SamplingBatch, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's per-row temperature, top-k/top-p and greedy flags on the device, once per batch."""
+    """The batch's per-row temperature (0: greedy), top-k (vocab: off) and top-p (1: off) on the
+    device, as kernels/sample.py takes them; built once per batch."""
     t = batch._device
-    if "temps" not in t:
+    if not t:
         params = batch.params
-        t["temps"] = _to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            t["top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
-            t["top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
-        t["greedy"] = _to_device([p.greedy for p in params], torch.bool, device)
-    return t
-
-
-def _kernel_rows(batch: SamplingBatch, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's per-row parameters as kernels/sample.py takes them, once per batch."""
-    t = batch._device
-    if "k_temps" not in t:
-        params = batch.params
-        t["k_temps"] = _to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-        t["k_top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
-        t["k_top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
+        t["temps"] = _to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, device)
+        t["top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
+        t["top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
     return t
 
 
@@ -195,9 +183,8 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
     if k is None and not batch.all_greedy and device.type == "cuda":
         from kernels.sample import sample_rows  # Triton: only on a GPU
 
-        rows = _kernel_rows(batch, vocab, device)
-        tokens = sample_rows(logits, rows["k_temps"], rows["k_top_k"], rows["k_top_p"],
-                             _row_seeds(batch, generator, step, device))
+        rows = _row_tensors(batch, vocab, device)
+        tokens = sample_rows(logits, rows["temps"], rows["top_k"], rows["top_p"], _row_seeds(batch, generator, step, device))
         return DeviceSamples(tokens, batch.params)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy and k is None:
@@ -207,11 +194,12 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         tokens = greedy_tokens
     else:
         rows = _row_tensors(batch, vocab, device)
-        scaled = logits / rows["temps"].unsqueeze(1)
+        temps = rows["temps"]
+        scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
         # the exponential race, among the nucleus in sorted order where there is one (the order
         # the noise is drawn in is immaterial; sorted, no scatter back is needed)
         idx = None
-        if "top_k" in rows:
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in batch.params):
             scaled, idx = scaled.sort(dim=-1, descending=True)
             outside, probs = _sorted_outside(scaled, rows["top_k"], rows["top_p"])
             probs = probs.masked_fill_(outside, 0.0)
@@ -225,7 +213,7 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         sampled = probs.div_(noise).argmax(dim=-1)
         if idx is not None:
             sampled = idx.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        tokens = torch.where(rows["greedy"], greedy_tokens, sampled)
+        tokens = torch.where(temps == 0, greedy_tokens, sampled)
     if k is None:
         return DeviceSamples(tokens, batch.params)
     logprobs = logits.log_softmax(dim=-1)
