@@ -245,14 +245,12 @@ def probe(args: argparse.Namespace) -> None:
     import subprocess
     import urllib.request
 
+    from bench.server import ManagedServer
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = args.port
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "serve.cli", "run", "--model", args.model, "--load-format", "dummy",
-                               "--port", str(port)], stdout=open(out_dir / "probe-server.out", "w"), stderr=subprocess.STDOUT)
 
-    def ttft() -> tuple[float, float]:
+    def ttft(base: str) -> tuple[float, float]:
         total = count = 0.0
         for line in urllib.request.urlopen(base + "/metrics").read().decode().splitlines():
             if line.startswith("pagedserve:time_to_first_token_seconds_sum"):
@@ -261,23 +259,19 @@ def probe(args: argparse.Namespace) -> None:
                 count += float(line.split()[-1])
         return total, count
 
-    try:
-        for _ in range(1200):
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+    with ManagedServer([sys.executable, "-m", "serve.cli", "run"], args.model, load_format="dummy",
+                       log_path=out_dir / "probe-server.out") as server:
+        base = server.base_url
         rows = []
         for i, fmt in enumerate(("ids", "text", "ids", "text")):
             label = f"probe-{fmt}-{i}"
-            s0, c0 = ttft()
+            s0, c0 = ttft(base)
             subprocess.run([sys.executable, "-m", "serve.cli", "bench", "--url", base, "--model", args.model,
                             "--concurrency", "64", "--num-prompts", str(args.n), "--input-len", "512", "--output-len", "128",
                             "--ignore-eos", "--num-warmups", "64", "--prompt-format", fmt,
                             "--result-json", str(out_dir / f"{label}.json")],
                            stdout=open(out_dir / f"{label}.out", "w"), stderr=subprocess.STDOUT, timeout=300)
-            s1, c1 = ttft()
+            s1, c1 = ttft(base)
             res = json.loads((out_dir / f"{label}.json").read_text())
             row = {"run": label, "tok_s": round(res["output_throughput"]), "client_median_ttft_ms": round(res["median_ttft_ms"], 1),
                    "client_mean_ttft_ms": round(res["mean_ttft_ms"], 1),
@@ -285,9 +279,6 @@ def probe(args: argparse.Namespace) -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
         (out_dir / "probe.json").write_text(json.dumps(rows, indent=1))
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def prompt_steps(path: str) -> dict[str, Any]:
@@ -330,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--n", type=int, default=640)
-    s.add_argument("--port", type=int, default=8071)
     args = p.parse_args(argv)
     {"check": check, "lengths": lengths, "encode": encode, "busy": busy, "steps": steps, "probe": probe}[args.cmd](args)
     return 0
