@@ -1,29 +1,45 @@
-"""KV pages between engine processes (prefill/decode disaggregation, scheduler/disagg.py): one
-torch.distributed group over every prefill and decode engine (gloo on the CPU, NCCL on GPUs),
-point-to-point sends of a sequence's blocks.
+"""KV pages between engine processes (prefill/decode disaggregation, scheduler/disagg.py).
 
-A send gathers the blocks' pages (and fp8/int8 scales) into one buffer, so the blocks may be
-reused by the next step at once (it waits for the gather); the send itself runs in the background
-(isend) and the buffer lives until it completes. A receive scatters the pages into the decode
-engine's blocks; on a GPU the host does not wait for them (the engine's next steps do, on the
-device), and CUDA events time each receive (timings()). The whole prompt moves in one batch once
-it is computed: no overlap with the prefill's layers yet. Both pools must have the same page layout:
-handshake() checks it, and on GPUs also sets up each pair's NCCL communicator before serving (the
-first send of a pair would otherwise block until its peer joins).
+Two ways, chosen per pair of engines when they meet (handshake()):
+- pull: the decode engine maps the prefill engine's whole pool once (CUDA IPC on GPUs of one host,
+  the pool's memory file on the CPU) and copies a sequence's pages itself, from the prefill's
+  block ids into its own, on its step stream: later steps are ordered after the copy, and the
+  prefill engine keeps the blocks until the server tells it the copy has landed (copied()). No
+  collective waits on the other process: a prefill engine that dies leaves pages already written
+  (its mapping outlives it), never a receive that waits for bytes that will not come.
+- push, where a pool cannot be mapped: one torch.distributed group over every prefill and decode
+  engine (gloo on the CPU, NCCL on GPUs), point-to-point sends. A send gathers the blocks' pages
+  (and fp8/int8 scales) into one buffer, so the blocks may be reused by the next step at once; the
+  send runs in the background (isend) and the buffer lives until it completes. A receive scatters
+  the pages into the decode engine's blocks; on a GPU the host does not wait for them (the engine's
+  next steps do, on the device). handshake() sets up each push pair's NCCL communicator before
+  serving (the first send of a pair would otherwise block until its peer joins).
+CUDA events time each pull and receive (timings()). Both pools must have the same page layout:
+handshake() checks it. The whole prompt moves in one batch once it is computed: no overlap with
+the prefill's layers.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import mmap
+import os
+import pickle
 import time
 import zlib
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.group import DEFAULT_TIMEOUT_S, backend_for
+from kernels import reference
+from kernels.copy_pages import copy_pages
 from kvcache.pool import KVPool
+
+log = logging.getLogger("pagedserve")
 
 
 def join_group(rank: int, world_size: int, addr: str, port: int, device: torch.device,
@@ -50,13 +66,15 @@ def leave_group() -> None:
 class PoolTransport:
     """scheduler/disagg.py's KVTransport over a KVPool and the engines' group.
 
-    On a GPU the transfers run on a stream of their own: the send's gather must not queue behind
-    the step in flight on the prefill GPU (the pages it copies were written by a step already
-    collected), or the decode engine, which waits for the bytes, would wait for that step too.
-    Steps launched after a send wait for its gather (the blocks it read may be reused by them);
-    steps launched after a receive wait for its bytes, and it scatters them on the step stream.
-    The host waited for the bytes before (2026-11-26, H100s, Llama-3-8B at 24 req/s: 1.0 ms a
-    prompt, a stall of the decode engine's loop each time)."""
+    Push on a GPU runs on a stream of its own: the send's gather must not queue behind the step in
+    flight on the prefill GPU (the pages it copies were written by a step already collected), or
+    the decode engine, which waits for the bytes, would wait for that step too. Steps launched
+    after a send wait for its gather (the blocks it read may be reused by them); steps launched
+    after a receive wait for its bytes, and it scatters them on the step stream. A pull copies on
+    the step stream: after the step in flight, which may still read the blocks it writes (those
+    of a sequence that ended in the step before, now freed). The host waited for the bytes once
+    (2026-11-26, H100s, Llama-3-8B at 24 req/s: 1.0 ms a prompt, a stall of the decode engine's
+    loop each time)."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -66,6 +84,10 @@ class PoolTransport:
         self._sending: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
         self._receiving: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # bytes, start, end: not yet timed
         self._timed: list[tuple[int, float]] = []
+        self._words = page_words(pool.kv, pool.scales)  # this pool's pages, block id at dim 1
+        self._peers: dict[int, list[torch.Tensor]] = {}  # a prefill engine's pages, mapped here: this engine pulls
+        self._lends: set[int] = set()  # the decode engines that pull from this pool
+        self._landing: dict[int, torch.cuda.Event] = {}  # tag -> the end of a pull still on its way
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
@@ -80,6 +102,45 @@ class PoolTransport:
             out.append(torch.empty((scales.shape[0], num_blocks, *scales.shape[2:]), dtype=scales.dtype,
                                    device=scales.device))
         return out
+
+    # -- pull ------------------------------------------------------------------------------
+
+    def lends_to(self, peer: int) -> bool:
+        return peer in self._lends
+
+    def pull(self, blocks: list[int], peer: int, src_blocks: list[int], tag: int) -> int:
+        """Copy blocks src_blocks of prefill engine `peer`'s pool into `blocks` of this one; on a
+        GPU the copy is queued on the step stream (copied(tag) tells when it has landed)."""
+        t0 = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True) if self._side is not None else None
+        if start is not None:
+            start.record()
+        n = self._copy(peer, src_blocks, blocks)
+        if start is None:
+            self._timed.append((n, time.perf_counter() - t0))
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._receiving.append((n, start, end))
+            self._landing[tag] = end
+        return n
+
+    def _copy(self, peer: int, src_blocks: list[int], blocks: list[int]) -> int:
+        src_idx, dst_idx = self._index(src_blocks), self._index(blocks)
+        copy = copy_pages if self.device.type == "cuda" else reference.copy_pages
+        for mine, theirs in zip(self._words, self._peers[peer]):
+            copy(theirs, mine, src_idx, dst_idx)
+        return sum(len(blocks) * w.shape[0] * w.shape[2] * w.element_size() for w in self._words)
+
+    def copied(self, tag: int) -> bool:
+        """Whether the pull of `tag` has landed: the prefill engine may reuse its blocks then."""
+        end = self._landing.get(tag)
+        if end is None or end.query():
+            self._landing.pop(tag, None)
+            return True
+        return False
+
+    # -- push ------------------------------------------------------------------------------
 
     def send(self, blocks: list[int], peer: int, tag: int) -> int:
         self._sending = [(works, bufs) for works, bufs in self._sending if not all(w.is_completed() for w in works)]
@@ -135,35 +196,154 @@ class PoolTransport:
         return bufs
 
     def timings(self) -> list[tuple[int, float]]:
-        """(bytes, seconds) of each receive done since the last call, in order; on a GPU the
-        seconds run from the receive's turn on the side stream to its last byte, which includes
-        any wait for the sender's gather."""
+        """(bytes, seconds) of each pull and receive done since the last call, in order; on a GPU
+        the seconds run from its turn on its stream to its last byte, which includes, for a
+        receive, any wait for the sender's gather."""
         while self._receiving and self._receiving[0][2].query():
             n, start, end = self._receiving.pop(0)
             self._timed.append((n, start.elapsed_time(end) / 1e3))
         timed, self._timed = self._timed, []
         return timed
 
-    def handshake(self, prefill_ranks: Seq[int], decode_ranks: Seq[int], rank: int) -> None:
-        """Every prefill engine sends each decode engine its page layout, in rank order (no pair
-        waits on another); a decode engine whose layout differs raises."""
-        mine = self.layout()
-        if rank in prefill_ranks:
-            for peer in decode_ranks:
-                dist.send(mine, peer)
-        else:
-            theirs = torch.empty_like(mine)
-            for peer in prefill_ranks:
-                dist.recv(theirs, peer)
-                if not torch.equal(theirs, mine):
-                    raise RuntimeError(f"the KV pages of prefill engine {peer} ({theirs.tolist()}) differ from "
-                                       f"this decode engine's ({mine.tolist()}): start both from the same flags")
+    # -- meeting ---------------------------------------------------------------------------
 
-    def layout(self) -> torch.Tensor:
+    def handshake(self, prefill_ranks: Seq[int], decode_ranks: Seq[int], rank: int, pull: bool = True) -> None:
+        """Every prefill engine publishes its page layout and a handle to its pages in the group's
+        store; each decode engine checks the layout (it raises where they differ) and maps the
+        pages, or answers "push" where it cannot (or `pull` is off). Then, where some pair does
+        not pull, the push pairs set up their communicators, in rank order (no pair waits on
+        another); where every pair pulls, every engine leaves the group (nothing is sent, and no
+        engine keeps watching the store that rank 0 hosts: it may die before the others)."""
+        # each rank's n-th handshake pairs with every other rank's n-th; the keys carry n, and a
+        # key with one reader is deleted by it
+        store = dist.distributed_c10d._get_default_store()
+        n = store.add(f"kv-handshakes/{rank}", 1)
+        world = sorted({*prefill_ranks, *decode_ranks})
+        mine = self.layout()
+        push: list[int] = []
+        apart = 0  # pairs that do not pull
+        refused: RuntimeError | None = None
+        if rank in prefill_ranks:
+            offer = pickle.dumps((mine, export_pages(self.pool) if pull else None))
+            for peer in decode_ranks:
+                store.set(f"kv-pages/{n}/{rank}/{peer}", offer)
+            for peer in decode_ranks:
+                key = f"kv-way/{n}/{rank}/{peer}"
+                way = store.get(key)
+                store.delete_key(key)
+                if way == b"pull":
+                    self._lends.add(peer)
+                else:
+                    apart += 1
+                    if way == b"push":
+                        push.append(peer)
+        else:
+            for peer in prefill_ranks:
+                offer = f"kv-pages/{n}/{peer}/{rank}"
+                theirs, handle = pickle.loads(store.get(offer))
+                store.delete_key(offer)
+                key = f"kv-way/{n}/{peer}/{rank}"
+                if theirs != mine:
+                    store.set(key, b"refused")
+                    apart += 1
+                    refused = refused or RuntimeError(
+                        f"the KV pages of prefill engine {peer} ({theirs}) differ from this decode engine's "
+                        f"({mine}): start both from the same flags")
+                    continue
+                try:
+                    if handle is None:
+                        raise RuntimeError("pulling is off")
+                    self._peers[peer] = page_words(*map_pages(handle, self.device))
+                    self._copy(peer, [0], [0])  # compiles the copy now, not in the first prompt's pull
+                    store.set(key, b"pull")
+                except Exception as e:  # no peer access between the GPUs, another host's files, ...
+                    log.info("decode engine %d cannot map prefill engine %d's KV pages (%s): they move by "
+                             "point-to-point sends", rank, peer, e)
+                    store.set(key, b"push")
+                    push.append(peer)
+                    apart += 1
+        store.add(f"kv-apart/{n}", apart)
+        store.set(f"kv-met/{n}/{rank}", b"")
+        store.wait([f"kv-met/{n}/{r}" for r in world])
+        if store.add(f"kv-apart/{n}", 0) == 0:
+            # rank 0 hosts the store: it leaves last
+            if rank != world[0]:
+                store.set(f"kv-left/{n}/{rank}", b"")
+            else:
+                store.wait([f"kv-left/{n}/{r}" for r in world[1:]])
+            leave_group()
+        for peer in push:
+            t = torch.tensor(mine, device=self.device)
+            if rank in prefill_ranks:
+                dist.send(t, peer)
+            else:
+                dist.recv(t, peer)
+        if refused is not None:
+            raise refused
+
+    def layout(self) -> list[int]:
         kv = self.pool.kv
-        dims = [*kv.shape[:2], *kv.shape[3:], zlib.crc32(self.pool.spec.dtype.encode()),
+        return [*kv.shape[:2], *kv.shape[3:], zlib.crc32(self.pool.spec.dtype.encode()),
                 int(self.pool.scales is not None)]
-        return torch.tensor(dims, dtype=torch.long, device=kv.device)
+
+
+def page_words(kv: torch.Tensor, scales: torch.Tensor | None) -> list[torch.Tensor]:
+    """A pool's pages [layers, 2, num_blocks, ...] and scales [layers, num_blocks, ...] as words
+    [groups, num_blocks, words a block] (kernels/copy_pages.py): a page moves in 8-byte words."""
+    out = [_as_words(kv.view(torch.uint8).view(kv.shape[0] * kv.shape[1], kv.shape[2], -1))]
+    if scales is not None:
+        out.append(_as_words(scales.view(torch.uint8).view(scales.shape[0], scales.shape[1], -1)))
+    return out
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64) if t.shape[-1] % 8 == 0 else t
+
+
+def export_pages(pool: KVPool) -> list[tuple[str, Any]]:
+    """Picklable handles to a pool's pages and scales, for map_pages() in another process of this
+    host: CUDA IPC handles of the allocations (GPU), or this process's memory files (CPU)."""
+    out = []
+    for t, fd in zip((pool.kv, pool.scales), pool.files):
+        if t is None:
+            break
+        if t.is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            out.append(("cuda", reduce_tensor(t)[1]))
+        elif fd is not None:
+            out.append(("file", (os.getpid(), fd, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))))
+        else:
+            raise RuntimeError("the pool's CPU pages have no memory file to share")
+    return out
+
+
+def map_pages(handles: list[tuple[str, Any]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pages (and scales) behind export_pages()'s handles, mapped into this process: (kv,
+    scales or None). On a GPU the tensors read the other GPU's memory over its peer link."""
+    tensors = []
+    for kind, args in handles:
+        if kind == "cuda":
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            if device.type != "cuda":
+                raise RuntimeError("GPU pages cannot be mapped by a CPU engine")
+            # opened on this engine's own device: mapped there, with peer access to the memory
+            # (args[6] is the exporter's device index, which means another GPU here); no wait for
+            # the exporter's event of the moment it shared (args[14]): the protocol orders the reads
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            tensors.append(rebuild_cuda_tensor(*args[:6], index, *args[7:14], False))
+        else:
+            pid, fd, nbytes, dtype, shape = args
+            if device.type != "cpu":
+                raise RuntimeError("CPU pages cannot be read by a GPU engine's kernels")
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            try:
+                pages = mmap.mmap(f, nbytes)
+            finally:
+                os.close(f)
+            tensors.append(torch.frombuffer(pages, dtype=torch.uint8).view(getattr(torch, dtype[6:])).view(shape))
+    return tensors[0], (tensors[1] if len(tensors) > 1 else None)
 
 
 def _nbytes(bufs: list[torch.Tensor]) -> int:

@@ -190,3 +190,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+    """dst[:, dst_blocks] = src[:, src_blocks] (kernels/copy_pages.py)."""
+    dst.index_copy_(1, dst_blocks.long(), src.index_select(1, src_blocks.long()))

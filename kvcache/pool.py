@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,25 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, int | None]:
+    """zeros() whose CPU pages another process may map too: a memory file (memfd) rather than an
+    anonymous map, zero-filled alike as it is first written. Returns the tensor and, on the CPU,
+    the file's descriptor, left open: a process of the same user maps the pages through
+    /proc/<pid>/fd/<fd> (engine/kv_transfer.py). On a GPU, (zeros(), None)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return zeros(shape, dtype, device), None
+    fd = os.memfd_create("pagedserve-kv")
+    try:
+        os.ftruncate(fd, nbytes)
+        pages = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape), fd
+
+
 class KVPool:
     """Pages [layers, 2, num_blocks, kv_heads, block_size, head_dim] in the storage dtype (fp8/int8:
     each layer's V pages are used as [num_blocks, kv_heads, head_dim, block_size], kvcache/quant.py), plus
@@ -53,9 +74,15 @@ class KVPool:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-        self.kv = zeros(shape, quant.storage_dtype(spec.dtype), device)
-        self.scales = (quant.new_scales(num_blocks, spec.num_kv_heads, spec.block_size, device, (spec.num_layers,))
-                       if spec.quantized else None)
+        self.kv, kv_fd = shared_zeros(shape, quant.storage_dtype(spec.dtype), device)
+        self.scales, scales_fd = None, None
+        if spec.quantized:
+            scale_shape = quant.scales_shape(num_blocks, spec.num_kv_heads, spec.block_size, (spec.num_layers,))
+            self.scales, scales_fd = shared_zeros(scale_shape, torch.float32, device)
+            self.scales.fill_(1.0)
+        # the CPU pages' memory files, for a peer engine to map (disaggregation): open while the pool lives
+        self.files = (kv_fd, scales_fd)
+        weakref.finalize(self, _close, [fd for fd in self.files if fd is not None])
         kv_dtype = spec.dtype if spec.quantized else None
         # head_dim not a power of two (no Hadamard matrix; the Triton kernels refuse it anyway): no rotation
         pow2 = spec.head_dim & (spec.head_dim - 1) == 0
@@ -71,3 +98,8 @@ class KVPool:
     def nbytes(self) -> int:
         n = self.kv.numel() * self.kv.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * 4)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -71,10 +71,14 @@ def v_page_view(v_cache: torch.Tensor) -> torch.Tensor:
     return v_cache.transpose(-1, -2)
 
 
+def scales_shape(num_blocks: int, kv_heads: int, block_size: int, leading: tuple[int, ...] = ()) -> tuple[int, ...]:
+    return (*leading, num_blocks, kv_heads, 2, block_size)
+
+
 def new_scales(num_blocks: int, kv_heads: int, block_size: int, device: torch.device | str,
                leading: tuple[int, ...] = ()) -> torch.Tensor:
     """Scales [*leading, num_blocks, kv_heads, 2, block_size], all 1: split with scale_views."""
-    return torch.ones((*leading, num_blocks, kv_heads, 2, block_size), dtype=torch.float32, device=device)
+    return torch.ones(scales_shape(num_blocks, kv_heads, block_size, leading), dtype=torch.float32, device=device)
 
 
 def scale_views(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,10 @@
 """Disaggregated prefill/decode on GPUs against one GPU: greedy completions of `serve run
---disaggregate 1:1` (prefill on GPU 0, decode on GPU 1, KV over NCCL) and of `serve run` on GPU 0,
+--disaggregate 1:1` (prefill on GPU 0, decode on GPU 1, which copies the KV from GPU 0) and of `serve run` on GPU 0,
 the same dummy-weight model, one request at a time (the same batch shapes on both), streamed.
 
     python -m lab.disagg_check --model qwen2.5-0.5b --out disagg_check.json
 
-Both servers run at once (GPU 0 is shared: each takes --gpu-memory-utilization of it). The report
+Both servers run at once (GPU 0 is shared: one takes --gpu-memory-utilization of it, the other as much again). The report
 says how many completions match exactly and where the others first differ, and the server's
 KV-transfer counters.
 """
@@ -69,12 +69,15 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(10, a.max_token_id) for _ in range(rng.randrange(16, 700))] for _ in range(a.prompts)]
     logs = Path(a.out.parent if a.out else ".")
+    # one after the other, the second with twice the share: an engine counts what another process
+    # holds on its GPU as taken from its own budget
     one, one_url = start(a.model, [], {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, logs / "one-gpu.log",
                          a.gpu_memory_utilization)
-    pd, pd_url = start(a.model, ["--disaggregate", "1:1"], {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
-                       logs / "disagg.log", a.gpu_memory_utilization)
+    pd = None
     try:
         wait_healthy(one, one_url)
+        pd, pd_url = start(a.model, ["--disaggregate", "1:1"], {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
+                           logs / "disagg.log", min(1.0, 2 * a.gpu_memory_utilization))
         wait_healthy(pd, pd_url)
         rows = []
         for prompt in prompts:
@@ -89,8 +92,9 @@ def main() -> None:
                        and "_bucket" not in line]
     finally:
         for proc in (one, pd):
-            proc.terminate()
-            proc.wait(60)
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
     report = {"model": a.model, "matches": sum(r["match"] for r in rows), "of": len(rows), "rows": rows,
               "metrics": metrics}
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1))

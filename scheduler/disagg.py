@@ -11,12 +11,15 @@ A request's way (serve/disagg.py drives it):
    DecodeCore keeps it apart from the scheduler's queues (`arriving`) until it can allocate
    its blocks (back-pressure: FIFO, and only while the running sequences keep a free block each),
    then reports that with an output carrying no token ("ready").
-3. The server has the prefill engine send the held blocks (send_kv: it frees them once they are
-   copied out) and then the decode engine receive them (receive_kv: the sequence joins the
-   running decodes with the prompt computed). Pull, then: the decode side asks once it has room.
-   Every send is matched by exactly one receive, in order (NCCL has no tags): receive_kv of a
-   sequence aborted meanwhile drains the transfer into scratch memory.
-An abort frees the held blocks (prefill) or the arriving sequence's blocks (decode).
+3. The server has the prefill engine send the held blocks (send_kv) and then the decode engine
+   receive them (receive_kv: the sequence joins the running decodes with the prompt computed).
+   The decode side asks once it has room. Where the decode engine maps the prefill engine's pool
+   (the transport lends_to it), send_kv only lends the blocks: receive_kv copies them itself, and
+   the server releases them on the prefill side once the copy has landed (kv_copied). Otherwise
+   send_kv pushes the pages and frees the blocks, and every send is matched by exactly one receive,
+   in order (NCCL has no tags): receive_kv of a sequence aborted meanwhile drains the transfer into
+   scratch memory.
+An abort frees the held or lent blocks (prefill) or the arriving sequence's blocks (decode).
 
 The decode side's first token is the prefill's; the prompt's KV moves in one batch after the
 prefill, between steps of both engines (no overlap with the layers' compute yet).
@@ -24,6 +27,7 @@ prefill, between steps of both engines (no overlap with the layers' compute yet)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +42,10 @@ HANDOFF = "handoff"  # a prefill sequence's finish reason: its KV is held for a 
 class KVTransport(Protocol):
     """Moves the pages of KV blocks to and from a peer engine process (engine/kv_transfer.py)."""
 
+    def lends_to(self, peer: int) -> bool: ...  # the peer copies our pages itself (pull), no send
+    # bytes; copies peer's src_blocks into ours, on a GPU as later steps' predecessor on the device
+    def pull(self, blocks: list[int], peer: int, src_blocks: list[int], tag: int) -> int: ...
+    def copied(self, tag: int) -> bool: ...  # the pull has landed: the peer may reuse its blocks
     def send(self, blocks: list[int], peer: int, tag: int) -> int: ...  # bytes; the blocks may be reused on return
     # bytes written into the blocks; on a GPU the bytes may still be on their way, and every later
     # step of this engine waits for them on the device, not the host
@@ -60,13 +68,24 @@ class TransferStats:
 
 
 @dataclass(frozen=True)
+class Sent:
+    """What send_kv reports: the blocks' count and, when the peer pulls, the blocks it may copy
+    (held here until the server releases them)."""
+
+    num_blocks: int
+    lent: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Received:
     """What receive_kv reports to the server: this transfer's bytes, and (bytes, seconds) of each
-    receive that finished since the last report (on a GPU a receive finishes after receive_kv)."""
+    receive that finished since the last report (on a GPU a receive finishes after receive_kv);
+    `landing`: a pull still on its way (ask kv_copied before releasing the lent blocks)."""
 
     num_bytes: int
     timed: tuple[tuple[int, float], ...] = ()
     discarded: bool = False
+    landing: bool = False
 
 
 class _HeldBack:
@@ -93,6 +112,7 @@ class PrefillCore(EngineCore):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.held: dict[int, list[int]] = {}  # seq id -> the blocks of its prompt's KV
+        self.lent: dict[int, list[int]] = {}  # held blocks a decode engine is copying: until release_kv
         self.transfer = TransferStats()
         # the last step could schedule nothing while held blocks fill the pool: only a send or an
         # abort (a command) frees them, so the engine loop waits for one instead of spinning
@@ -153,11 +173,16 @@ class PrefillCore(EngineCore):
             bm.free(table)
         return outputs
 
-    def send_kv(self, seq_id: int, peer: int, tag: int) -> int:
-        """Send a held sequence's blocks to engine `peer` and free them; returns how many. Raises
-        KeyError when nothing is held for it (aborted, or never handed off)."""
+    def send_kv(self, seq_id: int, peer: int, tag: int) -> Sent:
+        """Send a held sequence's blocks to engine `peer` and free them, or lend them to a peer that
+        pulls (kept until release_kv). Raises KeyError when nothing is held for it (aborted, or
+        never handed off)."""
         assert self.transport is not None, "no KV transport"
         table = self.held.pop(seq_id)
+        if self.transport.lends_to(peer):
+            self.lent[seq_id] = table
+            self.transfer.num_transfers += 1
+            return Sent(len(table), tuple(table))
         self._stalled = False
         t0 = time.perf_counter()
         try:
@@ -167,11 +192,11 @@ class PrefillCore(EngineCore):
         self.transfer.num_transfers += 1
         self.transfer.num_bytes += n
         self.transfer.seconds += time.perf_counter() - t0
-        return len(table)
+        return Sent(len(table))
 
     def abort(self, seq_id: int) -> bool:
         self._stalled = False
-        table = self.held.pop(seq_id, None)
+        table = self.held.pop(seq_id, None) or self.lent.pop(seq_id, None)
         if table is not None:
             self.block_manager.free(table)
             return True
@@ -180,7 +205,7 @@ class PrefillCore(EngineCore):
     def block_tables(self) -> list[list[int]]:
         """Every block table that owns blocks (for check_integrity)."""
         s = self.scheduler
-        return [q.block_table for q in s.running + list(s.waiting)] + list(self.held.values())
+        return [q.block_table for q in s.running + list(s.waiting)] + list(self.held.values()) + list(self.lent.values())
 
 
 class DecodeCore(EngineCore):
@@ -253,21 +278,29 @@ class DecodeCore(EngineCore):
             admitted += 1
             self._ready.append(seq.seq_id)
 
-    def receive_kv(self, seq_id: int, peer: int, tag: int, num_blocks: int) -> Received:
-        """Receive a sequence's prompt KV from engine `peer` (which has sent it) and start decoding
-        it. A sequence aborted meanwhile: the transfer is drained and dropped."""
+    def receive_kv(self, seq_id: int, peer: int, tag: int, num_blocks: int,
+                   lent: Seq[int] | None = None) -> Received:
+        """Receive a sequence's prompt KV from engine `peer`, which has sent it, or copy it from
+        the peer's `lent` blocks, and start decoding it. A sequence aborted meanwhile: a sent
+        transfer is drained and dropped, lent blocks are left alone."""
         assert self.transport is not None, "no KV transport"
         seq = self.arriving.get(seq_id)
         if seq is None or not seq.block_table:
-            n = self.transport.discard(num_blocks, peer, tag)
+            n = self.transport.discard(num_blocks, peer, tag) if lent is None else 0
             return Received(n, self._timed(), discarded=True)
         del self.arriving[seq_id]
-        if num_blocks != self.block_manager.blocks_needed(seq.num_prompt_tokens):
+        if num_blocks != self.block_manager.blocks_needed(seq.num_prompt_tokens) or (
+                lent is not None and len(lent) != num_blocks):
             self._drop(seq)
-            self.transport.discard(num_blocks, peer, tag)
+            if lent is None:
+                self.transport.discard(num_blocks, peer, tag)
             raise ValueError(f"sequence {seq_id}: {num_blocks} blocks sent for {seq.num_prompt_tokens} prompt tokens")
         try:
-            n = self.transport.recv(seq.block_table[:num_blocks], peer, tag)
+            blocks = seq.block_table[:num_blocks]
+            if lent is None:
+                n = self.transport.recv(blocks, peer, tag)
+            else:
+                n = self.transport.pull(blocks, peer, list(lent), tag)
         except BaseException:
             self._drop(seq)
             raise
@@ -278,7 +311,7 @@ class DecodeCore(EngineCore):
         self.scheduler.seqs[seq.seq_id] = seq
         self.transfer.num_transfers += 1
         self.transfer.num_bytes += n
-        return Received(n, self._timed())
+        return Received(n, self._timed(), landing=lent is not None and not self.transport.copied(tag))
 
     def _timed(self) -> tuple[tuple[int, float], ...]:
         timed = tuple(self.transport.timings())
@@ -307,12 +340,18 @@ class DecodeCore(EngineCore):
 
 # -- what the server runs in the engine processes (ProcessCore.call: picklable, module level) ----
 
-def send_kv(core: PrefillCore, *, seq_id: int, peer: int, tag: int) -> int:
+def send_kv(core: PrefillCore, *, seq_id: int, peer: int, tag: int) -> Sent:
     return core.send_kv(seq_id, peer, tag)
 
 
-def receive_kv(core: DecodeCore, *, seq_id: int, peer: int, tag: int, num_blocks: int) -> Received:
-    return core.receive_kv(seq_id, peer, tag, num_blocks)
+def receive_kv(core: DecodeCore, *, seq_id: int, peer: int, tag: int, num_blocks: int,
+               lent: tuple[int, ...] | None = None) -> Received:
+    return core.receive_kv(seq_id, peer, tag, num_blocks, lent)
+
+
+def kv_copied(core: DecodeCore, *, tag: int) -> bool:
+    assert core.transport is not None, "no KV transport"
+    return core.transport.copied(tag)
 
 
 def release_kv(core: PrefillCore, *, seq_id: int) -> bool:

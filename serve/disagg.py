@@ -5,13 +5,15 @@ server.
 A request's prompt goes to a prefill engine (the one holding the longest cached prefix of it, else
 the least loaded: serve/router.py), which computes it and samples the first token; the client gets
 that token at once. The prompt's KV pages then move to the least loaded decode engine, which
-continues the stream; the client sees one ordinary stream. The pages move by torch.distributed
-point-to-point (engine/kv_transfer.py: gloo on the CPU, NCCL on GPUs) over one group of all the
-engines, whose rendezvous store the first prefill engine hosts on a port this process picks.
-The decode engine pulls: it allocates the blocks when it has room, then this process has the
-prefill engine send and the decode engine receive (scheduler/disagg.py has the protocol). Until
-then the prompt's blocks stay held on the prefill engine: a full decode engine pushes back on the
-prefill engines, whose new prompts then wait for blocks.
+continues the stream; the client sees one ordinary stream. The decode engine copies the pages
+itself from the prefill engine's pool, which it maps at start-up (CUDA IPC between GPUs of this
+host, the pool's memory file on the CPU); where it cannot map it, they move by torch.distributed
+point-to-point (gloo, NCCL). engine/kv_transfer.py has both; the engines meet in one group whose
+rendezvous store the first prefill engine hosts on a port this process picks. The decode engine
+asks: it allocates the blocks when it has room, then this process has the prefill engine lend (or
+send) and the decode engine copy (or receive) them (scheduler/disagg.py has the protocol). Until
+the copy has landed the prompt's blocks stay held on the prefill engine: a full decode engine
+pushes back on the prefill engines, whose new prompts then wait for blocks.
 
 Failures: an engine that dies fails its own requests (those it was computing, and those whose KV it
 held or was to receive); the router sends it nothing more and /health says "degraded". When no
@@ -34,7 +36,8 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from scheduler.core import EngineCore
-from scheduler.disagg import HANDOFF, DecodeCore, PrefillCore, Received, TransferStats, receive_kv, release_kv, send_kv
+from scheduler.disagg import (HANDOFF, DecodeCore, PrefillCore, Received, Sent, TransferStats, kv_copied, receive_kv,
+                              release_kv, send_kv)
 from scheduler.engine_proc import ProcessCore
 from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, LoopConfig, QueueFull,
                             OutputStream, RequestRecord, unavailable, wait_set)
@@ -50,6 +53,7 @@ log = logging.getLogger("pagedserve")
 T = TypeVar("T")
 ROLES = ("prefill", "decode")
 MAX_TAG = 2**31 - 1
+LANDING_POLL_S = 0.001  # a pull lands after the decode engine's step in flight: a step or two of polls
 
 
 def parse_disaggregate(text: str) -> tuple[int, int]:
@@ -456,21 +460,29 @@ class DisaggregatedSet:
 
     async def _transfer(self, p: int, prefill_sid: int, d: int, decode_sid: int) -> None:
         """Send on the prefill engine, then receive on the decode engine: every send that happened
-        gets its receive (the pair's transfers match in order), even for a request aborted meanwhile."""
+        gets its receive (the pair's transfers match in order), even for a request aborted
+        meanwhile. Where the decode engine pulls, the prefill engine only lends the blocks, and
+        gets them back once the decode engine's copy has landed (or the copy failed)."""
         tag = next(self._tags) % MAX_TAG
         peer_d, peer_p = len(self.prefill) + d, p
         try:
-            num_blocks = await self.prefill[p].call(partial(send_kv, seq_id=prefill_sid, peer=peer_d, tag=tag))
+            sent: Sent = await self.prefill[p].call(partial(send_kv, seq_id=prefill_sid, peer=peer_d, tag=tag))
         except KeyError:
             raise TransferFailed("the prompt's KV was released before it could move") from None
         except Exception as e:
             raise TransferFailed(f"prefill engine {p} could not send the prompt's KV: {e}") from None
         try:
             got: Received = await self.decode[d].call(partial(receive_kv, seq_id=decode_sid, peer=peer_p, tag=tag,
-                                                              num_blocks=num_blocks))
+                                                              num_blocks=sent.num_blocks, lent=sent.lent))
+            landing = got.landing
+            while landing:  # the copy runs after the decode engine's step in flight
+                await asyncio.sleep(LANDING_POLL_S)
+                landing = not await self.decode[d].call(partial(kv_copied, tag=tag))
         except Exception as e:
             raise TransferFailed(f"decode engine {d} could not receive the prompt's KV: {e}") from None
         finally:
+            if sent.lent is not None:
+                await self._release(p, prefill_sid)
             self._notify(self.prefill[p], self.decode[d])  # blocks were freed, a sequence was added
         t = self.transfers
         t.num_transfers += 1

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation's cores (scheduler/disagg.py) with a fake executor whose sampled
-token depends on every KV slot it reads, and a fake transport that copies pages between two fake
-pools: a prompt prefilled on one core and decoded on another gives one core's tokens and text; a
-full decode pool makes arrivals wait (never a crash); aborts free blocks on both sides; a first
-token that ends the request keeps nothing."""
+token depends on every KV slot it reads, and a fake transport that moves pages between two fake
+pools, sent (push) or copied by the decode side from blocks the prefill side lends (pull): a prompt
+prefilled on one core and decoded on another gives one core's tokens and text; a full decode pool
+makes arrivals wait (never a crash); aborts free blocks on both sides; lent blocks stay taken until
+released; a first token that ends the request keeps nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,11 +51,34 @@ class FakeExecutor:
 
 
 class FakeTransport:
-    """Pages through a mailbox keyed by (sender, receiver, tag), as point-to-point sends would."""
+    """Pages through a mailbox keyed by (sender, receiver, tag), as point-to-point sends would; or,
+    given `pools` (every engine's pool by rank), copied by the receiver from the sender's lent
+    blocks. A copy lands at the second copied() asked of it, as a GPU's would after a step."""
 
-    def __init__(self, pool: FakePool, rank: int, mailbox: dict) -> None:
-        self.pool, self.rank, self.mailbox = pool, rank, mailbox
+    def __init__(self, pool: FakePool, rank: int, mailbox: dict, pools: dict | None = None) -> None:
+        self.pool, self.rank, self.mailbox, self.pools = pool, rank, mailbox, pools
         self.timed: list[tuple[int, float]] = []
+        self.landing: set[int] = set()
+        if pools is not None:
+            pools[rank] = pool
+
+    def lends_to(self, peer):
+        return self.pools is not None
+
+    def pull(self, blocks, peer, src_blocks, tag):
+        src = self.pools[peer]
+        for b, s in zip(blocks, src_blocks):
+            assert None not in src.pages[s] or s == src_blocks[-1], "a lent block was overwritten or never written"
+            self.pool.pages[b] = list(src.pages[s])
+        self.landing.add(tag)
+        self.timed.append((len(blocks) * BS * 8, 0.001))
+        return len(blocks) * BS * 8
+
+    def copied(self, tag):
+        if tag in self.landing:
+            self.landing.discard(tag)
+            return False
+        return True
 
     def send(self, blocks, peer, tag):
         self.mailbox[(self.rank, peer, tag)] = [list(self.pool.pages[b]) for b in blocks]
@@ -107,12 +131,13 @@ def run_one(prompts, p):
 class Pair:
     """A prefill core and a decode core, and the server's part between them."""
 
-    def __init__(self, decode_blocks=32, max_num_seqs=8):
+    def __init__(self, way="push", decode_blocks=32, max_num_seqs=8):
         self.mailbox: dict = {}
+        self.pools = {} if way == "pull" else None
         self.p, pool_p = make(PrefillCore)
         self.d, pool_d = make(DecodeCore, decode_blocks, caching=False, max_num_seqs=max_num_seqs)
-        self.p.transport = FakeTransport(pool_p, 0, self.mailbox)
-        self.d.transport = FakeTransport(pool_d, 1, self.mailbox)
+        self.p.transport = FakeTransport(pool_p, 0, self.mailbox, self.pools)
+        self.d.transport = FakeTransport(pool_d, 1, self.mailbox, self.pools)
         self.tag = 0
         self.origin: dict[int, int] = {}  # decode seq id -> prefill seq id
         self.max_blocked = 0  # the most arrivals waiting for decode blocks at once
@@ -163,33 +188,45 @@ class Pair:
     def transfer(self, dsid):
         self.tag += 1
         try:
-            n = self.p.send_kv(self.origin[dsid], 1, self.tag)
+            sent = self.p.send_kv(self.origin[dsid], 1, self.tag)
         except KeyError:
             self.d.abort(dsid)
             return
-        self.d.receive_kv(dsid, 0, self.tag, n)
+        got = self.d.receive_kv(dsid, 0, self.tag, sent.num_blocks, sent.lent)
+        if sent.lent is None:
+            return
+        assert got.landing and self.p.lent
+        self.check()  # the lent blocks are still taken on the prefill side
+        while not self.d.transport.copied(self.tag):
+            pass
+        assert self.p.abort(self.origin[dsid])  # release_kv
 
     def check(self):
         self.p.block_manager.check_integrity(self.p.block_tables())
         self.d.block_manager.check_integrity(self.d.block_tables())
 
 
-def test_prefill_here_decode_there_equals_one_engine():
+@pytest.fixture(params=["push", "pull"])
+def way(request):
+    return request.param
+
+
+def test_prefill_here_decode_there_equals_one_engine(way):
     want = run_one(PROMPTS, params())
-    pair = Pair()
+    pair = Pair(way)
     toks, text, reasons = pair.run(PROMPTS, params())
     assert (toks, text) == want
     assert reasons == ["length"] * len(PROMPTS)
     assert pair.p.transfer.num_transfers == len(PROMPTS) == pair.d.transfer.num_transfers
-    assert pair.p.block_manager.num_used_blocks == 0 and not pair.p.held
+    assert pair.p.block_manager.num_used_blocks == 0 and not pair.p.held and not pair.p.lent
     assert pair.d.block_manager.num_used_blocks == 0 and not pair.d.arriving
     assert pair.p.scheduler.prefix_cache_hits > 0  # prompts 0 and 3 share two blocks on the prefill side
     assert pair.d.stats.prompt_tokens == 0  # no prompt was computed on the decode side
 
 
-def test_a_full_decode_pool_makes_arrivals_wait():
+def test_a_full_decode_pool_makes_arrivals_wait(way):
     want = run_one(PROMPTS * 2, params(max_tokens=12))
-    pair = Pair(decode_blocks=9)  # room for about two sequences at a time
+    pair = Pair(way, decode_blocks=9)  # room for about two sequences at a time
     toks, text, reasons = pair.run(PROMPTS * 2, params(max_tokens=12))
     assert (toks, text) == want
     assert pair.max_blocked >= 2  # sequences waited for blocks
@@ -197,8 +234,8 @@ def test_a_full_decode_pool_makes_arrivals_wait():
     assert pair.d.block_manager.num_used_blocks == 0 and not pair.d.arriving and not pair.p.held
 
 
-def test_abort_while_held_frees_prefill_blocks():
-    pair = Pair()
+def test_abort_while_held_frees_prefill_blocks(way):
+    pair = Pair(way)
 
     def abort_on_prefill(pair, dsid):
         assert pair.p.block_manager.num_used_blocks > 0
@@ -221,12 +258,44 @@ def test_abort_on_decode_side_after_the_send_drains_the_transfer():
     assert [o.new_token_ids for o in pair.d.step()] == [[]]  # ready
     used = pair.d.block_manager.num_used_blocks
     assert used == 3  # 9 prompt tokens + 1: three blocks of 4
-    n = pair.p.send_kv(seq.seq_id, 1, 1)
+    sent = pair.p.send_kv(seq.seq_id, 1, 1)
     assert pair.d.abort(5000) and pair.d.block_manager.num_used_blocks == 0
-    got = pair.d.receive_kv(5000, 0, 1, n)
+    got = pair.d.receive_kv(5000, 0, 1, sent.num_blocks)
     assert got.discarded and not pair.mailbox
     assert not pair.d.has_unfinished()
     pair.check()
+
+
+def test_an_abort_on_the_decode_side_before_the_copy_leaves_the_lent_blocks_alone():
+    pair = Pair("pull")
+    seq = pair.add(PROMPTS[0], params())
+    (out,) = pair.p.step()
+    pair.d.add_request(PROMPTS[0] + out.new_token_ids,
+                       dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=len(PROMPTS[0]))),
+                       seq_id=5000)
+    assert [o.new_token_ids for o in pair.d.step()] == [[]]  # ready
+    sent = pair.p.send_kv(seq.seq_id, 1, 1)
+    assert sent.lent is not None and pair.p.block_manager.num_used_blocks == 3 and not pair.p.held
+    assert pair.d.abort(5000)
+    got = pair.d.receive_kv(5000, 0, 1, sent.num_blocks, sent.lent)
+    assert got.discarded and not got.landing and got.num_bytes == 0
+    assert pair.p.abort(seq.seq_id) and pair.p.block_manager.num_used_blocks == 0  # the server's release
+    assert not pair.d.has_unfinished()
+    pair.check()
+
+
+def test_lent_blocks_of_another_count_fail_the_receive_and_free_the_decode_blocks():
+    pair = Pair("pull")
+    seq = pair.add(PROMPTS[0], params())
+    (out,) = pair.p.step()
+    pair.d.add_request(PROMPTS[0] + out.new_token_ids,
+                       dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=len(PROMPTS[0]))),
+                       seq_id=5000)
+    pair.d.step()
+    sent = pair.p.send_kv(seq.seq_id, 1, 1)
+    with pytest.raises(ValueError, match="blocks sent"):
+        pair.d.receive_kv(5000, 0, 1, sent.num_blocks, sent.lent[:-1])
+    assert pair.d.block_manager.num_used_blocks == 0 and not pair.d.arriving
 
 
 def test_a_first_token_that_ends_the_request_keeps_nothing():
@@ -256,7 +325,7 @@ def test_a_prefill_pool_full_of_held_blocks_waits_for_a_send_instead_of_spinning
     assert pair.p.has_unfinished()
     assert pair.p.step() == []  # no block for the new prompt
     assert not pair.p.has_unfinished()  # nothing to do until a command frees blocks
-    pair.p.send_kv(first.seq_id, 1, 1)
+    pair.p.send_kv(first.seq_id, 1, 1)  # pushed: the blocks are free at once
     assert pair.p.has_unfinished()
     (out,) = pair.p.step()
     assert out.finish_reason == HANDOFF

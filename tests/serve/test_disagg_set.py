@@ -1,11 +1,14 @@
 """serve/disagg.py's DisaggregatedSet in one process (no engine processes, no torch): a prefill and a
 decode core (scheduler/disagg.py) over tests/scheduler/test_disagg.py's fake executor and transport,
-each stepping on a thread. Outputs equal one engine's; a full decode engine holds handed-off
-requests back and all complete; an abort while the KV waits frees it on both sides; a failed
-transfer fails its request only; metrics count the transfers."""
+each stepping on a thread, the pages sent (push) or copied by the decode side (pull). Outputs equal
+one engine's; a full decode engine holds handed-off requests back and all complete; an abort while
+the KV waits frees it on both sides; a failed transfer fails its request only and gives lent blocks
+back; metrics count the transfers."""
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from scheduler.disagg import DecodeCore, PrefillCore
 from scheduler.loop import AsyncEngine, LoopConfig
@@ -30,19 +33,31 @@ class FailingTransport(FakeTransport):
             raise RuntimeError("link down")
         return super().recv(blocks, peer, tag)
 
+    def pull(self, blocks, peer, src_blocks, tag):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("link down")
+        return super().pull(blocks, peer, src_blocks, tag)
 
-def build(decode_blocks: int = 32, max_num_seqs: int = 8, num_prefill: int = 1,
+
+@pytest.fixture(params=["push", "pull"])
+def way(request):
+    return request.param
+
+
+def build(way: str, decode_blocks: int = 32, max_num_seqs: int = 8, num_prefill: int = 1,
           num_decode: int = 1) -> DisaggregatedSet:
     mailbox: dict = {}
+    pools = {} if way == "pull" else None
     inner = LoopConfig(1 << 20)
     prefill, decode = [], []
     for rank in range(num_prefill):  # ranks as serve/disagg.py numbers them: prefill engines first
         p, pool_p = make(PrefillCore)
-        p.transport = FakeTransport(pool_p, rank, mailbox)
+        p.transport = FakeTransport(pool_p, rank, mailbox, pools)
         prefill.append(AsyncEngine(p, inner))
     for rank in range(num_prefill, num_prefill + num_decode):
         d, pool_d = make(DecodeCore, decode_blocks, caching=False, max_num_seqs=max_num_seqs)
-        d.transport = FailingTransport(pool_d, rank, mailbox)
+        d.transport = FailingTransport(pool_d, rank, mailbox, pools)
         decode.append(AsyncEngine(d, inner))
     return DisaggregatedSet(prefill, decode, Router(RouterConfig(BS, (32,) * num_prefill)), LoopConfig(64),
                             max_model_len=256)
@@ -67,16 +82,16 @@ async def idle(s: DisaggregatedSet) -> None:
     """Until both cores hold nothing (the cores' state, read between their steps)."""
     p, d = cores(s)
     for _ in range(1000):
-        used = await s.prefill[0].call(lambda c: c.block_manager.num_used_blocks + len(c.held))
+        used = await s.prefill[0].call(lambda c: c.block_manager.num_used_blocks + len(c.held) + len(c.lent))
         used += await s.decode[0].call(lambda c: c.block_manager.num_used_blocks + len(c.arriving))
         if used == 0 and not s._requests:
             return
     raise AssertionError("the cores still hold blocks")
 
 
-def test_outputs_equal_one_engines_and_transfers_are_counted():
+def test_outputs_equal_one_engines_and_transfers_are_counted(way):
     async def main():
-        s = build()
+        s = build(way)
         metrics = Metrics("m", s)
         await s.start()
         got = await asyncio.gather(*(text_of(s, p) for p in PROMPTS))
@@ -92,11 +107,11 @@ def test_outputs_equal_one_engines_and_transfers_are_counted():
     assert 'pagedserve:num_requests_running{model_name="m",role="decode"}' in rendered
 
 
-def test_a_full_decode_engine_holds_requests_back():
+def test_a_full_decode_engine_holds_requests_back(way):
     prompts = PROMPTS * 3
 
     async def main():
-        s = build(decode_blocks=6, max_num_seqs=2)
+        s = build(way, decode_blocks=6, max_num_seqs=2)
         await s.start()
         got = await asyncio.gather(*(text_of(s, p) for p in prompts))
         await idle(s)
@@ -106,9 +121,9 @@ def test_a_full_decode_engine_holds_requests_back():
     assert [g[0] for g in asyncio.run(main())] == run_one(prompts, PARAMS)[1]
 
 
-def test_an_abort_while_the_kv_waits_frees_both_sides():
+def test_an_abort_while_the_kv_waits_frees_both_sides(way):
     async def main():
-        s = build(max_num_seqs=1)  # one decode at a time: the second request's KV must wait
+        s = build(way, max_num_seqs=1)  # one decode at a time: the second request's KV must wait
         await s.start()
         long = await s.add_request(PROMPTS[1], SamplingParams(max_tokens=60, temperature=0.0))
         tokens = 0
@@ -131,9 +146,9 @@ def test_an_abort_while_the_kv_waits_frees_both_sides():
     assert asyncio.run(main()) == "length"
 
 
-def test_a_failed_transfer_fails_its_request_only():
+def test_a_failed_transfer_fails_its_request_only(way):
     async def main():
-        s = build()
+        s = build(way)
         await s.start()
         _, d = cores(s)
         d.transport.fail = True
@@ -149,11 +164,11 @@ def test_a_failed_transfer_fails_its_request_only():
     assert again == (run_one(PROMPTS[:1], PARAMS)[1][0], "length")
 
 
-def test_two_prefill_and_two_decode_engines_share_the_work():
+def test_two_prefill_and_two_decode_engines_share_the_work(way):
     prompts = PROMPTS * 2
 
     async def main():
-        s = build(num_prefill=2, num_decode=2)
+        s = build(way, num_prefill=2, num_decode=2)
         await s.start()
         got = await asyncio.gather(*(text_of(s, p) for p in prompts))
         steps = [e.snapshot.num_steps for e in s.prefill + s.decode]

@@ -1,14 +1,16 @@
 """Prefill/decode disaggregation (`serve run --disaggregate 1:1`) on the CPU (gloo): greedy output
 equals one engine's, streamed and whole, with every prompt's KV moved from the prefill engine to
 the decode engine; prefix caching works on the prefill side; an abort frees the blocks of both
-engines; a killed decode engine fails its requests and the server exits non-zero; bad flags are
-one line."""
+engines; a killed decode engine fails its requests and the server exits non-zero; with two prefill
+engines, a killed one leaves the other and the decode engine serving (a stream already decoding
+finishes); bad flags are one line."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,6 +127,44 @@ def test_bad_flags_are_one_line(model_dir, args, message):
 def engine_named(server_pid: int, comm: str) -> int:
     (pid,) = [p for p in engine_children(server_pid) if Path(f"/proc/{p}/comm").read_text().strip() == comm]
     return pid
+
+
+def test_a_killed_prefill_engine_leaves_the_other_serving(model_dir, server):
+    proc, port = start_server(model_dir, "--disaggregate", "2:1")
+    with client_of(proc, port) as srv:
+        want = [complete(server.base_url, p, stream=False) for p in PROMPTS]
+        long_want = complete(server.base_url, PROMPTS[1], stream=False, max_tokens=LONG)
+        out: dict = {"text": "", "chunks": 0, "error": None}
+        decoding = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body(PROMPTS[1], True, LONG), timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            out["error"] = data["error"]["message"]
+                        else:
+                            out["text"] += data["choices"][0]["text"]
+                            out["chunks"] += 1
+                        if out["chunks"] >= 3 or out["error"]:
+                            decoding.set()
+            decoding.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert decoding.wait(60)
+        os.kill(engine_named(proc.pid, "pagedserve-p0"), signal.SIGKILL)
+        for _ in range(300):
+            r = srv.http.get("/health")
+            if r.json()["status"] == "degraded":
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == ["failed", "ok", "ok"]
+        t.join(60)
+        assert (out["error"], out["text"]) == (None, long_want)  # its KV was on the decode engine already
+        assert [complete(srv.url, p, stream=s) for s in (False, True) for p in PROMPTS] == want + want
+        assert proc.poll() is None
 
 
 def test_a_killed_decode_engine_fails_its_requests_and_the_server_exits(pd):
