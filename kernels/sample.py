@@ -14,7 +14,9 @@ step took 2.08 ms against 1.36 greedy, bench/NOTES.md 2026-11-26). Here one prog
    nucleus is distributed as the nucleus' renormalized probabilities (the race's winner among a
    subset, given it lies there); the top token is always accepted, so the rounds end. A round is
    rejected with probability < 1 - top_p, or about half the time under a small top_k, so a row
-   takes 2 to ~15 passes over its logits, not a sort.
+   takes 2 to ~15 passes over its logits, not a sort. Without a top_k the next race is left out
+   of the round's pass (it is rarely needed: the noise, two logs a logit, is most of a pass's
+   cost) and takes a pass of its own after a rejection.
 
 Tokens of equal logits at the nucleus' edge are all kept (the sorted path keeps some of them, by
 its sort order). The noise is Philox, keyed by a per-row seed and (round, token index): a row's draw
@@ -73,11 +75,15 @@ def _sample_kernel(x_ptr, stride_x, temps_ptr, top_k_ptr, top_p_ptr, seeds_ptr, 
             best, cand = _race(x, cols, cols < V, inv_t, seed, 0, V, best, cand)
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
+        # with top_p alone a candidate is accepted with probability >= top_p (the nucleus holds that
+        # much of the mass): the next round's race waits for a rejection, in a pass of its own. A
+        # top_k rejects about half the time: its rounds race the next candidate in the same pass.
+        fused = top_k < V
         token = first
         done = tl.full([], 0, tl.int32)
         rnd = tl.full([], 0, tl.int32)
-        # a round: one pass that weighs the candidate (the tokens and mass above it) and, in case it
-        # is rejected, races the next round among the tokens above it
+        # a round: one pass that weighs the candidate (the tokens and mass above it) and, if it is
+        # rejected, the race of the next round among the tokens above it (same noise either way)
         while (done == 0) & (rnd < MAX_ROUNDS):
             lc = tl.load(base + cand).to(tl.float32)
             above = 0
@@ -90,9 +96,15 @@ def _sample_kernel(x_ptr, stride_x, temps_ptr, top_k_ptr, top_p_ptr, seeds_ptr, 
                 up = x > lc
                 above += tl.sum(up.to(tl.int32), axis=0)
                 mass += tl.sum(tl.where(up, tl.exp((x - m) * inv_t), 0.0), axis=0)
-                best, nxt = _race(x, cols, up & (cols < V), inv_t, seed, rnd + 1, V, best, nxt)
+                if fused:
+                    best, nxt = _race(x, cols, up & (cols < V), inv_t, seed, rnd + 1, V, best, nxt)
             ok = (above < top_k) & ((mass < top_p * z) | (top_p >= 1.0))
             token = tl.where(ok, cand, token)
+            if (fused == 0) & (ok == 0):
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+                    best, nxt = _race(x, cols, (x > lc) & (cols < V), inv_t, seed, rnd + 1, V, best, nxt)
             done = (ok | (best == float("-inf"))).to(tl.int32)  # nothing above: cannot happen (the top token is accepted)
             cand = nxt
             rnd += 1
