@@ -67,6 +67,24 @@ def test_a_seed_fixes_the_draw():
     assert torch.equal(sample_rows(x[5:9], temps[:4], top_k[:4], top_p[:4], torch.arange(5, 9, device=DEVICE)), a[5:9])
 
 
+@pytest.mark.parametrize("parts", [2, 5])
+def test_a_first_pass_split_into_parts_draws_as_one(parts):
+    """The parts' maxima, sums and race winners combine into the one-program row's: same draws,
+    greedy tokens (a tie across parts included) and a row of -inf logits."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(12, 700, generator=g) * torch.linspace(0.5, 5, 12)[:, None]).to(torch.bfloat16)
+    x[1, [30, 650]] = x[1].max() + 1
+    x[2] = float("-inf")
+    x = x.to(DEVICE)
+    temps = torch.tensor([0, 0, 0, 0.7, 1.0, 1.3] * 2, device=DEVICE)
+    top_k = torch.tensor([700, 700, 700, 20, 700, 3] * 2, dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([1, 1, 1, 0.9, 0.95, 1.0] * 2, dtype=torch.float32, device=DEVICE)
+    seeds = torch.arange(12, device=DEVICE)
+    one = sample_rows(x, temps, top_k, top_p, seeds, block=64, parts=1)
+    assert torch.equal(sample_rows(x, temps, top_k, top_p, seeds, block=64, parts=parts), one)
+    assert one[:3].tolist() == [int(x[0].float().argmax()), 30, 0]
+
+
 @gpu
 def test_real_vocabulary_on_the_gpu():
     """64 rows of Qwen2.5's 151,936 logits in bf16: every draw inside its nucleus, greedy rows
