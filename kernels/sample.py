@@ -132,7 +132,9 @@ def _sample_kernel(x_ptr, stride_x, temps_ptr, top_k_ptr, top_p_ptr, seeds_ptr, 
         # much of the mass): the next round's race waits for a rejection, in a pass of its own. A
         # top_k rejects about half the time: its rounds race the next candidate in the same pass.
         fused = top_k < V
-        done = tl.full([], 0, tl.int32)
+        # nothing to cut (temperature only): the race's winner is the draw, no round needed
+        done = ((top_k >= V) & (top_p >= 1.0)).to(tl.int32)
+        token = tl.where(done == 1, cand, token)
         rnd = tl.full([], 0, tl.int32)
         # a round: one pass that weighs the candidate (the tokens and mass above it) and, if it is
         # rejected, the race of the next round among the tokens above it (same noise either way)
