@@ -224,7 +224,14 @@ class PoolTransport:
         apart = 0  # pairs that do not pull
         refused: RuntimeError | None = None
         if rank in prefill_ranks:
-            offer = pickle.dumps((mine, export_pages(self.pool) if pull else None))
+            handle = None
+            if pull:
+                try:
+                    handle = export_pages(self.pool)
+                except Exception as e:  # the decode engines ask for sends then
+                    log.info("prefill engine %d cannot share its KV pages (%s): they move by point-to-point "
+                             "sends", rank, e)
+            offer = pickle.dumps((mine, handle))
             for peer in decode_ranks:
                 store.set(f"kv-pages/{n}/{rank}/{peer}", offer)
             for peer in decode_ranks:

@@ -1,12 +1,13 @@
 """Disaggregated prefill/decode on GPUs against one GPU: greedy completions of `serve run
---disaggregate 1:1` (prefill on GPU 0, decode on GPU 1, which copies the KV from GPU 0) and of `serve run` on GPU 0,
-the same dummy-weight model, one request at a time (the same batch shapes on both), streamed.
+--disaggregate 1:1` (prefill on GPU 0, decode on GPU 1, which copies the KV from GPU 0) and of
+`serve run` on GPU 0, the same dummy-weight model, one request at a time (the same batch shapes on
+both), streamed.
 
     python -m lab.disagg_check --model qwen2.5-0.5b --out disagg_check.json
 
-Both servers run at once (GPU 0 is shared: one takes --gpu-memory-utilization of it, the other as much again). The report
-says how many completions match exactly and where the others first differ, and the server's
-KV-transfer counters.
+Both servers run at once (GPU 0 is shared: one takes --gpu-memory-utilization of it, the other as
+much again). The report says how many completions match exactly and where the others first
+differ, and the server's KV-transfer counters.
 """
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ class PrefillCore(EngineCore):
     def block_tables(self) -> list[list[int]]:
         """Every block table that owns blocks (for check_integrity)."""
         s = self.scheduler
-        return [q.block_table for q in s.running + list(s.waiting)] + list(self.held.values()) + list(self.lent.values())
+        return [q.block_table for q in s.running + list(s.waiting)] + [*self.held.values(), *self.lent.values()]
 
 
 class DecodeCore(EngineCore):
