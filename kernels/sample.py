@@ -159,7 +159,8 @@ def _sample_kernel(x_ptr, stride_x, temps_ptr, top_k_ptr, top_p_ptr, seeds_ptr, 
                     cols = start + offs
                     x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
                     best, nxt = _race(x, cols, (x > lc) & (cols < V), inv_t, seed, rnd + 1, V, best, nxt)
-            done = (ok | (best == float("-inf"))).to(tl.int32)  # nothing above: cannot happen (the top token is accepted)
+            # nothing above the candidate: cannot happen (the top token is accepted)
+            done = (ok | (best == float("-inf"))).to(tl.int32)
             cand = nxt
             rnd += 1
     tl.store(out_ptr + row, token.to(tl.int64))
