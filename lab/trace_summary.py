@@ -4,10 +4,16 @@ processing them and sending the outputs; on a GPU also each step's time on the d
 CUDA events around the step) and how long the device sat idle before it (idle).
 
     python -m lab.trace_summary trace.jsonl [--json out.json] [--after-idle MS]
+    python -m lab.trace_summary trace.jsonl --token-gaps [--decoding-engine]
 
 --after-idle MS keeps only the steps after the last time the device sat idle for more than MS
 (a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
 fit of their device time against their prompt tokens (fixed ms per step + us per token).
+--token-gaps: how long a decoding row waits from one step to the next, as its client would see
+the engine's side of the inter-token gap: each step's interval to the next, once per row it
+carried; median, p90, p99. A disaggregated server's engines write one trace between them: with
+--decoding-engine only the steps that carry decodes count (the decode engine's; a prefill engine
+runs none).
 """
 from __future__ import annotations
 
@@ -102,14 +108,27 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
     return out
 
 
+def token_gaps(rows: list[dict], decoding_engine: bool = False) -> dict:
+    """Each step's interval to the next step, counted once per decode row it carried."""
+    rows = sorted((r for r in rows if "seqs" in r and (r["decodes"] > 0 or not decoding_engine)), key=lambda r: r["t0"])
+    gaps = sorted(g for a, b in zip(rows, rows[1:]) for g in [b["t0"] - a["t0"]] * a["decodes"])
+    if not gaps:
+        return {"rows": 0}
+    at = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    return {"rows": len(gaps), "median_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99),
+            "p99_over_median": at(0.99) / at(0.5)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--json", default=None)
     p.add_argument("--after-idle", type=float, default=None, metavar="MS")
+    p.add_argument("--token-gaps", action="store_true")
+    p.add_argument("--decoding-engine", action="store_true")
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
-    res = summarize(rows, args.after_idle)
+    res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

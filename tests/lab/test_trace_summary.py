@@ -59,3 +59,17 @@ def test_after_idle_and_the_mixed_steps_fit():
     fit = res["mixed"]["gpu_fit"]
     assert abs(fit["fixed_ms"] - 2.0) < 1e-9 and abs(fit["us_per_prompt_token"] - 1.0) < 1e-9
     assert trace_summary.summarize(rows)["steps"] == 5  # without --after-idle every row counts
+
+
+def test_token_gaps_count_each_step_once_per_decode_row():
+    rows = [{"t0": 0.0, "seqs": 1, "decodes": 0, "tokens": 30},  # a prefill engine's step
+            {"t0": 1.0, "seqs": 3, "decodes": 3, "tokens": 3},
+            {"t0": 11.0, "seqs": 1, "decodes": 1, "tokens": 1},
+            {"t0": 12.0, "seqs": 2, "decodes": 2, "tokens": 2},
+            {"t0": 5.0, "seqs": 1, "decodes": 0, "tokens": 40},  # written later by the other engine
+            {"t0": 32.0, "seqs": 2, "decodes": 2, "tokens": 2}]
+    got = trace_summary.token_gaps(rows, decoding_engine=True)
+    # decode rows 1 -> 11 (3 rows wait 10 ms), 11 -> 12 (1 row, 1 ms), 12 -> 32 (2 rows, 20 ms)
+    assert got["rows"] == 6 and got["median_ms"] == 10.0 and got["p99_ms"] == 20.0 and got["p99_over_median"] == 2.0
+    # one engine: its prefill step at t 5 ends the wait of the rows of the step at t 1
+    assert trace_summary.token_gaps(rows)["rows"] == 6 and trace_summary.token_gaps(rows)["median_ms"] == 4.0
