@@ -111,17 +111,10 @@ class PoolTransport:
     def pull(self, blocks: list[int], peer: int, src_blocks: list[int], tag: int) -> int:
         """Copy blocks src_blocks of prefill engine `peer`'s pool into `blocks` of this one; on a
         GPU the copy is queued on the step stream (copied(tag) tells when it has landed)."""
-        t0 = time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True) if self._side is not None else None
-        if start is not None:
-            start.record()
+        clock = self._clock()
         n = self._copy(peer, src_blocks, blocks)
-        if start is None:
-            self._timed.append((n, time.perf_counter() - t0))
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._receiving.append((n, start, end))
+        end = self._clocked(n, clock)
+        if end is not None:
             self._landing[tag] = end
         return n
 
@@ -178,22 +171,32 @@ class PoolTransport:
     def _receive(self, num_blocks: int, peer: int, tag: int) -> list[torch.Tensor]:
         """The pages, into new buffers: on the CPU they are here on return; on a GPU the receive is
         queued on the side stream (dist.recv makes that stream, not the host, wait for NCCL's)."""
-        t0 = time.perf_counter()
         with self._on_side():
             bufs = self._empty(num_blocks)
-            start = torch.cuda.Event(enable_timing=True) if self._side is not None else None
-            if start is not None:
-                start.record()
+            clock = self._clock()
             for b in bufs:
                 dist.recv(_bytes(b), peer, tag=tag)
-            n = _nbytes(bufs)
-            if start is None:
-                self._timed.append((n, time.perf_counter() - t0))
-            else:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._receiving.append((n, start, end))
+            self._clocked(_nbytes(bufs), clock)
         return bufs
+
+    def _clock(self) -> tuple[float, torch.cuda.Event | None]:
+        """The start of a move: the host's clock, and on a GPU an event on the current stream."""
+        start = torch.cuda.Event(enable_timing=True) if self._side is not None else None
+        if start is not None:
+            start.record()
+        return time.perf_counter(), start
+
+    def _clocked(self, nbytes: int, clock: tuple[float, torch.cuda.Event | None]) -> torch.cuda.Event | None:
+        """The end of a move of nbytes begun at clock: timed now on the CPU; on a GPU its end event,
+        which timings() reads once it has passed."""
+        t0, start = clock
+        if start is None:
+            self._timed.append((nbytes, time.perf_counter() - t0))
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._receiving.append((nbytes, start, end))
+        return end
 
     def timings(self) -> list[tuple[int, float]]:
         """(bytes, seconds) of each pull and receive done since the last call, in order; on a GPU

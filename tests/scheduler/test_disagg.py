@@ -247,51 +247,40 @@ def test_abort_while_held_frees_prefill_blocks(way):
     assert len(toks[0]) == 1 and reasons == [None]  # the decode side was aborted before it decoded
 
 
-def test_abort_on_decode_side_after_the_send_drains_the_transfer():
-    pair = Pair()
+def handed_off(pair: Pair, dsid: int = 5000):
+    """PROMPTS[0] prefilled on pair.p (its blocks held) and given blocks on pair.d as `dsid`."""
     seq = pair.add(PROMPTS[0], params())
     (out,) = pair.p.step()
     assert out.finish_reason == HANDOFF and pair.p.held
     pair.d.add_request(PROMPTS[0] + out.new_token_ids,
                        dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=len(PROMPTS[0]))),
-                       seq_id=5000)
+                       seq_id=dsid)
     assert [o.new_token_ids for o in pair.d.step()] == [[]]  # ready
-    used = pair.d.block_manager.num_used_blocks
-    assert used == 3  # 9 prompt tokens + 1: three blocks of 4
+    return seq
+
+
+def test_an_abort_on_the_decode_side_after_the_send_frees_both_sides(way):
+    """Push: the receive drains the sent pages; pull: nothing is copied, and the server gives the
+    lent blocks back."""
+    pair = Pair(way)
+    seq = handed_off(pair)
+    assert pair.d.block_manager.num_used_blocks == 3  # 9 prompt tokens + 1: three blocks of 4
     sent = pair.p.send_kv(seq.seq_id, 1, 1)
+    assert (sent.lent is not None) == (way == "pull") and not pair.p.held
     assert pair.d.abort(5000) and pair.d.block_manager.num_used_blocks == 0
-    got = pair.d.receive_kv(5000, 0, 1, sent.num_blocks)
-    assert got.discarded and not pair.mailbox
-    assert not pair.d.has_unfinished()
-    pair.check()
-
-
-def test_an_abort_on_the_decode_side_before_the_copy_leaves_the_lent_blocks_alone():
-    pair = Pair("pull")
-    seq = pair.add(PROMPTS[0], params())
-    (out,) = pair.p.step()
-    pair.d.add_request(PROMPTS[0] + out.new_token_ids,
-                       dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=len(PROMPTS[0]))),
-                       seq_id=5000)
-    assert [o.new_token_ids for o in pair.d.step()] == [[]]  # ready
-    sent = pair.p.send_kv(seq.seq_id, 1, 1)
-    assert sent.lent is not None and pair.p.block_manager.num_used_blocks == 3 and not pair.p.held
-    assert pair.d.abort(5000)
     got = pair.d.receive_kv(5000, 0, 1, sent.num_blocks, sent.lent)
-    assert got.discarded and not got.landing and got.num_bytes == 0
-    assert pair.p.abort(seq.seq_id) and pair.p.block_manager.num_used_blocks == 0  # the server's release
+    assert got.discarded and not got.landing and not pair.mailbox
+    if sent.lent is not None:
+        assert got.num_bytes == 0 and pair.p.block_manager.num_used_blocks == 3
+        assert pair.p.abort(seq.seq_id)  # release_kv
+    assert pair.p.block_manager.num_used_blocks == 0
     assert not pair.d.has_unfinished()
     pair.check()
 
 
 def test_lent_blocks_of_another_count_fail_the_receive_and_free_the_decode_blocks():
     pair = Pair("pull")
-    seq = pair.add(PROMPTS[0], params())
-    (out,) = pair.p.step()
-    pair.d.add_request(PROMPTS[0] + out.new_token_ids,
-                       dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=len(PROMPTS[0]))),
-                       seq_id=5000)
-    pair.d.step()
+    seq = handed_off(pair)
     sent = pair.p.send_kv(seq.seq_id, 1, 1)
     with pytest.raises(ValueError, match="blocks sent"):
         pair.d.receive_kv(5000, 0, 1, sent.num_blocks, sent.lent[:-1])

@@ -129,30 +129,37 @@ def engine_named(server_pid: int, comm: str) -> int:
     return pid
 
 
+def long_stream(url: str) -> tuple[threading.Thread, dict, threading.Event]:
+    """A streamed completion of LONG tokens on a thread: its text, chunks and error so far, and an
+    event set from its third chunk (it is decoding) or an error or its end."""
+    out: dict = {"text": "", "chunks": 0, "error": None}
+    decoding = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body(PROMPTS[1], True, LONG), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        out["error"] = data["error"]["message"]
+                    else:
+                        out["text"] += data["choices"][0]["text"]
+                        out["chunks"] += 1
+                    if out["chunks"] >= 3 or out["error"]:
+                        decoding.set()
+        decoding.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    return t, out, decoding
+
+
 def test_a_killed_prefill_engine_leaves_the_other_serving(model_dir, server):
     proc, port = start_server(model_dir, "--disaggregate", "2:1")
     with client_of(proc, port) as srv:
         want = [complete(server.base_url, p, stream=False) for p in PROMPTS]
         long_want = complete(server.base_url, PROMPTS[1], stream=False, max_tokens=LONG)
-        out: dict = {"text": "", "chunks": 0, "error": None}
-        decoding = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body(PROMPTS[1], True, LONG), timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        data = json.loads(line[6:])
-                        if "error" in data:
-                            out["error"] = data["error"]["message"]
-                        else:
-                            out["text"] += data["choices"][0]["text"]
-                            out["chunks"] += 1
-                        if out["chunks"] >= 3 or out["error"]:
-                            decoding.set()
-            decoding.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        t, out, decoding = long_stream(srv.url)
         assert decoding.wait(60)
         os.kill(engine_named(proc.pid, "pagedserve-p0"), signal.SIGKILL)
         for _ in range(300):
@@ -170,24 +177,7 @@ def test_a_killed_prefill_engine_leaves_the_other_serving(model_dir, server):
 def test_a_killed_decode_engine_fails_its_requests_and_the_server_exits(pd):
     """Last in the module: it ends the shared server."""
     port = int(pd.url.rsplit(":", 1)[1])
-    first, out = threading.Event(), {"chunks": 0, "error": None}
-
-    def stream() -> None:
-        with httpx.stream("POST", f"http://{HOST}:{port}/v1/completions", json=body(PROMPTS[1], True, LONG),
-                          timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        out["error"] = data["error"]["message"]
-                    else:
-                        out["chunks"] += 1
-                    if out["chunks"] >= 3 or out["error"]:
-                        first.set()
-        first.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
+    t, out, first = long_stream(f"http://{HOST}:{port}")
     assert first.wait(60)
     os.kill(engine_named(pd.proc.pid, "pagedserve-d0"), signal.SIGKILL)
     t.join(60)
