@@ -114,8 +114,8 @@ class PrefillCore(EngineCore):
         self.held: dict[int, list[int]] = {}  # seq id -> the blocks of its prompt's KV
         self.lent: dict[int, list[int]] = {}  # held blocks a decode engine is copying: until release_kv
         self.transfer = TransferStats()
-        # the last step could schedule nothing while held blocks fill the pool: only a send or an
-        # abort (a command) frees them, so the engine loop waits for one instead of spinning
+        # the last step could schedule nothing while held or lent blocks fill the pool: only a send
+        # or an abort (a command) frees them, so the engine loop waits for one instead of spinning
         self._stalled = False
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -129,7 +129,7 @@ class PrefillCore(EngineCore):
     def step(self) -> list[StepOutput]:
         outputs = super().step()
         s = self.scheduler
-        self._stalled = (bool(self.held) and not outputs and not self._in_flight and not s.running
+        self._stalled = (bool(self.held or self.lent) and not outputs and not self._in_flight and not s.running
                          and s.hold_release is None)
         return outputs
 

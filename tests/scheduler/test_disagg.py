@@ -303,10 +303,10 @@ def test_remote_tokens_must_leave_a_generated_token():
         d.add_request([1, 2, 3], dataclasses.replace(params(), kv_transfer=KVTransferParams(remote_tokens=3)))
 
 
-def test_a_prefill_pool_full_of_held_blocks_waits_for_a_send_instead_of_spinning():
-    pair = Pair()
+def test_a_prefill_pool_full_of_held_blocks_waits_for_a_command_instead_of_spinning(way):
+    pair = Pair(way)
     pair.p, _ = make(PrefillCore, num_blocks=3)
-    pair.p.transport = FakeTransport(FakePool(3), 0, pair.mailbox)
+    pair.p.transport = FakeTransport(FakePool(3), 0, pair.mailbox, pair.pools)
     first = pair.add(PROMPTS[0], params())  # 9 tokens: all three blocks
     (out,) = pair.p.step()
     assert out.finish_reason == HANDOFF and pair.p.block_manager.num_free_blocks == 0
@@ -314,10 +314,14 @@ def test_a_prefill_pool_full_of_held_blocks_waits_for_a_send_instead_of_spinning
     assert pair.p.has_unfinished()
     assert pair.p.step() == []  # no block for the new prompt
     assert not pair.p.has_unfinished()  # nothing to do until a command frees blocks
-    pair.p.send_kv(first.seq_id, 1, 1)  # pushed: the blocks are free at once
-    assert pair.p.has_unfinished()
-    (out,) = pair.p.step()
-    assert out.finish_reason == HANDOFF
+    if pair.p.send_kv(first.seq_id, 1, 1).lent is not None:  # lent: taken until the server releases them
+        pair.add(PROMPTS[2], params())  # a new prompt: the engine looks again, and finds no block
+        assert pair.p.has_unfinished() and pair.p.step() == []
+        assert not pair.p.has_unfinished()
+        assert pair.p.abort(first.seq_id)
+    assert pair.p.has_unfinished()  # pushed or released: the blocks are free
+    outs = pair.p.step()
+    assert outs and all(o.finish_reason == HANDOFF for o in outs)
 
 
 def test_a_stop_string_across_the_handoff_ends_the_text_as_one_engine():
