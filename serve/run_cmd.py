@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -125,6 +126,20 @@ def build(engine_loop: str, cfg: EngineConfig, data_parallel_size: int = 1,
     return build_engine(cfg)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any engine starts: a port in use fails at once (not after the
+    model has loaded), and the engines' processes, whose process groups pick free ports of their
+    own while they start, cannot be handed this one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     server_cfg = server_config_from_args(args)
     engine_cfg = engine_config_from_args(args)
@@ -155,17 +170,20 @@ def run(args: argparse.Namespace) -> int:
         imported.append((uvicorn, create_app, DrainingServer))
         logging.getLogger("pagedserve").debug("start-up: server imports done")
 
+    listener = bind_listener(args.host, args.port)
     try:
         engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate, import_server)
-    except KeyboardInterrupt:
-        # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
-        logging.getLogger().setLevel(logging.WARNING)
+    except BaseException as e:
+        listener.close()
+        if isinstance(e, KeyboardInterrupt):
+            # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
+            logging.getLogger().setLevel(logging.WARNING)
         raise
     try:
         uvicorn, create_app, DrainingServer = imported[0]
         app = create_app(engine, server_cfg)
         name = server_cfg.served_model_name or engine.model_name
-        url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
+        url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{listener.getsockname()[1]}"
         print(f"pagedserve: model {name} ({engine.model_config.architecture}, {engine.runner.device}, "
               f"{engine.runner.dtype_name}); KV cache {engine.kv_capacity_tokens} tokens "
               f"({engine.runner.num_blocks} blocks of {engine_cfg.block_size}, {engine_cfg.kv_cache_dtype}); "
@@ -186,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
         # the engine died (its process, a tensor-parallel rank): its requests have failed; stop, and
         # exit non-zero, so that whatever supervises the server restarts it
         loop.on_failure = lambda message: setattr(server, "should_exit", True)
-        server.run()
+        server.run(sockets=[listener])
         if loop.failure is not None:
             print(f"pagedserve: error: {loop.failure}", file=sys.stderr, flush=True)
             return 1
     finally:
+        listener.close()
         engine.shutdown()  # a no-op once the app's shutdown has stopped the engine (process, ranks)
     return 0

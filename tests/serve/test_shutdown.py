@@ -1,4 +1,5 @@
-"""`serve run` as a real subprocess: what it prints, where it binds, and SIGTERM.
+"""`serve run` as a real subprocess: what it prints, where it binds (a port in use fails before
+the model loads), and SIGTERM.
 
 SIGTERM stops admission at once, lets in-flight requests run for --shutdown-timeout seconds,
 aborts the rest with a finish reason their clients see, and exits 0.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from serve.cli import build_parser
-from tests.serve.helpers import free_port
+from tests.serve.helpers import free_port, serve_run_usage_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +62,16 @@ def read_stream(port: int, body: dict, out: list, started: threading.Event) -> N
         out.append(("ok" if done else "cut", reasons))
     except httpx.HTTPError as e:
         out.append(("error", repr(e)))
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        lines = serve_run_usage_error(model_dir, "--device", "cpu", "--port", str(port))
+    # one line, nothing before it: no weights were loaded
+    assert lines == [f"serve run: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
 def test_default_host_is_loopback():
