@@ -37,7 +37,7 @@ import torch.distributed as dist
 from engine.parallel.group import DEFAULT_TIMEOUT_S, backend_for
 from kernels import reference
 from kernels.copy_pages import copy_pages
-from kvcache.pool import KVPool
+from kvcache.pool import KVPool, mapped
 
 log = logging.getLogger("pagedserve")
 
@@ -322,7 +322,7 @@ def export_pages(pool: KVPool) -> list[tuple[str, Any]]:
 
             out.append(("cuda", reduce_tensor(t)[1]))
         elif fd is not None:
-            out.append(("file", (os.getpid(), fd, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))))
+            out.append(("file", (os.getpid(), fd, t.numel() * t.element_size(), t.dtype, tuple(t.shape))))
         else:
             raise RuntimeError("the pool's CPU pages have no memory file to share")
     return out
@@ -352,7 +352,7 @@ def map_pages(handles: list[tuple[str, Any]], device: torch.device) -> tuple[tor
                 pages = mmap.mmap(f, nbytes)
             finally:
                 os.close(f)
-            tensors.append(torch.frombuffer(pages, dtype=torch.uint8).view(getattr(torch, dtype[6:])).view(shape))
+            tensors.append(mapped(pages, dtype, shape))
     return tensors[0], (tensors[1] if len(tensors) > 1 else None)
 
 

@@ -38,8 +38,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # the tensor keeps the map alive (torch.frombuffer holds a reference to the buffer)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    return mapped(mmap.mmap(-1, nbytes), dtype, shape)
+
+
+def mapped(pages: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A memory map's bytes as a tensor; the tensor keeps the map alive (torch.frombuffer holds a
+    reference to the buffer)."""
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype,
@@ -58,7 +63,7 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     except BaseException:
         os.close(fd)
         raise
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape), fd
+    return mapped(pages, dtype, shape), fd
 
 
 class KVPool:
