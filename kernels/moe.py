@@ -76,20 +76,29 @@ class Plan:
 # expert gets (T*k / E); the last bound is math.inf. Each expert's run is padded to BLOCK_M, so
 # bigger row tiles waste more of a run (E x BLOCK_M / 2 rows on average) until the runs are long.
 # Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py): at 4 rows an expert (64 tokens)
-# 16 x 64 x 128 tiles read the experts at 95% of the copy bandwidth; 64-row tiles up to 128 rows an
-# expert (less padding); from there `lab/moe_gpu.py --sweep`'s winners per size (weights through
-# TMA, gate and up in one dot, the down kernel's own 128 x 256 tiles; 2026-11-26,
-# bench/results/moe-sweep-h100-2026-11-26-b.json): 4,096 tokens 783 us (50% of the matmul rate),
-# 8,192 tokens 1,338 us (58%), 16,384 tokens 2,467 us (63%). `--sweep` prints a table in this form.
+# 16 x 64 x 128 tiles read the experts at 95% of the copy bandwidth; from 512 tokens
+# `lab/moe_gpu.py --sweep`'s winners per size (weights through TMA, gate and up in one dot, the down
+# kernel's own tiles; 2026-11-26, bench/results/moe-sweep-h100-2026-11-26-c.json): 512 tokens
+# 461 us, 1,024 494 us (64-row tiles; the pointer-load plan before them took 519 and 591 us),
+# 2,048 570 us (787 before), 4,096 786 us (50% of the matmul rate), 8,192 1,349 us (58%), 16,384
+# 2,501 us (62%). From 2,048 tokens the two matmuls stream their operands through L2 at ~8 TB/s,
+# 83-85% of its peak (ncu, 8,192 tokens): 128 x 256 tiles are the most a block's registers hold,
+# and a larger share of the matmul rate needs operands shared between blocks (TMA multicast).
+# `--sweep` prints a table in this form.
 PLAN_TABLE: tuple[tuple[float, Plan], ...] = (
     (16, Plan(16, 64, 128, 4, 4)),
-    (128, Plan(64, 128, 64, 4, 4)),
-    (362, Plan(128, 128, 64, 8, 4, group_m=2, tma=True, fuse_gate_up=True,
-               down=Tiles(256, 64, 8, 4, group_m=2, tma=True))),
-    (724, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
-               down=Tiles(256, 64, 8, 4, group_m=2, tma=True))),
-    (math.inf, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
-                    down=Tiles(256, 64, 8, 3, group_m=4, tma=True))),
+    (45, Plan(64, 64, 128, 4, 4, group_m=1, tma=True, fuse_gate_up=True,
+              down=Tiles(128, 64, 4, 4, group_m=2, tma=True))),
+    (91, Plan(64, 64, 128, 4, 4, group_m=2, tma=True, fuse_gate_up=True,
+              down=Tiles(128, 64, 4, 4, group_m=1, tma=True))),
+    (181, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
+               down=Tiles(256, 64, 8, 4, group_m=1, tma=True))),
+    (362, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
+               down=Tiles(256, 64, 8, 4, group_m=1, tma=True))),
+    (724, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
+               down=Tiles(256, 64, 8, 4, group_m=4, tma=True))),
+    (math.inf, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
+                    down=Tiles(256, 64, 8, 4, group_m=4, tma=True))),
 )
 
 

@@ -16,8 +16,8 @@ Hidden 2048, 128 experts, top 8, expert width 768, bf16, random weights and unif
 Writes one JSON with the GPU's name and the date to --out.
 
 --sweep instead times the prefill variants of kernels/moe.py's Plan (tiles, program order, gate and
-up as one dot, TMA weights, the down kernel's own tiles) at --tokens (4,096, 8,192 and 16,384:
-256, 512 and 1,024 rows an expert), kernel by kernel: every candidate compiled first on threads,
+up as one dot, TMA weights, the down kernel's own tiles) at --tokens (512 to 16,384: 32 to 1,024
+rows an expert), kernel by kernel: every candidate compiled first on threads,
 each timed (CUDA events, median) in program order FIRST_GROUP and its layer output (the other
 kernel as the base Plan's, the k rows summed) checked once against the torch reference; then
 other program orders of each kernel's fastest at each size; then, per size and row tile, the two
@@ -31,7 +31,7 @@ count, and the lines of kernels/moe.py's PLAN_TABLE with the winners (also print
 minutes on an H100 (estimated; the 2026-11-26 sweep, 86 compiles and 2 sizes, took 20 s after
 the hardware probe):
 
-    python -m lab.moe_gpu --sweep --tokens 4096,8192,16384 --out moe_sweep.json
+    python -m lab.moe_gpu --sweep --out moe_sweep.json
 
 --sm90 (no GPU needed) compiles every --sweep candidate for an H100 with Triton's own ptxas and
 prints one JSON line each: shared memory, registers, spills, whether the loop runs on wgmma and
@@ -222,11 +222,14 @@ def engine() -> dict:
 # columns in groups, where two programs fit an SM). Every one compiles for sm_90 with triton 3.9
 # without register spills and within the 227 KB of shared memory (`--sm90`).
 # Gate/up tiles (block_n, block_k, num_warps, num_stages), each in GATE_UP_MODES:
-SWEEP_T = (4096, 8192, 16384)
-GATE_UP_TILES = {128: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 16, 4)]}
+# 64-row tiles for 512 to 2,048 tokens (32 to 128 rows an expert), added 2026-11-26.
+SWEEP_T = (512, 1024, 2048, 4096, 8192, 16384)
+GATE_UP_TILES = {64: [(128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 2), (64, 64, 4, 4)],
+                 128: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 16, 4)]}
 GATE_UP_MODES = ((True, True),)  # (fuse_gate_up, tma)
 # down tiles, each with the loads of DOWN_TMA (act rows and w2 through TMA: True)
-DOWN_TILES = {128: [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (256, 64, 16, 3), (128, 64, 8, 3),
+DOWN_TILES = {64: [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4)],
+              128: [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (256, 64, 16, 3), (128, 64, 8, 3),
                     (128, 64, 4, 3)]}
 DOWN_TMA = (True,)
 FIRST_GROUP = 4  # every candidate's program order in the first phase
@@ -685,6 +688,7 @@ def _layers_phase(cfg: Sweep, cases: dict, w13, w2, matmul_flops: float, block_m
                         layers.append(_layer(p, cases[t, bm], w13, w2, cfg, matmul_flops,
                                              f"gate/up {gu['label']} + down {dn['label']}"))
                         _print_row(layers[-1])
+
         best = _best(layers, tokens=t)
         dense = next((d for d in result.get("dense_equivalent", []) if d["tokens"] == t), None)
         result["best"][str(t)] = {"layer": best, "plan_pick": pick_row,

@@ -70,25 +70,27 @@ def test_plan_table_keeps_small_entries_and_merges():
     cfg = mg.Sweep(out=Path(os.devnull))
     a, b = Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True), Plan(128, 128, 64, 8, 3)
     entries = mg.plan_table(cfg, {4096: a, 8192: a, 16384: b})
-    assert [(bound, p) for bound, p, _ in entries] == [*moe.PLAN_TABLE[:2], (724, a), (math.inf, b)]
-    assert [sizes for *_, sizes in entries] == [[], [], [4096, 8192], [16384]]
+    small = [e for e in moe.PLAN_TABLE if e[0] < 4096 * 8 / 128]
+    assert len(small) == 4
+    assert [(bound, p) for bound, p, _ in entries] == [*small, (724, a), (math.inf, b)]
+    assert [sizes for *_, sizes in entries] == [[]] * 4 + [[4096, 8192], [16384]]
     assert moe.plan(4096 + 2048, 8, 128, tuple(e[:2] for e in entries)) == a
     assert eval(mg._plan_source(a), {"Plan": Plan, "Tiles": Tiles}) == a
-    today = ("Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True, "
-             "down=Tiles(256, 64, 8, 3, group_m=4, tma=True))")
+    today = ("Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True, "
+             "down=Tiles(256, 64, 8, 4, group_m=4, tma=True))")
     assert mg._plan_source(moe.PLAN_TABLE[-1][1]) == today
 
 
 def test_gpu_candidates():
-    """The lists the GPU run times: 128-row tiles, TMA, gate and up in one dot (the 2026-11-26
+    """The lists the GPU run times: 64- and 128-row tiles, TMA, gate and up in one dot (the 2026-11-26
     sweep's winners), power-of-two tiles, the shared memory of the pipeline's stages within an
     H100's (a lower bound: --sm90 compiles them for the real figure), not too many compiles."""
     cfg = mg.Sweep(out=Path(os.devnull))
-    assert cfg.sizes == (4096, 8192, 16384)
+    assert cfg.sizes == (512, 1024, 2048, 4096, 8192, 16384)
     gate_ups, downs = mg.gate_up_candidates(cfg), mg.down_candidates(cfg)
-    assert len(gate_ups) + len(downs) <= 16 and len(set(gate_ups)) == len(gate_ups) and len(set(downs)) == len(downs)
+    assert len(gate_ups) + len(downs) <= 24 and len(set(gate_ups)) == len(gate_ups) and len(set(downs)) == len(downs)
     for p in gate_ups + downs:
-        assert p.block_m == 128 and p.group_m == mg.FIRST_GROUP and p.tma and p.fuse_gate_up
+        assert p.block_m in (64, 128) and p.group_m == mg.FIRST_GROUP and p.tma and p.fuse_gate_up
         for v in (p.block_m, p.block_n, p.block_k, p.down_tiles().block_n, p.down_tiles().block_k):
             assert v & (v - 1) == 0
     for p in gate_ups:
