@@ -5,6 +5,10 @@ as `serve run` starts it) in front of a fake engine process that needs no torch 
     python -m lab.api_stream run --profile DIR      also cProfile the server's event loop (slower)
     python -m lab.api_stream run --stack uvloop     uvicorn on uvloop + httptools (--extra-path DIR
                                                     where they are installed, if not in the venv)
+    python -m lab.api_stream app [--streams 128]    the app alone, in this process: ASGI calls without
+                                                    uvicorn or sockets, the engine's outputs handed to
+                                                    the loop directly; CPU per chunk of the app's own
+                                                    path (FastAPI, Starlette, middleware, ours)
 
 The fake engine (FakeCore, in the engine's own child process through scheduler/engine_proc.py's
 ProcessCore, as `--engine-loop process` runs) emits one token for every running sequence every
@@ -175,6 +179,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from serve.api import create_app
+    from serve import run_cmd
     from serve.run_cmd import GIL_SWITCH_INTERVAL_S, bind_listener
     from serve.server_config import ServerConfig
     from serve.uvicorn_server import DrainingServer
@@ -191,6 +196,9 @@ def serve(args: argparse.Namespace) -> None:
     server = DrainingServer(config, on_exit=lambda: loop.drain(cfg.shutdown_timeout_s))
     from lab.profiling import cprofile_to
 
+    freeze = getattr(run_cmd, "freeze_startup_objects", None)  # absent in older trees
+    if freeze is not None:
+        freeze()
     pauses = _watch_gc()
     try:
         with cprofile_to(args.profile, limit=60):
@@ -199,7 +207,12 @@ def serve(args: argparse.Namespace) -> None:
         listener.close()
         engine.shutdown()
         if args.gc_log:
-            Path(args.gc_log).write_text(json.dumps(pauses))
+            import collections
+            import gc
+
+            kinds = collections.Counter(type(o).__name__ for o in gc.get_objects())
+            Path(args.gc_log).write_text(json.dumps({**pauses, "tracked": len(gc.get_objects()),
+                                                     "frozen": gc.get_freeze_count(), "top": kinds.most_common(12)}))
 
 
 def _watch_gc() -> dict[str, list[float]]:
@@ -315,6 +328,129 @@ async def _client(args: argparse.Namespace, loop_name: str) -> None:
             c.transport.close()
 
 
+# -- the app alone (no uvicorn, no sockets) ------------------------------------------------------
+
+class _Feed:
+    """A CoreClient that only records the sequences; the driver hands their outputs to the loop."""
+
+    def __init__(self) -> None:
+        from scheduler.loop import EngineSnapshot
+
+        self.snapshot = EngineSnapshot(num_blocks=4096, num_free_blocks=4096)
+        self.events: Any = None
+        self.seqs: dict[int, int] = {}  # seq id -> tokens so far
+        self.alive = False
+
+    async def start(self, events: Any) -> None:
+        self.events, self.alive = events, True
+
+    def notify(self) -> None:
+        pass
+
+    async def add(self, seq_ids: list[int], requests: Any) -> None:
+        self.seqs.update(dict.fromkeys(seq_ids, 0))
+
+    async def abort(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    async def call(self, fn: Any) -> Any:
+        return fn(self)
+
+    async def close(self) -> None:
+        self.alive = False
+
+
+async def _app_alone(args: argparse.Namespace) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from engine.config import ModelConfig
+    from scheduler.request import StepOutput
+    from scheduler.token_bytes import token_bytes_table
+    from serve.api import create_app
+    from serve.build import load_tokenizer
+    from serve.server_config import ServerConfig
+
+    model = Path(args.model)
+    tok = load_tokenizer(model)
+    table = token_bytes_table(tok)
+    texts = [table[i].decode() for i in tok.encode(TEXT * 4, add_special_tokens=False) if _whole(table[i])]
+    feed = _Feed()
+    engine = SimpleNamespace(core=feed, tokenizer=tok, model_config=ModelConfig.from_path(model), max_model_len=32768,
+                             model_name="fake", config=None)
+    app = create_app(engine, ServerConfig())
+    life: asyncio.Queue[dict] = asyncio.Queue()
+    sent: asyncio.Queue[dict] = asyncio.Queue()
+    await life.put({"type": "lifespan.startup"})
+    lifespan = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, life.get, sent.put))
+    assert (await sent.get())["type"] == "lifespan.startup.complete"
+    body = json.dumps({"model": "fake", "prompt": list(range(100, 132)), "max_tokens": 32000, "stream": True,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": (HOST, 1), "server": (HOST, 8000), "state": {},
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    counts = {"body": 0, "bytes": 0}
+    never = asyncio.Event()
+    requested = [False] * args.streams
+
+    def receiver(i: int) -> Any:
+        async def receive() -> dict:
+            if not requested[i]:
+                requested[i] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()
+            return {"type": "http.disconnect"}
+        return receive
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise RuntimeError(f"the app answered {message['status']}")
+        if message["type"] == "http.response.body" and message.get("body"):
+            counts["body"] += 1
+            counts["bytes"] += len(message["body"])
+
+    calls = [asyncio.ensure_future(app(dict(scope), receiver(i), send)) for i in range(args.streams)]
+    while len(feed.seqs) < args.streams:
+        await asyncio.sleep(0.01)
+        for c in calls:
+            if c.done():
+                c.result()
+
+    async def steps(n: int) -> None:
+        for _ in range(n):
+            outs = []
+            for sid, k in feed.seqs.items():
+                feed.seqs[sid] = k + 1
+                outs.append(StepOutput(sid, [k], False, None, texts[(sid * 7 + k) % len(texts)], num_output_tokens=k + 1))
+            feed.events.on_outputs(outs)
+            for _ in range(3):  # every woken stream writes its chunk and waits again
+                await asyncio.sleep(0)
+
+    await steps(20)
+    from lab.profiling import cprofile_to
+
+    b0, cpu0 = counts["body"], time.process_time()
+    with cprofile_to(args.profile, limit=60):
+        await steps(args.steps)
+    cpu, chunks = time.process_time() - cpu0, counts["body"] - b0
+    for c in calls:
+        c.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+    await life.put({"type": "lifespan.shutdown"})
+    await lifespan
+    return {"streams": args.streams, "steps": args.steps, "chunks": chunks, "cpu_us_per_chunk": cpu / chunks * 1e6,
+            "bytes_per_chunk": counts["bytes"] / max(1, counts["body"])}
+
+
+def app_alone(args: argparse.Namespace) -> None:
+    row = asyncio.run(_app_alone(args))
+    print(f"{row['streams']} streams: {row['cpu_us_per_chunk']:.1f} us of CPU per chunk "
+          f"({row['chunks']} chunks, {row['bytes_per_chunk']:.0f} bytes each)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(row))
+
+
 # -- the driver ---------------------------------------------------------------------------------
 
 def _cpu_s(pid: int) -> float:
@@ -390,6 +526,7 @@ def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, t
     c = json.loads(client_out.read_text())
     steps = json.loads(trace.read_text())["gaps_s"]
     gc_pauses = json.loads(gc_log.read_text())  # over the whole run, not only the window
+    heap = {k: gc_pauses.pop(k) for k in ("tracked", "frozen", "top")}  # the collector's objects at exit
     gaps, secs = c["gaps_s"], c["seconds"]
     med, p99 = statistics.median(gaps), _pct(gaps, 0.99)
     emed, ep99 = statistics.median(steps), _pct(steps, 0.99)
@@ -402,7 +539,7 @@ def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, t
            "engine_step_median_ms": emed * 1e3, "engine_step_p99_ms": ep99 * 1e3,
            "engine_step_p99_over_median": ep99 / emed, "lost_connections": c["lost"],
            "gc_pauses": {g: {"count": len(v), "max_ms": max(v, default=0) * 1e3, "total_ms": sum(v) * 1e3}
-                         for g, v in gc_pauses.items()}}
+                         for g, v in gc_pauses.items()}, "gc_objects_at_exit": heap}
     print(f"{tag:>18}: {row['chunks_per_s']:8.0f} chunks/s (offered {row['offered_chunks_per_s']:.0f}), server "
           f"{row['server_cpu_us_per_chunk']:6.1f} us/chunk, {row['server_cpu_share']:.0%} of a core; client "
           f"{row['client_cpu_share']:.0%}, engine {row['engine_cpu_share']:.0%}; gaps median {row['gap_median_ms']:.2f} ms "
@@ -463,6 +600,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--engine-trace", default=None)
     s.add_argument("--profile", default=None)
     s.add_argument("--gc-log", default=None)
+    a = sub.add_parser("app")
+    a.add_argument("--streams", type=int, default=128)
+    a.add_argument("--steps", type=int, default=400)
+    a.add_argument("--model", default=None)
+    a.add_argument("--profile", default=None, help="a file: cProfile of the measured steps")
+    a.add_argument("--out", default=None)
     c = sub.add_parser("client")
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--streams", type=int, required=True)
@@ -477,6 +620,9 @@ def main(argv: list[str] | None = None) -> None:
         run(args)
     elif args.cmd == "serve":
         serve(args)
+    elif args.cmd == "app":
+        args.model = args.model or _default_model()
+        app_alone(args)
     else:
         _client_main(args)
 
