@@ -157,24 +157,45 @@ class OutputStream:
     `async for batch in stream` yields, per iteration, a non-empty list of (index, StepOutput):
     everything that arrived since the last iteration, merged per sequence. Iteration ends once
     every sequence has finished. Subclasses feed it with _put() and say how abort() works.
+
+    A list and one future for the waiting consumer, not an asyncio.Queue: every streamed token
+    passes here, and the queue's getter bookkeeping cost more than the rest of the hand-over.
+    Fed and read on the event loop only.
     """
 
     def __init__(self, num_seqs: int) -> None:
-        self._queue: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
+        self._outputs: list[tuple[int, StepOutput]] = []
+        self._waiter: asyncio.Future[None] | None = None
         self._unfinished = set(range(num_seqs))
 
     def _put(self, index: int, out: StepOutput) -> None:
-        self._queue.put_nowait((index, out))
+        self._outputs.append((index, out))
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: its consumer was cancelled while it waited
+                waiter.set_result(None)
+
+    @property
+    def done(self) -> bool:
+        """Every sequence's last output has been handed out."""
+        return not self._unfinished and not self._outputs
 
     def __aiter__(self) -> "OutputStream":
         return self
 
     async def __anext__(self) -> list[tuple[int, StepOutput]]:
-        if not self._unfinished and self._queue.empty():
-            raise StopAsyncIteration
-        got = [await self._queue.get()]
-        while not self._queue.empty():
-            got.append(self._queue.get_nowait())
+        if not self._outputs:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        got, self._outputs = self._outputs, []
+        if len(got) == 1:  # a step's one token for a one-sequence request: nothing to merge
+            index, out = got[0]
+            if out.finished:
+                self._unfinished.discard(index)
+            return got
         merged: dict[int, StepOutput] = {}
         for index, out in got:
             prev = merged.get(index)

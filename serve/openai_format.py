@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # json.dumps(s, ensure_ascii=False) of one string, in C
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -90,6 +91,28 @@ def usage(plan: Plan, choices: list[ChoiceState]) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+_TEXT_MARK = "\x00text\x00"
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    """The server-sent event of a chunk that only adds text, as the chunk model would serialize it:
+    `head + the text as a JSON string + tail`. Cut out of the model's own JSON around a marker text,
+    so it follows the model; the marker is searched from the end, after the id and model name."""
+
+    head: str
+    tail: str
+
+    @classmethod
+    def of(cls, chunk: BaseModel) -> "TextEvent":
+        head, mark, tail = f"data: {chunk.model_dump_json()}\n\n".rpartition(encode_basestring(_TEXT_MARK))
+        assert mark, "the marker text is not in the chunk"
+        return cls(head, tail)
+
+    def __call__(self, text: str) -> str:
+        return self.head + encode_basestring(text) + self.tail
+
+
 class _TokenIds:
     plan: Plan
 
@@ -98,8 +121,13 @@ class _TokenIds:
 
 
 class Format(Protocol):
+    # True when a step that only adds text (not finished, no logprobs) streams as text_event(): no
+    # logprobs, token ids, usage on every chunk or tool calls asked for
+    plain_text: bool
+
     def start_chunks(self) -> list[BaseModel]: ...
     def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None: ...
+    def text_event(self, index: int, text: str) -> str: ...  # the SSE text of chunk() for such a step
     def usage_chunk(self, u: Usage) -> BaseModel: ...
     def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel: ...
 
@@ -112,6 +140,8 @@ class CompletionFormat(_TokenIds):
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.echo_texts = [self._echo_text(p.text, p.token_ids, tokenizer) for p in plan.prompts] if plan.echo else None
+        self.plain_text = plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
+        self._text_events: dict[int, TextEvent] = {}  # by choice index
 
     @staticmethod
     def _echo_text(text: str | None, ids: list[int], tokenizer: Any) -> str:
@@ -153,6 +183,13 @@ class CompletionFormat(_TokenIds):
                                                 finish_reason=out.finish_reason if out.finished else None,
                                                 token_ids=self._ids(out.new_token_ids))], None)
 
+    def text_event(self, index: int, text: str) -> str:
+        event = self._text_events.get(index)
+        if event is None:
+            event = self._text_events[index] = TextEvent.of(self._response([CompletionChoice(index=index, text=_TEXT_MARK)],
+                                                                           None))
+        return event(text)
+
     def usage_chunk(self, u: Usage) -> BaseModel:
         return self._response([], u)
 
@@ -183,6 +220,9 @@ class ChatFormat(_TokenIds):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its tool-call parser (streaming)
+        self.plain_text = (plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
+                           and plan.tool_parser is None)
+        self._text_events: dict[int, TextEvent] = {}  # by choice index
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token, raw = self.strings.get(token_id)
@@ -218,6 +258,13 @@ class ChatFormat(_TokenIds):
                                             logprobs=self._logprobs(out.logprobs),
                                             finish_reason=reason if out.finished else None,
                                             token_ids=self._ids(out.new_token_ids))])
+
+    def text_event(self, index: int, text: str) -> str:
+        event = self._text_events.get(index)
+        if event is None:
+            event = self._text_events[index] = TextEvent.of(
+                self._chunk([ChatChunkChoice(index=index, delta=Delta(content=_TEXT_MARK))]))
+        return event(text)
 
     def _tool_delta(self, index: int, out: StepOutput) -> tuple[Delta, str | None]:
         """The step's text through the choice's tool-call parser: content, and tool calls in

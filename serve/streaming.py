@@ -33,7 +33,7 @@ def sse_error(status: int, message: str) -> str:
 class EngineStreamingResponse(StreamingResponse):
     """A streaming response that runs on_close however it ends: finished, client gone, or cancelled."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
@@ -45,27 +45,41 @@ class EngineStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-async def sse_events(plan: Plan, stream: RequestStream, fmt: Format) -> AsyncIterator[str]:
+async def sse_events(plan: Plan, stream: RequestStream, fmt: Format) -> AsyncIterator[bytes]:
+    """The request's server-sent events. The events of one batch of outputs (several choices, or
+    steps merged while the client was slow) go out as one write, and the last ones together with
+    the usage chunk and [DONE]: the same bytes in fewer sends. A step that only adds text takes
+    the format's text_event, without building and serializing the chunk's models."""
     choices = new_choices(plan)
-    for chunk in fmt.start_chunks():
-        yield sse(chunk)
+    start = [sse(chunk) for chunk in fmt.start_chunks()]
+    if start:
+        yield "".join(start).encode()
+    plain = fmt.plain_text
+    events: list[str] = []
     async for batch in stream:
         for index, out in batch:
             choice = choices[index]
             choice.update(out)
             if out.error:
                 stream.abort()
-                yield sse_error(500, out.error)
-                yield DONE
+                events += (sse_error(500, out.error), DONE)
+                yield "".join(events).encode()
                 return
+            if plain and out.new_text and not out.finished and not out.logprobs:
+                events.append(fmt.text_event(index, out.new_text))
+                continue
             chunk = fmt.chunk(choice, out)
             if chunk is not None:
                 if plan.continuous_usage:
                     chunk.usage = usage(plan, choices)
-                yield sse(chunk)
+                events.append(sse(chunk))
+        if events and not stream.done:
+            yield (events[0] if len(events) == 1 else "".join(events)).encode()
+            events = []
     if plan.include_usage:
-        yield sse(fmt.usage_chunk(usage(plan, choices)))
-    yield DONE
+        events.append(sse(fmt.usage_chunk(usage(plan, choices))))
+    events.append(DONE)
+    yield "".join(events).encode()
 
 
 async def collect(plan: Plan, stream: RequestStream) -> list[ChoiceState]:
