@@ -445,7 +445,8 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self, sample: bool = True) -> None:
         """One forward over max_num_batched_tokens tokens, writing nowhere, then the sampler at its
-        most expensive (top-k, top-p, logprobs on max_num_seqs rows), to measure the activation peak."""
+        most expensive (top-k, top-p, logprobs on max_num_seqs rows), to measure the activation peak;
+        also the sampling kernel once (sample=False: that alone)."""
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         spec = self.kv_spec
         pool = KVPool(spec, 1, self.device, self.dtype)
@@ -461,6 +462,11 @@ class ModelRunner:
         logits = self.model(self.ops, ids, pos, pool.layers, meta, torch.arange(rows, device=self.device),
                             self._blank_carry(n))
         del pool
+        if self.model.stage.last:
+            # rows without logprobs take the sampling kernel: compiled here (on a thread in the
+            # early dry pass), not at the first sampled request
+            nucleus = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
+            sample_on_device(logits, SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         if sample and self.model.stage.last:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
