@@ -33,6 +33,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float) -> None:
+    """Until GET base_url/health answers 200; ServerError if proc exits first or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise ServerError(f"the server exited with code {code} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise ServerError(f"the server was not healthy after {timeout_s:.0f} s")
+
+
 def resolve_command(command: str) -> list[str]:
     """Split a command string; a bare program name is looked up beside this Python first, so that
     `serve` from the same virtual environment is found even when it isn't on PATH."""
@@ -93,21 +110,10 @@ class ManagedServer:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            code = self._proc.poll()
-            if code is not None:
-                raise ServerError(f"the server exited with code {code} before it was healthy; "
-                                  f"log {self.log_path}: {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise ServerError(f"the server was not healthy after {self.startup_timeout_s:.0f} s; "
-                          f"log {self.log_path}: {self.log_tail()}")
+        try:
+            wait_healthy(self._proc, self.base_url, self.startup_timeout_s)
+        except ServerError as e:
+            raise ServerError(f"{e}; log {self.log_path}: {self.log_tail()}") from None
 
     def log_tail(self, lines: int = 3) -> str:
         try:

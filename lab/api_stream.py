@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.server import free_port, wait_healthy
+from scheduler.core import EngineStats
+
 TEXT = ("The quick brown fox jumps over the lazy dog near the riverbank, while a curious cat watches "
         "from the window. Café owners in Zürich serve crème brûlée and naïve jokes; \"quotes\", back\\slashes "
         "and\ttabs stay escaped. 東京の天気は晴れです。 Emoji too: 🚀✨. Numbers 3.14159 and 2,718 follow. ")
@@ -46,15 +48,6 @@ HOST = "127.0.0.1"
 
 
 # -- the fake engine (runs in the engine's child process) ---------------------------------------
-
-@dataclass
-class _Stats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_step_failures: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
 
 @dataclass
 class _Scheduler:
@@ -92,7 +85,7 @@ class FakeCore:
         self.ids = [i for i in tok.encode(TEXT * 4, add_special_tokens=False) if _whole(self.table[i])]
         self.step_s = step_s
         self.trace_path = trace_path
-        self.stats, self.scheduler, self.block_manager = _Stats(), _Scheduler(), _Blocks()
+        self.stats, self.scheduler, self.block_manager = EngineStats(), _Scheduler(), _Blocks()
         self.trace = None
         self.lost = None
         self._next = 0.0
@@ -466,32 +459,9 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _wait_health(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the server did not answer /health")
 
 
 def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -499,7 +469,7 @@ def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, t
     label, _, root = tree.rpartition("=")
     root = str(Path(root).resolve())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, args.extra_path) if p)}
-    port = _free_port()
+    port = free_port()
     tag = f"{label or Path(root).name}-{args.stack}-{streams}x{step_ms:g}"
     trace, client_out, gc_log = tmp / f"engine-{tag}.json", tmp / f"client-{tag}.json", tmp / f"gc-{tag}.json"
     profile = str(Path(args.profile) / f"profile-{tag}.txt") if args.profile else None
@@ -508,7 +478,7 @@ def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, t
            "--gc-log", str(gc_log)]
     server = subprocess.Popen(cmd + (["--profile", profile] if profile else []), env=env, cwd=root)
     try:
-        _wait_health(port, server)
+        wait_healthy(server, f"http://{HOST}:{port}", 120)
         engines = _children(server.pid)  # the engine process, and the tokenizing processes (idle here)
         client = subprocess.Popen([sys.executable, "-m", "lab.api_stream", "client", "--port", str(port),
                                    "--streams", str(streams), "--max-tokens", str(args.max_tokens),

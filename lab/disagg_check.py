@@ -15,18 +15,12 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.server import free_port, wait_healthy
 
 
 def start(model: str, extra: list[str], env: dict, log: Path, util: float) -> tuple[subprocess.Popen, str]:
@@ -35,20 +29,6 @@ def start(model: str, extra: list[str], env: dict, log: Path, util: float) -> tu
            "--gpu-memory-utilization", str(util), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a server exited during start-up (status {proc.returncode})")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit("a server did not become healthy")
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> str:
@@ -76,10 +56,10 @@ def main() -> None:
                          a.gpu_memory_utilization)
     pd = None
     try:
-        wait_healthy(one, one_url)
+        wait_healthy(one, one_url, 600)
         pd, pd_url = start(a.model, ["--disaggregate", "1:1"], {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
                            logs / "disagg.log", min(1.0, 2 * a.gpu_memory_utilization))
-        wait_healthy(pd, pd_url)
+        wait_healthy(pd, pd_url, 600)
         rows = []
         for prompt in prompts:
             want, got = complete(one_url, prompt, a.max_tokens), complete(pd_url, prompt, a.max_tokens)
