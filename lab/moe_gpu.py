@@ -26,10 +26,9 @@ against the reference) beside plan()'s pick, and the best layer's parts alone (a
 down, the sum). Decode at 64 tokens is the control (plan()'s pick in each mode). Also a dense
 matmul pair with each size's FLOPs. The JSON (rewritten after each phase) has every candidate's
 ms, TFLOP/s and fraction of the matmul rate measured in the same run, the best Plan per token
-count, and the lines of kernels/moe.py's PLAN_TABLE with the winners (also printed last). About
-20 + 12-36 compiles (on --threads threads), 70-140 kernel timings and 27 graph timings: 1-2
-minutes on an H100 (estimated; the 2026-11-26 sweep, 86 compiles and 2 sizes, took 20 s after
-the hardware probe):
+count, and the lines of kernels/moe.py's PLAN_TABLE with the winners (also printed last). The
+six default sizes: 22 + 45 compiles (on --threads threads), 378 kernel timings and 78 graph
+timings, 44 s on an H100 after the hardware probe (2026-11-26):
 
     python -m lab.moe_gpu --sweep --out moe_sweep.json
 
