@@ -191,11 +191,6 @@ class OutputStream:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         got, self._outputs = self._outputs, []
-        if len(got) == 1:  # a step's one token for a one-sequence request: nothing to merge
-            index, out = got[0]
-            if out.finished:
-                self._unfinished.discard(index)
-            return got
         merged: dict[int, StepOutput] = {}
         for index, out in got:
             prev = merged.get(index)

@@ -113,11 +113,22 @@ class TextEvent:
         return self.head + encode_basestring(text) + self.tail
 
 
-class _TokenIds:
+class _FormatBase:
+    """What the two formats share: token ids where asked, and the text-only chunk's event."""
     plan: Plan
+    _text_events: dict[int, TextEvent]  # by choice index
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.plan.return_token_ids else None
+
+    def _text_chunk(self, index: int, text: str) -> BaseModel:
+        raise NotImplementedError
+
+    def text_event(self, index: int, text: str) -> str:
+        event = self._text_events.get(index)
+        if event is None:
+            event = self._text_events[index] = TextEvent.of(self._text_chunk(index, _TEXT_MARK))
+        return event(text)
 
 
 class Format(Protocol):
@@ -132,7 +143,7 @@ class Format(Protocol):
     def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel: ...
 
 
-class CompletionFormat(_TokenIds):
+class CompletionFormat(_FormatBase):
     def __init__(self, plan: Plan, model: str, strings: TokenStrings, tokenizer: Any) -> None:
         self.plan = plan
         self.model = model
@@ -141,7 +152,7 @@ class CompletionFormat(_TokenIds):
         self.created = int(time.time())
         self.echo_texts = [self._echo_text(p.text, p.token_ids, tokenizer) for p in plan.prompts] if plan.echo else None
         self.plain_text = plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
-        self._text_events: dict[int, TextEvent] = {}  # by choice index
+        self._text_events = {}
 
     @staticmethod
     def _echo_text(text: str | None, ids: list[int], tokenizer: Any) -> str:
@@ -183,12 +194,8 @@ class CompletionFormat(_TokenIds):
                                                 finish_reason=out.finish_reason if out.finished else None,
                                                 token_ids=self._ids(out.new_token_ids))], None)
 
-    def text_event(self, index: int, text: str) -> str:
-        event = self._text_events.get(index)
-        if event is None:
-            event = self._text_events[index] = TextEvent.of(self._response([CompletionChoice(index=index, text=_TEXT_MARK)],
-                                                                           None))
-        return event(text)
+    def _text_chunk(self, index: int, text: str) -> BaseModel:
+        return self._response([CompletionChoice(index=index, text=text)], None)
 
     def usage_chunk(self, u: Usage) -> BaseModel:
         return self._response([], u)
@@ -212,7 +219,7 @@ def chat_finish_reason(reason: str | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and reason == "stop" else reason
 
 
-class ChatFormat(_TokenIds):
+class ChatFormat(_FormatBase):
     def __init__(self, plan: Plan, model: str, strings: TokenStrings) -> None:
         self.plan = plan
         self.model = model
@@ -222,7 +229,7 @@ class ChatFormat(_TokenIds):
         self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its tool-call parser (streaming)
         self.plain_text = (plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
                            and plan.tool_parser is None)
-        self._text_events: dict[int, TextEvent] = {}  # by choice index
+        self._text_events = {}
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token, raw = self.strings.get(token_id)
@@ -259,12 +266,8 @@ class ChatFormat(_TokenIds):
                                             finish_reason=reason if out.finished else None,
                                             token_ids=self._ids(out.new_token_ids))])
 
-    def text_event(self, index: int, text: str) -> str:
-        event = self._text_events.get(index)
-        if event is None:
-            event = self._text_events[index] = TextEvent.of(
-                self._chunk([ChatChunkChoice(index=index, delta=Delta(content=_TEXT_MARK))]))
-        return event(text)
+    def _text_chunk(self, index: int, text: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
     def _tool_delta(self, index: int, out: StepOutput) -> tuple[Delta, str | None]:
         """The step's text through the choice's tool-call parser: content, and tool calls in
