@@ -111,14 +111,14 @@ class PiecewiseGraphs:
             x, residual = m.layers[i - 1].finish(ops, b.attn_out[:t], b.residual[:t])
         if i == len(m.layers):
             if m.norm is None:  # a pipeline stage before the last: its carry out
-                b.hidden[:t].copy_(x)
+                b.hidden[:t].copy_(m.comm.all_reduce(x))
                 b.residual[:t].copy_(residual)
                 return
-            x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+            x, _ = m.comm.reduce_norm(ops, x, residual, m.norm.weight, m.norm.eps)
             b.hidden[:t].copy_(x)
             return
         layer = m.layers[i]
-        h, residual = layer.input_norm(ops, x, residual)
+        h, residual = layer.input_norm(ops, x, residual, summed=i == 0 and b.carry is not None)
         q, k, v = layer.self_attn.project(ops, h, out=b.qkv[:t])
         qr, kr = rotate_and_store(ops, q, k, v, b.positions[:t], m.cos_sin, self.caches[i], b.slot_mapping[:t])
         if qr is not q:  # not rotated in place (reference ops, an fp8/int8 cache's rotation): attention reads the buffer

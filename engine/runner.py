@@ -226,6 +226,8 @@ class ModelRunner:
         phase("weights")
         if tp.size > 1 and self.device.type == "cuda" and not cfg.disable_custom_all_reduce:
             why_not = self.comm.use_peer_memory(self.device)  # a collective: every rank, here
+            if why_not is None and cfg.backend != "torch":  # the Triton kernels: the all-reduce fused with the norm
+                self.comm.fuse_norm(model_cfg.hidden_size, self.dtype, self.pdl)
             if self.comm.rank == 0:
                 log.info("tensor parallel: small all-reduces %s", "over NVLink peer memory (one-shot)"
                          if why_not is None else f"through NCCL ({why_not})")
@@ -439,7 +441,7 @@ class ModelRunner:
             stage = self.model.stage
             graphs += NCCL_BYTES_PER_CAPTURE * nccl_captures(
                 graph_buckets(self.cfg.max_num_seqs), prefill_tokens, self.model_cfg.hidden_size * self.dtype.itemsize,
-                stage.num_layers, stage.first, stage.last, self.comm.peer.max_bytes if self.comm.peer is not None else 0)
+                stage.num_layers, stage.first, stage.last, *self.comm.peer_limits())
         return graphs
 
     @torch.inference_mode()

@@ -152,7 +152,7 @@ class StepGraphs:
             attend_fixed(ops, q, k, v, self.caches[i], self.scales[i], rows, self.tables, self.seq_lens,
                          self.query_starts, self.work[:self.work_size[t]], out.view(t, cfg.num_heads, cfg.head_dim))
             x, residual = layer.finish(ops, out, residual)
-        x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+        x, _ = m.comm.reduce_norm(ops, x, residual, m.norm.weight, m.norm.eps)
         b.hidden[:t].copy_(x)
 
     def _shapes(self, largest_first: bool = True) -> Iterator[tuple[int, int]]:

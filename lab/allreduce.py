@@ -1,6 +1,9 @@
 """NCCL against the one-shot all-reduce over peer memory, per message size, inside CUDA graphs as
 the engine runs them: each graph holds `--chain` all-reduces in a row (each reading the last), so
-one replay's time over the chain is the time of one all-reduce with its launch hidden.
+one replay's time over the chain is the time of one all-reduce with its launch hidden. Then, per
+hidden size, what a layer's row-parallel output costs up to its norm: NCCL's all-reduce and the
+residual add + RMSNorm kernel, torch's one-shot kernel and the same norm, or the fused kernel
+(kernels/allreduce_norm.py), which must equal NCCL's path bit for bit.
 
     python -m lab.allreduce --gpus 2 --out allreduce.json
 
@@ -21,9 +24,10 @@ import torch.multiprocessing as mp
 SIZES = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
 
 
-def _time_graph(fn, x: torch.Tensor, chain: int, repeats: int, comm) -> float:
-    """Microseconds per all-reduce: median over repeats of one replay / chain."""
-    device = x.device
+def _time_graph(fn, x, chain: int, repeats: int, comm) -> float:
+    """Microseconds per all-reduce: median over repeats of one replay / chain. x: a tensor, or a
+    tuple of them that fn maps to the next."""
+    device = (x[0] if isinstance(x, tuple) else x).device
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -68,8 +72,11 @@ def _rank(rank: int, n: int, port: int, chain: int, repeats: int, queue) -> None
         why = peer_allreduce.peer_access(device, n)
         peer = None
         if why is None or why.startswith("no measured size limit"):
-            peer = peer_allreduce.allocate(device, group.device, n, max_bytes=max(SIZES))
+            programs = comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count)
+            peer = peer_allreduce.allocate(device, group.device, n, programs, max_bytes=max(SIZES),
+                                           fused_max_bytes=max(SIZES))
             peer_allreduce.rendezvous(peer)
+            peer.pdl = True
 
         def nccl(y: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(y, group=group.device)
@@ -84,13 +91,58 @@ def _rank(rank: int, n: int, port: int, chain: int, repeats: int, queue) -> None
                 got = peer(torch.full_like(x, rank + 1.0))
                 row["one_shot_correct"] = bool((got == n * (n + 1) / 2).all().item())
             rows.append(row)
+        fused = _fused_rows(comm, peer, nccl, device, chain, repeats) if peer is not None else []
         if rank == 0:
-            queue.put({"rows": rows, "peer_why_not": why})
+            queue.put({"rows": rows, "fused": fused, "peer_why_not": why})
         comm.barrier()
         destroy_group(group)
     except BaseException:
         queue.put({"error": f"rank {rank}: {traceback.format_exc()}"})
         raise SystemExit(1)
+
+
+def _fused_rows(comm, peer, nccl, device: torch.device, chain: int, repeats: int) -> list[dict]:
+    """Per hidden size and row count: microseconds from a rank's part of a row-parallel output to
+    the normed sum and the new residual, three ways, and whether the fused one equals NCCL's."""
+    from kernels.fused import rms_norm
+
+    out = []
+    gen = torch.Generator(device=device).manual_seed(7 + comm.rank)
+    for hidden in (4096, 8192):
+        w = torch.randn(hidden, dtype=torch.bfloat16, device=device, generator=torch.Generator(device=device).manual_seed(3))
+        for rows in (1, 16, 64, 128, 256, 512, 1024, 2048):
+            if rows * hidden * 2 > peer.fused_max_bytes:
+                break
+            x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device, generator=gen)
+            r = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device, generator=gen)
+
+            def unfused(state, reduce):
+                h, res = state
+                return rms_norm(reduce(h), w, 1e-5, res, pdl=True)
+
+            def fused(state):
+                h, res = state
+                return peer.add_norm(h, res, w, 1e-5)
+
+            row = {"hidden": hidden, "rows": rows, "bytes": rows * hidden * 2,
+                   "nccl_norm_us": _time_graph(lambda s: unfused(s, nccl), (x.clone(), r), chain, repeats, comm),
+                   "one_shot_norm_us": _time_graph(lambda s: unfused(s, peer), (x.clone(), r), chain, repeats, comm),
+                   "fused_us": _time_graph(fused, (x, r), chain, repeats, comm)}
+            want = rms_norm(nccl(x.clone()), w, 1e-5, r)
+            got = _captured_once(fused, (x, r), device)
+            row["fused_equal"] = all(bool(torch.equal(a, b)) for a, b in zip(got, want))
+            out.append(row)
+    return out
+
+
+def _captured_once(fn, state, device: torch.device):
+    """fn(state) from a CUDA graph (the fused kernel runs only under capture in the engine)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn(state)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return [t.clone() for t in got]
 
 
 def crossover(rows: list[dict]) -> int:
@@ -132,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in got["rows"]:
         print(f"{r['bytes'] >> 10:>8} KiB  nccl {r['nccl_us']:7.1f} us  one-shot {r.get('one_shot_us', float('nan')):7.1f} us")
     print(f"one-shot faster up to {result['one_shot_faster_up_to_bytes'] >> 10} KiB")
+    for r in got["fused"]:
+        print(f"hidden {r['hidden']:>5} rows {r['rows']:>5}  nccl+norm {r['nccl_norm_us']:7.1f} us  "
+              f"one-shot+norm {r['one_shot_norm_us']:7.1f} us  fused {r['fused_us']:7.1f} us  equal {r['fused_equal']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

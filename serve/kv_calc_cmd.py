@@ -190,19 +190,20 @@ def graph_tokens(req: CalcRequest, dtype: str, max_len: int) -> GraphTokens:
 def nccl_graph_bytes(req: CalcRequest, dtype: str, tokens: GraphTokens) -> int:
     """What NCCL holds for the collectives the graphs of a tensor-parallel rank capture
     (engine/parallel/graph_memory.py), counted as the engine counts them, on the first stage (the
-    most layers), with the one-shot all-reduce over NVLink taking the small ones."""
+    most layers), with the one-shot all-reduce over NVLink taking the small ones and the one fused
+    with the norm those it measured faster for."""
     tp, pp = req.tensor_parallel_size, req.pipeline_parallel_size
     if tp == 1:
         return 0
     from engine.cuda_graph import graph_buckets
-    from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
+    from engine.parallel.peer_allreduce import FUSED_MAX_BYTES, ONE_SHOT_MAX_BYTES
     from engine.step_graph import graphed_token_counts
 
     prefill = graphed_token_counts(req.max_num_seqs, tokens.piecewise, tokens.step)
     layers = -(-req.model.num_layers // pp)
     row_bytes = req.model.hidden_size * DTYPE_BYTES[dtype]
     return NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(req.max_num_seqs), prefill, row_bytes, layers, True,
-                                                  pp == 1, ONE_SHOT_MAX_BYTES.get(tp, 0))
+                                                  pp == 1, ONE_SHOT_MAX_BYTES.get(tp, 0), FUSED_MAX_BYTES.get(tp, 0))
 
 
 def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPlan:

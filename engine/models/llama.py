@@ -6,8 +6,11 @@ q/k/v and gate/up projections are stored fused (the loader packs Hugging Face's 
 weights), so each layer runs four matmuls. Ops and attention metadata arrive as arguments.
 
 Tensor parallel (a Comm of several ranks): the layers hold this rank's heads, MLP columns and
-vocabulary rows (engine/parallel/layers.py); o_proj and down_proj all-reduce their outputs, the
-embedding all-reduces its lookups, and the LM head gathers the full vocabulary's logits.
+vocabulary rows (engine/parallel/layers.py); the embedding all-reduces its lookups, and the LM head
+gathers the full vocabulary's logits. o_proj's and the MLP's outputs are this rank's parts of sums
+over the ranks: the norm after each sums them (Comm.reduce_norm, one kernel with the residual add
+and the norm where peer memory allows), so a layer's output x is such a part, except in a pipeline
+stage's carry, which holds the sum.
 
 Pipeline parallel (a Stage of several): the model holds only its stage's layers (numbered from 0
 here, from stage.start in the checkpoint), the embedding on the first stage, the final norm and the
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size, comm)
+        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -122,10 +125,11 @@ class MLP(nn.Module):
         super().__init__()
         part = even_split(cfg.intermediate_size, comm.rank, comm.size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=False)
-        self.down_proj = RowParallelLinear(part, cfg.hidden_size, comm)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.reduce(ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight))
+        """-> this rank's part of the output (a sum over the ranks)."""
+        return ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -135,24 +139,32 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = comm
 
-    def input_norm(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input RMSNorm (adding x to the residual stream) -> (normed, residual)."""
+    def input_norm(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None,
+                   summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input RMSNorm (adding x to the residual stream) -> (normed, residual). x: the
+        embedding (residual None), or the layer before's output, a part of a sum over the ranks,
+        unless summed (a pipeline stage's carry)."""
         ln = self.input_layernorm
         if residual is None:
             return ops.rms_norm(x, ln.weight, ln.eps), x
-        return ops.rms_norm(x, ln.weight, ln.eps, residual)
+        if summed:
+            return ops.rms_norm(x, ln.weight, ln.eps, residual)
+        return self.comm.reduce_norm(ops, x, residual, ln.weight, ln.eps)
 
     def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual)."""
-        h = self.self_attn.o_proj.reduce(ops.linear(attn_out, self.self_attn.o_proj.weight))
+        """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual), x
+        this rank's part of the MLP's output."""
+        h = ops.linear(attn_out, self.self_attn.o_proj.weight)
         ln = self.post_attention_layernorm
-        h, residual = ops.rms_norm(h, ln.weight, ln.eps, residual)
+        h, residual = self.comm.reduce_norm(ops, h, residual, ln.weight, ln.eps)
         return self.mlp(ops, h), residual
 
     def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_norm(ops, x, residual)
+                cos_sin: torch.Tensor, cache: LayerCache, meta: AttnMetadata,
+                summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm(ops, x, residual, summed)
         attn = self.self_attn
         q, k, v = attn.project(ops, h)
         o = paged_attention(ops, q, k, v, positions, cos_sin, cache, meta, attn.scale)
@@ -190,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = carry[0], carry[1]
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(ops, x, residual, positions, self.cos_sin, cache, meta)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x, residual = layer(ops, x, residual, positions, self.cos_sin, cache, meta, summed=i == 0 and carry is not None)
         if self.norm is None:
-            return torch.stack((x, residual))
-        x, _ = ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+            return torch.stack((self.comm.all_reduce(x), residual))
+        x, _ = self.comm.reduce_norm(ops, x, residual, self.norm.weight, self.norm.eps)
         return self.compute_logits(x[logit_indices])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

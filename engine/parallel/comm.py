@@ -1,6 +1,7 @@
 """Comm: the collectives the model and the runner use, behind one entry point per kind. The
 all-reduce picks by message size: a one-shot kernel over NVLink peer memory for decode-sized
-messages (engine/parallel/peer_allreduce.py) where every rank could set it up, else NCCL.
+messages (engine/parallel/peer_allreduce.py) where every rank could set it up, else NCCL; the
+all-reduce that a residual add and RMSNorm follow (reduce_norm) is one fused kernel on that path.
 
 Inside the forward only fixed-shape tensor collectives run (no host sync, nothing read back): CUDA
 graphs capture them as they are. With one rank every method returns its input."""
@@ -34,6 +35,19 @@ class Comm:
         dist.all_reduce(t, group=self.group.device)
         return t
 
+    def reduce_norm(self, ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this rank's part of a sum over the ranks (a row-parallel projection's output) ->
+        (RMSNorm(sum + residual) * weight, sum + residual); without residual the sum is the new
+        residual stream. ops: the model's (its rms_norm where nothing is fused)."""
+        if self.size > 1:
+            if self.peer is not None and self.peer.fused and self.peer.fits(x, self.peer.fused_max_bytes):
+                return self.peer.add_norm(x, residual, weight, eps)
+            x = self.all_reduce(x)
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), x
+        return ops.rms_norm(x, weight, eps, residual)
+
     def use_peer_memory(self, device: torch.device) -> str | None:
         """Set up the one-shot all-reduce on every rank, or on none: a collective that all ranks
         call at the same point. Returns why not, or None when it is on."""
@@ -42,9 +56,10 @@ class Comm:
         why = peer_allreduce.peer_access(device, self.size, self.group.device.group_name)
         if self.min_int(int(why is None)) == 0:
             return why or "another rank can't use peer memory"
+        programs = self.min_int(torch.cuda.get_device_properties(device).multi_processor_count)
         peer = None
         try:
-            peer = peer_allreduce.allocate(device, self.group.device, self.size)
+            peer = peer_allreduce.allocate(device, self.group.device, self.size, programs)
         except Exception as e:  # noqa: BLE001 (a driver or torch that refuses it: NCCL still works)
             why = f"allocating peer memory failed: {e}"
         if self.min_int(int(peer is not None)) == 0:
@@ -57,6 +72,21 @@ class Comm:
             return why or "another rank could not map peer memory"
         self.peer = peer
         return None
+
+    def fuse_norm(self, hidden: int, dtype: torch.dtype, pdl: bool) -> None:
+        """Take the fused kernel for reduce_norm (after use_peer_memory succeeded on every rank; a
+        collective): compiled here for rows of hidden x dtype; pdl as the model's kernels launch.
+        Nothing where it has no measured size limit for this many ranks."""
+        if self.peer.rows is None:
+            return
+        self.peer.pdl = pdl
+        self.peer.warm(hidden, dtype)
+        self.peer.fused = True
+
+    def peer_limits(self) -> tuple[int, int]:
+        """(the one-shot all-reduce's, the fused one's) largest message inside CUDA graphs (0: NCCL)."""
+        p = self.peer
+        return (0, 0) if p is None else (p.max_bytes, p.fused_max_bytes if p.fused else 0)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[..., n] from every rank -> [..., size * n], rank order along the last dimension."""

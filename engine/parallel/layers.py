@@ -87,16 +87,13 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r W_r^T: this rank's input columns, then the all-reduce."""
+    """y = sum over ranks of x_r W_r^T: this rank's input columns; x_r W_r^T is this rank's part of
+    y, which the caller sums over the ranks (Comm.reduce_norm, with the norm after it)."""
 
-    def __init__(self, segment: Segment, out_features: int, comm: Comm) -> None:
+    def __init__(self, segment: Segment, out_features: int) -> None:
         super().__init__()
         self.shard = Shard(1, (segment,))
         self.weight = nn.Parameter(torch.empty(out_features, segment.length))
-        self.comm = comm
-
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(partial)
 
 
 class VocabParallelEmbedding(nn.Module):

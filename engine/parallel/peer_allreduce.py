@@ -1,4 +1,5 @@
-"""One-shot all-reduce over NVLink peer memory, for the small messages of decode steps.
+"""One-shot all-reduce over NVLink peer memory, for the small messages of decode steps, alone
+(torch's kernel) or fused with the residual add and RMSNorm after it (kernels/allreduce_norm.py).
 
 NCCL's all-reduce is built for bandwidth; a decode step's messages (rows x hidden, e.g. 64 x 4096
 bf16 = 512 KiB) are latency bound, and a Llama-3-8B step makes 64 of them. Here every rank copies
@@ -24,25 +25,42 @@ import torch
 # graph captures (engine/parallel/graph_memory.py), and this path takes most of the decode graphs' out of
 # it (8B TP=2: ~6,200 captures against 9,123 with NCCL alone). A world size not measured uses NCCL.
 ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 1 << 20}
+# ranks -> the largest message the all-reduce fused with the residual add and RMSNorm takes
+# (kernels/allreduce_norm.py). On 2x H100 (lab/allreduce.py, 2026-11-27,
+# bench/results/allreduce-norm-h100-2026-11-27.json) it beat NCCL's all-reduce and the norm kernel at
+# every size measured, 1 to 2,048 rows of 4,096 and 8,192 bf16 values (8.7 against 12.2 us at 64 x
+# 4,096; 137 against 182 us at 2,048 x 8,192); 16 MiB holds the largest mixed steps the graphs capture
+# (e.g. 1,024 x 8,192). Not measured at 4 ranks: the norm after the one-shot kernel or NCCL there.
+FUSED_MAX_BYTES = {2: 16 << 20}
 _ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
 
 
 @dataclass
 class PeerAllReduce:
-    """A symmetric buffer of max_bytes on every rank of a group, and the one-shot sum through it."""
+    """Symmetric buffers of max_bytes on every rank of a group: the one-shot sum through one, and
+    the sum fused with the residual add and RMSNorm through the other (after rendezvous)."""
 
     buffer: torch.Tensor  # uint8 [max_bytes], mapped by every rank (symmetric memory)
     group_name: str
     max_bytes: int
     copy_out: bool  # torch has the op that copies the input in itself (one kernel instead of two)
+    rows: torch.Tensor | None  # uint8 [flag bytes + 2 x fused_max_bytes]: kernels/allreduce_norm.py's
+    fused_max_bytes: int  # 0: no fused kernel (a world size not measured)
+    rank: int
+    programs: int  # the fused kernel's fixed program count (the same on every rank)
+    data_ptrs: torch.Tensor | None = None  # int64 [ranks]: every rank's rows, set by rendezvous
+    flag_ptrs: torch.Tensor | None = None  # int64 [ranks]: every rank's flags
+    fused: bool = False  # add_norm is compiled and on (Comm.fuse_norm)
+    pdl: bool = False  # it launches with programmatic dependent launch (as the model's kernels do)
 
-    def fits(self, t: torch.Tensor) -> bool:
-        """Inside a CUDA graph capture only: its win was measured in graphs, while eager forwards
-        with it measured 3.5x slower at 16 and 32 rows (the step cost model's forwards, Llama-3-8B
-        at TP=2 on H100s, 2026-11-26; cause not found)."""
+    def fits(self, t: torch.Tensor, limit: int | None = None) -> bool:
+        """Whether t takes the one-shot kernel (or, with limit=fused_max_bytes, the fused one).
+        Inside a CUDA graph capture only: the one-shot's win was measured in graphs, while eager
+        forwards with it measured 3.5x slower at 16 and 32 rows (the step cost model's forwards,
+        Llama-3-8B at TP=2 on H100s, 2026-11-26; cause not found)."""
         n = t.numel() * t.element_size()
-        return (t.is_cuda and n <= self.max_bytes and n % _ALIGN == 0 and t.is_contiguous()
-                and torch.cuda.is_current_stream_capturing())
+        return (t.is_cuda and n <= (self.max_bytes if limit is None else limit) and n % _ALIGN == 0
+                and t.is_contiguous() and torch.cuda.is_current_stream_capturing())
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of t, in a new tensor (t is left as it was)."""
@@ -54,6 +72,24 @@ class PeerAllReduce:
             view.copy_(t)
             torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", self.group_name, out)
         return out
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(sum over ranks of x + residual) * weight, the sum + residual) in one kernel;
+        for an x that fits()."""
+        from kernels.allreduce_norm import allreduce_add_norm
+
+        return allreduce_add_norm(x.view(-1, x.shape[-1]), residual, weight, eps, self.data_ptrs,
+                                  self.flag_ptrs, self.rank, self.programs, self.fused_max_bytes, self.pdl)
+
+    def warm(self, hidden: int, dtype: torch.dtype) -> None:
+        """Compile add_norm's kernels for rows of this size and dtype now, outside any CUDA graph
+        capture (the engine takes it only inside captures): a collective, every rank at once."""
+        x = torch.zeros(2, hidden, dtype=dtype, device=self.buffer.device)
+        w = torch.ones(hidden, dtype=dtype, device=x.device)
+        for residual in (x, None):
+            self.add_norm(x, residual, w, 1e-6)
+        torch.cuda.synchronize(x.device)
 
 
 def peer_access(device: torch.device, ranks: int, group_name: str | None = None) -> str | None:
@@ -86,9 +122,14 @@ def _set_up_before(group_name: str) -> bool:
     return bool(enabled is not None and enabled(group_name))
 
 
-def allocate(device: torch.device, group, ranks: int, max_bytes: int | None = None) -> PeerAllReduce:
-    """This rank's buffer (local: no other rank takes part yet); max_bytes: the table's limit."""
+def allocate(device: torch.device, group, ranks: int, programs: int, max_bytes: int | None = None,
+             fused_max_bytes: int | None = None) -> PeerAllReduce:
+    """This rank's buffers (local: no other rank takes part yet); max_bytes, fused_max_bytes: the
+    tables' limits unless given; programs: the fused kernel's program count, at most the SMs of
+    every rank's GPU."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    from kernels.allreduce_norm import flag_bytes
 
     name = group.group_name
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -99,11 +140,28 @@ def allocate(device: torch.device, group, ranks: int, max_bytes: int | None = No
             enable(name)
     max_bytes = max_bytes or ONE_SHOT_MAX_BYTES[ranks]
     buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-    return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"))
+    fused_max_bytes = FUSED_MAX_BYTES.get(ranks, 0) if fused_max_bytes is None else fused_max_bytes
+    rows = None
+    if fused_max_bytes:
+        flags = flag_bytes(programs, ranks)
+        rows = symm_mem.empty(flags + 2 * fused_max_bytes, dtype=torch.uint8, device=device)
+        rows[:flags].zero_()
+        torch.cuda.synchronize(device)  # zeros before any rank can map them (rendezvous comes after)
+    return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"),
+                         rows, fused_max_bytes, group.rank(), programs)
 
 
 def rendezvous(peer: PeerAllReduce) -> None:
-    """Map every rank's buffer into every other: a collective, all ranks call it at the same point."""
+    """Map every rank's buffers into every other: a collective, all ranks call it at the same point."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    from kernels.allreduce_norm import flag_bytes
+
     symm_mem.rendezvous(peer.buffer, peer.group_name)
+    if peer.rows is None:
+        return
+    handle = symm_mem.rendezvous(peer.rows, peer.group_name)
+    base = peer.rows.data_ptr() - handle.buffer_ptrs[handle.rank]  # where the tensor starts in its allocation
+    flag_ptrs = torch.tensor([p + base for p in handle.buffer_ptrs], dtype=torch.int64, device=peer.rows.device)
+    peer.flag_ptrs = flag_ptrs
+    peer.data_ptrs = flag_ptrs + flag_bytes(peer.programs, len(handle.buffer_ptrs))

@@ -6,7 +6,7 @@ import argparse
 
 from engine.cuda_graph import graph_buckets
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, forward_collectives, nccl_captures
-from engine.parallel.peer_allreduce import ONE_SHOT_MAX_BYTES
+from engine.parallel.peer_allreduce import FUSED_MAX_BYTES, ONE_SHOT_MAX_BYTES
 from engine.piecewise import piecewise_buckets
 from engine.step_graph import step_buckets, step_rows, step_shapes
 from kvcache import calc
@@ -14,18 +14,21 @@ from serve import kv_calc_cmd as cmd
 
 
 def test_a_forward_has_two_all_reduces_a_layer_the_embeddings_and_the_heads_gather():
-    assert forward_collectives(32, True, True) == (65, 1)
-    assert forward_collectives(16, False, True) == (32, 1)  # a later pipeline stage: no embedding
-    assert forward_collectives(16, True, False) == (33, 0)  # no LM head before the last stage
+    assert forward_collectives(32, True, True) == (64, 1, 1)
+    assert forward_collectives(16, False, True) == (32, 0, 1)  # a later pipeline stage: no embedding
+    # no LM head before the last stage; its last MLP output is summed into the carry without a norm
+    assert forward_collectives(16, True, False) == (31, 2, 0)
 
 
-def test_the_one_shot_all_reduce_takes_the_small_messages_out_of_nccl():
+def test_the_peer_kernels_take_their_messages_out_of_nccl():
     row = 8192  # bytes a row: 4,096 bf16 values
-    every = nccl_captures([1, 64, 256], [512], row, 32, True, True, 0)
+    every = nccl_captures([1, 64, 256], [512], row, 32, True, True, 0, 0)
     assert every == 3 * (65 + 1) + 65
     # up to 64 rows (512 KiB) the all-reduces go peer to peer; the gather stays NCCL's
-    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row) == 3 + 65 + 65
-    assert nccl_captures([], [], row, 32, True, True, 0) == 0
+    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row, 64 * row) == 3 + 65 + 65
+    # the fused kernel up to 512 rows, the embedding's one-shot up to 64
+    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row, 512 * row) == 3 + 1 + 1
+    assert nccl_captures([], [], row, 32, True, True, 0, 0) == 0
 
 
 def test_step_shapes_pair_each_row_count_with_the_buckets_that_hold_it():
@@ -49,8 +52,10 @@ def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
         if tokens.step:
             prefill += [t for _, t in step_shapes(256, step_buckets(tokens.step))]
         expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, hidden * 2, layers, True, True,
-                                                          ONE_SHOT_MAX_BYTES[tp])
-        assert cmd.nccl_graph_bytes(req, "bfloat16", tokens) == expected > 10**8
+                                                          ONE_SHOT_MAX_BYTES[tp], FUSED_MAX_BYTES.get(tp, 0))
+        assert cmd.nccl_graph_bytes(req, "bfloat16", tokens) == expected
+        # with the fused kernel (2 ranks) only the gathers and the largest embeddings' sums are NCCL's
+        assert (expected < 10**7) == (tp in FUSED_MAX_BYTES) and expected > 10**6
         m = req.model  # the plan's graph reserve: the activations' estimates and NCCL's share
         step = calc.estimate_step_graph_bytes(256, 8192, 16, tokens.step) if tokens.step else 0
         assert cmd.plan_request(req).graph_bytes == (

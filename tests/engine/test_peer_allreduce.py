@@ -1,6 +1,8 @@
 """The one-shot all-reduce over peer memory: chosen only where every rank can set it up, equal to
 NCCL's sum on two GPUs inside CUDA graphs (many in a row through one buffer, replayed), NCCL for
-eager calls, and the engine's greedy output with it equals one GPU's."""
+eager calls, and the engine's greedy output with it equals one GPU's. The all-reduce fused with
+the residual add and RMSNorm equals NCCL's sum and the norm kernel bit for bit, calls of every
+size in any order through its one buffer."""
 from __future__ import annotations
 
 import traceback
@@ -105,6 +107,75 @@ def _on_gpus(comm) -> None:
             want = nccl_sum(want * 0.5 + (i + comm.rank))
         graph.replay()
         torch.testing.assert_close(out, want)
+
+
+def _fused_on_gpus(comm) -> None:
+    import torch.distributed as dist
+
+    from engine.triton_ops import triton_ops
+    from kernels.fused import rms_norm
+
+    device = torch.device("cuda", comm.group.local_rank)
+    assert comm.use_peer_memory(device) is None
+    peer, ops = comm.peer, triton_ops()
+    gen = torch.Generator(device=device).manual_seed(99 + comm.rank)
+    same = torch.Generator(device=device).manual_seed(5)  # the same on every rank: weights, residuals
+
+    def unfused(x, residual, w):
+        y = x.clone()
+        dist.all_reduce(y, group=comm.group.device)
+        return rms_norm(y, w, 1e-5, residual) if residual is not None else (rms_norm(y, w, 1e-5), y)
+
+    def captured(fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    assert not peer.fused  # until fuse_norm: the plain all-reduce
+    for hidden, dtype in ((4096, torch.bfloat16), (8192, torch.bfloat16), (1000, torch.float32)):
+        comm.fuse_norm(hidden, dtype, pdl=True)
+        w = torch.randn(hidden, device=device, dtype=dtype, generator=same)
+        most = peer.fused_max_bytes // (hidden * dtype.itemsize)  # more would take NCCL (in place), then the norm
+        for rows in sorted({min(n, most) for n in (1, 5, 64, 200, most)}):
+            x = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
+            r = torch.randn(rows, hidden, device=device, dtype=dtype, generator=same)
+            for residual in (r, None):
+                assert not peer.fits(x)  # eager: not the fused path
+                graph, (normed, res) = captured(lambda: comm.reduce_norm(ops, x, residual, w, 1e-5))
+                graph.replay()
+                want_normed, want_res = unfused(x, residual, w)
+                assert torch.equal(res, want_res), (hidden, rows, residual is None)
+                assert torch.equal(normed, want_normed), (hidden, rows, residual is None)
+
+    # one graph of calls of changing sizes, each reading the last (the programs' row sets change
+    # from call to call: a program that wrote before its peer had read would show), replayed
+    hidden = 4096
+    w = torch.randn(hidden, device=device, dtype=torch.bfloat16, generator=same)
+    sizes = [64, 1, 300, 7, 128, 64, 2, 511, 33, 64] * 3
+    static_x = torch.randn(512, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    static_r = torch.randn(512, hidden, device=device, dtype=torch.bfloat16, generator=same)
+
+    def chain(reduce_norm):
+        x, r = static_x, static_r
+        for n in sizes:
+            h, r2 = reduce_norm(x[:n] * 0.5, r[:n])
+            x = torch.cat((h, x[n:])) if n < 512 else h
+            r = torch.cat((r2, r[n:])) if n < 512 else r2
+        return x, r
+
+    graph, (out_x, out_r) = captured(lambda: chain(lambda a, b: comm.reduce_norm(ops, a, b, w, 1e-5)))
+    for _ in range(3):
+        static_x.copy_(torch.randn(512, hidden, device=device, dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        want_x, want_r = chain(lambda a, b: unfused(a, b, w))
+        assert torch.equal(out_x, want_x) and torch.equal(out_r, want_r)
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_all_reduce_fused_with_the_norm_equals_nccl_and_the_norm_on_two_gpus():
+    run_ranks(_rank_main, (_fused_on_gpus, "cuda", 2))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,119 @@
+"""The all-reduce of a row-parallel projection, fused with the residual add and RMSNorm after it.
+
+Under tensor parallelism each layer ends its attention and its MLP with a projection whose output
+every rank holds a part of; the parts are summed over the ranks (an all-reduce) and the sum goes
+into the residual add and RMSNorm of what follows. A decode step of Llama-3-8B at TP=2 did that
+64 times, as NCCL's all-reduce (~10 us inside a CUDA graph) and then the norm's kernel. Here one
+kernel does both, over NVLink peer memory: each rank copies its rows into a buffer that every rank
+maps (torch's symmetric memory, engine/parallel/peer_allreduce.py), flags the other ranks, reads
+their rows over NVLink, adds the ranks' rows in rank order (every rank computes the same bits),
+rounds the sum to the model's dtype as the all-reduce would, and then adds the residual and
+normalizes as kernels/fused.py's rms_norm does.
+
+Each rank's buffer holds flags, then two halves of rows, used by turns. Program b always takes
+the rows congruent to b modulo the fixed program count G, whatever the number of rows, so program
+b of one rank only ever meets program b of the others; each counts its calls (its epoch, kept in
+its rank's flags, the same count on every rank: every rank launches the same programs), writes
+its rows into the half of its epoch's parity, stores the epoch into the peers' READY[b][rank] (a
+release store at system scope: the peers are other GPUs) and waits until every peer's READY[b][s]
+holds it, then reads the peers' rows. A half is written again two calls later, when program b
+has seen every peer's READY of the call between, which a peer stores only after it finished the
+call before (stream order): no handshake when done, one store a peer per call. Every launch's
+programs fit on the GPU at once (G <= SMs) and a program waits only for program b of its peers,
+so the waits can't form a cycle.
+
+GPU only (atomics on peer memory); kernels/reference.py's rms_norm after a sum is the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import launch, next_pow2
+from kernels.pdl import wait_for_prior
+
+def flag_bytes(programs: int, world: int) -> int:
+    """Bytes of flags at the start of each rank's buffer (int32 READY[G][world], then EPOCH[G]),
+    rounded up to 256 (the rows' alignment). Every flag starts at 0."""
+    return -(-4 * programs * (world + 1) // 256) * 256
+
+
+@triton.jit
+def _poll(flag, epoch):
+    """Wait until flag holds epoch (or the next one: that peer went on already)."""
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    while (seen != epoch) & (seen != epoch + 1):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+
+
+@triton.jit(do_not_specialize=["rank", "rows"])  # one compile for every row count (compiled before captures)
+def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_ptrs, flag_ptrs, rank, rows, N,
+                               eps, stride_x, stride_r, stride_o, stride_ro, HALF,
+                               G: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                               HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dt = x_ptr.dtype.element_ty
+    flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    epoch = tl.load(flags + G * WORLD + b, volatile=True) + 1  # int32: wraps, compared only for equality
+    half = (epoch & 1).to(tl.int64) * HALF  # elements
+    mine = tl.load(data_ptrs + rank).to(tl.pointer_type(dt)) + half
+    for i in range(b, rows, G):
+        tl.store(mine + i * N + cols, tl.load(x_ptr + i * stride_x + cols, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's rows before the stores that release them
+    for s in tl.static_range(WORLD):
+        if s != rank:
+            peer_flags = tl.load(flag_ptrs + s).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_flags + b * WORLD + rank, epoch, sem="release", scope="sys")
+    for s in tl.static_range(WORLD):
+        if s != rank:
+            _poll(flags + b * WORLD + s, epoch)
+    tl.debug_barrier()
+    for i in range(b, rows, G):  # offsets stay far below 2**31: the rows fit the peer buffer
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(WORLD):
+            src = tl.load(data_ptrs + s).to(tl.pointer_type(dt)) + half
+            acc += tl.load(src + i * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        h = acc.to(dt)  # the all-reduce's result, as the unfused path has it
+        if HAS_RES:
+            r = tl.load(r_ptr + i * stride_r + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + i * stride_ro + cols, h, mask=mask)
+        hf = h.to(tl.float32)
+        var = tl.sum(hf * hf, axis=0) / N
+        normed = (hf * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(flags + G * WORLD + b, epoch)
+
+
+def allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int, programs: int,
+                       half_bytes: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N]: this rank's part of a sum over the ranks -> (RMSNorm(sum + residual) * weight, sum +
+    residual), as rms_norm(all_reduce(x), weight, eps, residual) computes them (without residual:
+    the sum is the new residual stream). Every rank of the group calls it with the same shapes.
+
+    data_ptrs, flag_ptrs: int64 [world] on this GPU, each rank's rows (two halves of half_bytes,
+    each room for T x N of x's dtype) and flags (flag_bytes(programs, world), zeros at first) in
+    peer memory; programs: the group's fixed program count (at most the GPU's SMs)."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [T, N], rows contiguous"
+    T, N = x.shape
+    assert weight.shape == (N,) and weight.is_contiguous()
+    world = data_ptrs.numel()
+    out = torch.empty((T, N), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    r = residual if residual is not None else x
+    assert T * N * x.element_size() <= half_bytes and half_bytes % x.element_size() == 0
+    assert r.shape == x.shape and r.dtype == x.dtype and r.stride(-1) == 1
+    if T:
+        block = next_pow2(N)
+        launch(_allreduce_add_norm_kernel, (min(T, programs),),
+               x, r, weight, out, res_out, data_ptrs, flag_ptrs, rank, T, N, eps,
+               x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), half_bytes // x.element_size(),
+               G=programs, WORLD=world, BLOCK=block, HAS_RES=residual is not None, PDL=pdl,
+               num_warps=min(16, max(1, block // 512)), launch_pdl=pdl)  # as rms_norm: the same sums
+    return out, res_out
