@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -103,10 +103,18 @@ PLAN_TABLE: tuple[tuple[float, Plan], ...] = (
 
 
 def plan(tokens: int, top_k: int, num_experts: int,
-         table: tuple[tuple[float, Plan], ...] = PLAN_TABLE) -> Plan:
-    """The tiles for the mean rows an expert gets (T*k / E), from `table` (see PLAN_TABLE)."""
+         table: tuple[tuple[float, Plan], ...] = PLAN_TABLE, itemsize: int = 2) -> Plan:
+    """The tiles for the mean rows an expert gets (T*k / E), from `table` (see PLAN_TABLE), whose
+    tiles are sized for 16-bit values; for wider ones (float32) each K step is cut to keep the
+    stages' shared memory the same (the table's largest plans would need 352 KiB of an H100's 227)."""
     rows = tokens * top_k / max(1, num_experts)
-    return next(p for bound, p in table if rows <= bound)
+    p = next(p for bound, p in table if rows <= bound)
+    if itemsize <= 2:
+        return p
+    scale = itemsize // 2
+    down = p.down_tiles()
+    return replace(p, block_k=max(16, p.block_k // scale),
+                   down=replace(down, block_k=max(16, down.block_k // scale)))
 
 
 def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
@@ -326,7 +334,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     assert topk_ids.shape == topk_weights.shape == (t, top_k), "topk_ids and topk_weights must be [T, k]"
     if t == 0:
         return torch.zeros_like(x)
-    p = p or plan(t, top_k, num_experts)
+    p = p or plan(t, top_k, num_experts, itemsize=x.element_size())
     sorted_ids, block_expert = align(topk_ids, num_experts, expert_start, p.block_m)
     # a token's pick of another rank's expert leaves its row unwritten: it must read zero
     rows = experts(x, w13, w2, topk_weights, sorted_ids, block_expert, p,

@@ -78,6 +78,18 @@ def test_two_ranks_equal_transformers(moe_models, expected, arch, expert_paralle
         assert llm.engine.core.stats.num_preemptions > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("arch, expert_parallel", [("mixtral", True), ("qwen3_moe", False)])
+def test_two_gpus_equal_transformers(moe_models, expected, arch, expert_parallel):
+    """On two GPUs in float32, where the MoE block's partial sums go into the all-reduce fused with
+    the next norm (the first tensor-parallel engine of a process; a later one takes NCCL)."""
+    prompts, want = expected
+    with LLM(str(moe_models[arch]), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+             num_kv_blocks=64, max_num_seqs=8) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want[arch]
+
+
 def test_dummy_weights_are_one_model_whatever_the_split(moe_models):
     prompts = [[5, 9, 300, 17], [380, 2, 77, 77, 41, 8, 8, 1, 99]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)

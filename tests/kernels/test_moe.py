@@ -163,6 +163,10 @@ def test_plans_decode_small_prefill_large():
         assert p.down_tiles().block_n == (128 if tokens <= 1024 else 256)
     assert moe.plan(2048, 8, 128).group_m == 4 and moe.plan(8192, 8, 128).group_m == 1
     assert moe.plan(16384, 8, 128).down_tiles() == moe.Tiles(256, 64, 8, 4, group_m=4, tma=True)
+    # float32: half the K step, the same shared memory a stage
+    wide = moe.plan(16384, 8, 128, itemsize=4)
+    assert wide.block_k == moe.plan(16384, 8, 128).block_k // 2 and wide.down_tiles().block_k == 32
+    assert moe.plan(64, 8, 128, itemsize=4).down_tiles() == moe.Tiles(64, 64, 4, 4)
 
 
 def test_plan_table():
