@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels.launch import launch, next_pow2
 from kernels.pdl import wait_for_prior
 
+
 def flag_bytes(programs: int, world: int) -> int:
     """Bytes of flags at the start of each rank's buffer (int32 READY[G][world], then EPOCH[G]),
     rounded up to 256 (the rows' alignment). Every flag starts at 0."""

@@ -44,8 +44,9 @@ class PeerAllReduce:
     group_name: str
     max_bytes: int
     copy_out: bool  # torch has the op that copies the input in itself (one kernel instead of two)
-    rows: torch.Tensor | None  # uint8 [flag bytes + 2 x fused_max_bytes]: kernels/allreduce_norm.py's
-    fused_max_bytes: int  # 0: no fused kernel (a world size not measured)
+    # uint8 [flag bytes + 2 x fused_max_bytes]: the fused kernel's flags and rows (kernels/allreduce_norm.py)
+    rows: torch.Tensor | None
+    fused_max_bytes: int  # 0 (and rows None): no fused kernel, a world size not measured
     rank: int
     programs: int  # the fused kernel's fixed program count (the same on every rank)
     data_ptrs: torch.Tensor | None = None  # int64 [ranks]: every rank's rows, set by rendezvous
