@@ -2,7 +2,7 @@
 NCCL's sum on two GPUs inside CUDA graphs (many in a row through one buffer, replayed), NCCL for
 eager calls, and the engine's greedy output with it equals one GPU's. The all-reduce fused with
 the residual add and RMSNorm equals NCCL's sum and the norm kernel bit for bit, calls of every
-size in any order through its one buffer."""
+size in any order through its buffer's two halves."""
 from __future__ import annotations
 
 import traceback
