@@ -229,7 +229,9 @@ class ModelRunner:
             if why_not is None and cfg.backend != "torch":  # the Triton kernels: the all-reduce fused with the norm
                 self.comm.fuse_norm(model_cfg.hidden_size, self.dtype, self.pdl)
             if self.comm.rank == 0:
-                log.info("tensor parallel: small all-reduces %s", "over NVLink peer memory (one-shot)"
+                one_shot, fused = self.comm.peer_limits()
+                log.info("tensor parallel: all-reduces in CUDA graphs %s", f"over NVLink peer memory (one-shot up to "
+                         f"{one_shot >> 20} MiB, fused with the norm up to {fused >> 20} MiB)"
                          if why_not is None else f"through NCCL ({why_not})")
 
         self.weight_bytes: int | None = None  # measured on a GPU when the pool is sized from free memory
