@@ -22,6 +22,7 @@ Rounding as kernels/moe_reference.py (the reference and the CPU path).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -49,6 +50,8 @@ class Tiles:
     # (16-byte aligned rows, experts stacked contiguously); else pointer loads. x's rows are gathered
     # by token, so the gate/up kernel loads them with pointers either way
     tma: bool = False
+    # one program an SM over all tiles instead of one a tile (see _moe_gate_up_kernel)
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ class Plan:
     # split apart in the epilogue) instead of two dots of BLOCK_N
     fuse_gate_up: bool = False
     down: Tiles | None = None  # the down kernel's launch; None: the gate/up kernel's
+    persistent: bool = False  # the gate/up kernel's Tiles.persistent
 
     def gate_up_tiles(self) -> Tiles:
-        return Tiles(self.block_n, self.block_k, self.num_warps, self.num_stages, self.group_m, self.tma)
+        return Tiles(self.block_n, self.block_k, self.num_warps, self.num_stages, self.group_m, self.tma,
+                     self.persistent)
 
     def down_tiles(self) -> Tiles:
         return self.down or self.gate_up_tiles()
@@ -78,13 +83,14 @@ class Plan:
 # Measured on an H100 at Qwen3-30B-A3B's shape (lab/moe_gpu.py): at 4 rows an expert (64 tokens)
 # 16 x 64 x 128 tiles read the experts at 95% of the copy bandwidth; from 512 tokens
 # `lab/moe_gpu.py --sweep`'s winners per size (weights through TMA, gate and up in one dot, the down
-# kernel's own tiles; 2026-11-26, bench/results/moe-sweep-h100-2026-11-26-c.json): 512 tokens
-# 461 us, 1,024 494 us (64-row tiles; the pointer-load plan before them took 519 and 591 us),
-# 2,048 570 us (787 before), 4,096 786 us (50% of the matmul rate), 8,192 1,349 us (58%), 16,384
-# 2,501 us (62%). From 2,048 tokens the two matmuls stream their operands through L2 at ~8 TB/s,
-# 83-85% of its peak (ncu, 8,192 tokens): 128 x 256 tiles are the most a block's registers hold,
-# and a larger share of the matmul rate needs operands shared between blocks (TMA multicast).
-# `--sweep` prints a table in this form.
+# kernel's own tiles): 512 tokens 461 us, 1,024 494 us (64-row tiles; 2026-11-26,
+# bench/results/moe-sweep-h100-2026-11-26-c.json); from 2,048 tokens the down kernel persistent,
+# from 4,096 the gate/up kernel too below 16,384 (2026-11-27, bench/results/moe-sweep-h100-2026-11-27.json,
+# the table before in the same run): 2,048 577 us (580), 4,096 782 us (811, 50% of the matmul
+# rate), 8,192 1,294 us (1,392; 60%), 16,384 2,443 us (2,604; 64%). From 2,048 tokens the two
+# matmuls stream their operands through L2 at ~8 TB/s, 83-85% of its peak (ncu, 8,192 tokens):
+# 128 x 256 tiles are the most a block's registers hold, and a larger share of the matmul rate
+# needs operands shared between blocks (TMA multicast). `--sweep` prints a table in this form.
 PLAN_TABLE: tuple[tuple[float, Plan], ...] = (
     (16, Plan(16, 64, 128, 4, 4)),
     (45, Plan(64, 64, 128, 4, 4, group_m=1, tma=True, fuse_gate_up=True,
@@ -92,13 +98,13 @@ PLAN_TABLE: tuple[tuple[float, Plan], ...] = (
     (91, Plan(64, 64, 128, 4, 4, group_m=2, tma=True, fuse_gate_up=True,
               down=Tiles(128, 64, 4, 4, group_m=1, tma=True))),
     (181, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
-               down=Tiles(256, 64, 8, 4, group_m=1, tma=True))),
-    (362, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
-               down=Tiles(256, 64, 8, 4, group_m=1, tma=True))),
-    (724, Plan(128, 128, 64, 8, 4, group_m=1, tma=True, fuse_gate_up=True,
-               down=Tiles(256, 64, 8, 4, group_m=4, tma=True))),
+               down=Tiles(256, 64, 8, 4, group_m=1, tma=True, persistent=True))),
+    (362, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True, persistent=True,
+               down=Tiles(256, 64, 8, 4, group_m=4, tma=True, persistent=True))),
+    (724, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True, persistent=True,
+               down=Tiles(256, 64, 8, 4, group_m=1, tma=True, persistent=True))),
     (math.inf, Plan(128, 128, 64, 8, 4, group_m=4, tma=True, fuse_gate_up=True,
-                    down=Tiles(256, 64, 8, 4, group_m=4, tma=True))),
+                    down=Tiles(256, 64, 8, 4, group_m=4, tma=True, persistent=True))),
 )
 
 
@@ -210,6 +216,29 @@ def _tile(pid, num_blocks, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _used_blocks(block_expert_ptr, num_blocks):
+    """The row blocks that have an expert: align() puts the blocks without one (-1) last."""
+    used = 0
+    for b0 in range(0, num_blocks, 1024):
+        b = b0 + tl.arange(0, 1024)
+        used += tl.sum((tl.load(block_expert_ptr + b, mask=b < num_blocks, other=-1) >= 0).to(tl.int32))
+    return used
+
+
+@triton.jit
+def _block_expert(block_expert_ptr, pid_m, num_experts):
+    # a persistent program's blocks all have an expert, except in a dry pass (kernels/launch.py
+    # compile_ahead: align not run), where any value keeps the loads in bounds
+    e = tl.load(block_expert_ptr + pid_m)
+    return tl.where((e >= 0) & (e < num_experts), e, 0)
+
+
+# Persistent launches (Tiles.persistent): one program per SM walks the tiles of the used row blocks,
+# the tile loop flattened with the K loop so that the next tile's loads are in flight during this
+# tile's epilogue (a 128 x 256 tile's 4 stages fill 192 KiB of shared memory: one program an SM, so
+# nothing else hides its prologue and epilogue). The epilogue recomputes its tile from its own
+# counter instead of carrying the loop's values (as Triton's persistent matmul tutorial does).
 # The token count varies every step: no specialization on it (no compiles mid-serving). The checks
 # of e and ids cost nothing and keep a dry pass (kernels/launch.py compile_ahead: align not run)
 # from reading out of bounds.
@@ -218,12 +247,35 @@ def _moe_gate_up_kernel(x_ptr, w, out_ptr, sorted_ids_ptr, block_expert_ptr, n, 
                         stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr, W_TMA: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+                        PERSISTENT: tl.constexpr, NATIVE: tl.constexpr):
     # w: w13's pointer, or with W_TMA its descriptor: [E * 2I, H] rows, or [E * 2, I, H] when FUSED
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    if (e < 0) | (e >= num_experts):
-        return
+    num_n = tl.cdiv(I, BLOCK_N)
+    if PERSISTENT:
+        used = _used_blocks(block_expert_ptr, num_blocks)
+        tile_c = tl.program_id(0) - tl.num_programs(0)
+        for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used, num_n, GROUP_M)
+            e = _block_expert(block_expert_ptr, pid_m, num_experts)
+            acc_g, acc_u = _gate_up_acc(x_ptr, w, sorted_ids_ptr, e, pid_m, pid_n, n, H, I, stride_xm, stride_we,
+                                        stride_wn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, W_TMA, NATIVE)
+            tile_c += tl.num_programs(0)
+            pid_m, pid_n = _tile(tile_c, used, num_n, GROUP_M)
+            _gate_up_store(out_ptr, acc_g, acc_u, pid_m, pid_n, I, stride_om, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_blocks, num_n, GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        if (e < 0) | (e >= num_experts):
+            return
+        acc_g, acc_u = _gate_up_acc(x_ptr, w, sorted_ids_ptr, e, pid_m, pid_n, n, H, I, stride_xm, stride_we,
+                                    stride_wn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, W_TMA, NATIVE)
+        _gate_up_store(out_ptr, acc_g, acc_u, pid_m, pid_n, I, stride_om, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _gate_up_acc(x_ptr, w, sorted_ids_ptr, e, pid_m, pid_n, n, H, I, stride_xm, stride_we, stride_wn,
+                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FUSED: tl.constexpr, W_TMA: tl.constexpr, NATIVE: tl.constexpr):
+    """One tile's gate and up accumulators [BLOCK_M, BLOCK_N] (float32)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = (ids >= 0) & (ids < n)
@@ -241,7 +293,7 @@ def _moe_gate_up_kernel(x_ptr, w, out_ptr, sorted_ids_ptr, block_expert_ptr, n, 
             w_ptrs = (w + e.to(tl.int64) * stride_we + (n0 + c // 2 + (c % 2) * I)[None, :].to(tl.int64) * stride_wn
                       + ks[:, None])
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in range(0, H, BLOCK_K):
             k_ok = ks < H - k0
             a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if W_TMA:  # [gate rows; up rows] -> columns [gate | up]
@@ -262,7 +314,7 @@ def _moe_gate_up_kernel(x_ptr, w, out_ptr, sorted_ids_ptr, block_expert_ptr, n, 
             u_ptrs = g_ptrs + I * stride_wn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in range(0, H, BLOCK_K):
             k_ok = ks < H - k0
             a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if W_TMA:  # the descriptor zero-fills past H; a gate tile past I reads up rows, masked below
@@ -276,12 +328,20 @@ def _moe_gate_up_kernel(x_ptr, w, out_ptr, sorted_ids_ptr, block_expert_ptr, n, 
             acc_g += mma(a, g, NATIVE)
             acc_u += mma(a, u, NATIVE)
             x_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_store(out_ptr, acc_g, acc_u, pid_m, pid_n, I, stride_om, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
     up = acc_u.to(dt).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], (act * up).to(dt),
-             mask=col_ok[None, :])
+             mask=(cols < I)[None, :])
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
@@ -289,38 +349,68 @@ def _moe_down_kernel(a, w, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_pt
                      num_experts, H, I,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     TMA: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+                     TMA: tl.constexpr, PERSISTENT: tl.constexpr, NATIVE: tl.constexpr):
     # a, w: act's and w2's pointers, or with TMA their descriptors ([rows, I] and [E * H, I])
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    if (e < 0) | (e >= num_experts):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + rows)
-    valid = (ids >= 0) & (ids < n)
+    num_n = tl.cdiv(H, BLOCK_N)
+    if PERSISTENT:
+        used = _used_blocks(block_expert_ptr, num_blocks)
+        tile_c = tl.program_id(0) - tl.num_programs(0)
+        for tile in tl.range(tl.program_id(0), used * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used, num_n, GROUP_M)
+            e = _block_expert(block_expert_ptr, pid_m, num_experts)
+            acc = _down_acc(a, w, e, pid_m, pid_n, H, I, stride_am, stride_we, stride_wn, BLOCK_M, BLOCK_N,
+                            BLOCK_K, TMA, NATIVE)
+            tile_c += tl.num_programs(0)
+            pid_m, pid_n = _tile(tile_c, used, num_n, GROUP_M)
+            _down_store(out_ptr, acc, sorted_ids_ptr, weights_ptr, pid_m, pid_n, n, H, stride_om, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_blocks, num_n, GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        if (e < 0) | (e >= num_experts):
+            return
+        acc = _down_acc(a, w, e, pid_m, pid_n, H, I, stride_am, stride_we, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                        TMA, NATIVE)
+        _down_store(out_ptr, acc, sorted_ids_ptr, weights_ptr, pid_m, pid_n, n, H, stride_om, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _down_acc(a, w, e, pid_m, pid_n, H, I, stride_am, stride_we, stride_wn, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, NATIVE: tl.constexpr):
+    """One tile of act @ w2[e].T [BLOCK_M, BLOCK_N] (float32)."""
     n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:  # zero fill past I; a tile past H reads the next expert's rows, which the store masks
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in range(0, I, BLOCK_K):
             acc += mma(a.load([pid_m * BLOCK_M, k0]), w.load([e * H + n0, k0]).T, NATIVE)
     else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
         w_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in range(0, I, BLOCK_K):
             k_ok = ks < I - k0
             x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            y = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            y = tl.load(w_ptrs, mask=k_ok[:, None] & (cols < H)[None, :], other=0.0)
             acc += mma(x, y, NATIVE)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _down_store(out_ptr, acc, sorted_ids_ptr, weights_ptr, pid_m, pid_n, n, H, stride_om, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A tile's rows times their routing weights, each in the row of its assignment."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    valid = (ids >= 0) & (ids < n)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + ids, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
     tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dt),
-             mask=valid[:, None] & col_ok[None, :])
+             mask=valid[:, None] & (cols < H)[None, :])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -394,11 +484,12 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, block_
                              [2, p.block_n, p.block_k])
     elif tma:
         w = TensorDescriptor(w13, [num_experts * two_i, h], [w13.stride(1), 1], [p.block_n, p.block_k])
-    _start(_moe_gate_up_kernel, (blocks * cdiv(inter, p.block_n),), compile_only,
+    _start(_moe_gate_up_kernel, _grid(blocks * cdiv(inter, p.block_n), p.persistent, x.device), compile_only,
            x, w, act, sorted_ids, block_expert, x.shape[0] * top_k, blocks, num_experts, h, inter,
            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
            TOP_K=top_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
-           FUSED=p.fuse_gate_up, W_TMA=tma, NUM_STAGES=p.num_stages, NATIVE=_native(x), num_warps=p.num_warps)
+           FUSED=p.fuse_gate_up, W_TMA=tma, PERSISTENT=p.persistent, NATIVE=_native(x), num_warps=p.num_warps,
+           num_stages=p.num_stages)
     return act
 
 
@@ -417,12 +508,25 @@ def down(act: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor, block_ex
     if tma:
         a = TensorDescriptor(act, list(act.shape), [act.stride(0), 1], [p.block_m, d.block_k])
         w = TensorDescriptor(w2, [num_experts * h, inter], [w2.stride(1), 1], [d.block_n, d.block_k])
-    _start(_moe_down_kernel, (blocks * cdiv(h, d.block_n),), compile_only,
+    _start(_moe_down_kernel, _grid(blocks * cdiv(h, d.block_n), d.persistent, act.device), compile_only,
            a, w, rows, sorted_ids, block_expert, topk_weights, n, blocks, num_experts, h, inter,
            act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
            BLOCK_M=p.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma,
-           NUM_STAGES=d.num_stages, NATIVE=_native(act), num_warps=d.num_warps)
+           PERSISTENT=d.persistent, NATIVE=_native(act), num_warps=d.num_warps, num_stages=d.num_stages)
     return rows
+
+
+def _grid(tiles: int, persistent: bool, device: torch.device) -> tuple[int]:
+    """One program a tile, or a persistent launch's one an SM (4 on the CPU: the interpreter walks
+    several tiles a program too)."""
+    if not persistent:
+        return (tiles,)
+    return (max(1, min(tiles, _sm_count(device.index) if device.type == "cuda" else 4)),)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
 
 
 def _native(x: torch.Tensor) -> bool:

@@ -231,6 +231,7 @@ DOWN_TILES = {64: [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (64, 128,
               128: [(256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2), (256, 64, 16, 3), (128, 64, 8, 3),
                     (128, 64, 4, 3)]}
 DOWN_TMA = (True,)
+PERSISTENT = (False, True)  # each gate/up and down candidate one program a tile, and one an SM
 FIRST_GROUP = 4  # every candidate's program order in the first phase
 GROUPS = (1, 2, 8)  # then each kernel's fastest (TOP_FOR_GROUPS at each size) in these orders
 TOP_FOR_GROUPS = 2
@@ -257,6 +258,7 @@ class Sweep:
     gate_up_modes: tuple[tuple[bool, bool], ...] = GATE_UP_MODES
     down_tiles: dict = field(default_factory=lambda: DOWN_TILES)
     down_tma: tuple[bool, ...] = DOWN_TMA
+    persistent: tuple[bool, ...] = PERSISTENT
     first_group: int = FIRST_GROUP
     groups: tuple[int, ...] = GROUPS
     tol: float = 1.5e-2  # relative error against the reference (bf16: tests/kernels/util.py's REL_TOL)
@@ -323,7 +325,7 @@ def _label(kind: str, p: Plan) -> str:
     t = p.gate_up_tiles() if kind == "gate_up" else p.down_tiles()
     fused = " fused" if kind != "down" and p.fuse_gate_up else ""
     return (f"m{p.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}{fused}"
-            + (" tma" if t.tma else ""))
+            + (" tma" if t.tma else "") + (" persistent" if t.persistent else ""))
 
 
 def _plan_json(p: Plan) -> dict:
@@ -332,16 +334,18 @@ def _plan_json(p: Plan) -> dict:
 
 def gate_up_candidates(cfg: Sweep) -> list[Plan]:
     from kernels import moe
-    return [moe.Plan(bm, *tiles, group_m=cfg.first_group, tma=tma, fuse_gate_up=fused)
-            for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in cfg.gate_up_modes]
+    return [moe.Plan(bm, *tiles, group_m=cfg.first_group, tma=tma, fuse_gate_up=fused, persistent=pers)
+            for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in cfg.gate_up_modes
+            for pers in cfg.persistent if not (pers and tiles[2] > 8)]  # 16 warps persistent: 256 KiB of shared memory (--sm90)
 
 
 def down_candidates(cfg: Sweep) -> list[Plan]:
     """Each down tile as the Plan of the row tile's first gate/up candidate with that down."""
     from kernels import moe
     first = {p.block_m: p for p in reversed(gate_up_candidates(cfg))}
-    return [dataclasses.replace(first[bm], down=moe.Tiles(*tiles, group_m=cfg.first_group, tma=tma))
-            for bm, tile_list in cfg.down_tiles.items() for tiles in tile_list for tma in cfg.down_tma]
+    return [dataclasses.replace(first[bm], down=moe.Tiles(*tiles, group_m=cfg.first_group, tma=tma, persistent=pers))
+            for bm, tile_list in cfg.down_tiles.items() for tiles in tile_list for tma in cfg.down_tma
+            for pers in cfg.persistent]
 
 
 def _grouped(kind: str, p: Plan, group_m: int) -> Plan:

@@ -1,6 +1,7 @@
 """The fused MoE kernels (kernels/moe.py) against kernels/moe_reference.py, under TRITON_INTERPRET=1
 on the CPU at tiny shapes, and at Qwen3-30B-A3B's shape on a GPU."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -146,6 +147,22 @@ def test_fused_moe_expert_parallel_part(p):
     assert rel_err(parts[0] + parts[1], ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("group_m, tma, fused", OPTIONS, ids=lambda o: str(o))
+def test_persistent_launch_equals_one_program_a_tile(group_m, tma, fused):
+    """Persistent programs (4 on the CPU) walk the used blocks' tiles in the same order of K steps:
+    the same rows bit for bit as one program a tile, at ragged tiles, and for an expert-parallel
+    rank (blocks without an expert at the end)."""
+    x, w13, w2, weights, ids = _inputs(29, 48, 40, 4, 3, torch.float32, seed=12)
+    base = moe.Plan(16, 32, 32, 1, 1, group_m, tma, fused, moe.Tiles(16, 16, 1, 1, group_m, tma))
+    p = replace(base, persistent=True, down=replace(base.down, persistent=True))
+    got = moe.fused_moe(x, w13, w2, weights, ids, p=p)
+    assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids, p=base))
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.float32]
+    x, w13, w2, weights, ids = _inputs(6, 32, 16, 8, 3, torch.float32, seed=5)
+    part = moe.fused_moe(x, w13[4:], w2[4:], weights, ids, 4, 8, p)
+    assert torch.equal(part, moe.fused_moe(x, w13[4:], w2[4:], weights, ids, 4, 8, base))
+
+
 def test_plans_decode_small_prefill_large():
     assert moe.plan(64, 8, 128).block_m == 16  # Qwen3-30B-A3B decode: 4 rows per expert
     assert moe.plan(1024, 8, 128).block_m == 64  # 64 rows per expert: less padding than 128
@@ -161,8 +178,11 @@ def test_plans_decode_small_prefill_large():
         p = moe.plan(tokens, 8, 128)
         assert p.tma and p.fuse_gate_up and p.down_tiles().tma
         assert p.down_tiles().block_n == (128 if tokens <= 1024 else 256)
-    assert moe.plan(2048, 8, 128).group_m == 4 and moe.plan(8192, 8, 128).group_m == 1
-    assert moe.plan(16384, 8, 128).down_tiles() == moe.Tiles(256, 64, 8, 4, group_m=4, tma=True)
+    assert moe.plan(2048, 8, 128).group_m == 4 and moe.plan(8192, 8, 128).down_tiles().group_m == 1
+    assert moe.plan(16384, 8, 128).down_tiles() == moe.Tiles(256, 64, 8, 4, group_m=4, tma=True, persistent=True)
+    # persistent launches where they measured faster: the down kernel from 2,048 tokens, gate/up at 4,096-8,192
+    assert [moe.plan(t, 8, 128).down_tiles().persistent for t in (1024, 2048, 16384)] == [False, True, True]
+    assert [moe.plan(t, 8, 128).persistent for t in (2048, 4096, 8192, 16384)] == [False, True, True, False]
     # float32: half the K step, the same shared memory a stage
     wide = moe.plan(16384, 8, 128, itemsize=4)
     assert wide.block_k == moe.plan(16384, 8, 128).block_k // 2 and wide.down_tiles().block_k == 32
@@ -201,3 +221,7 @@ def test_fused_moe_qwen3_30b_shape(T):
     x, w13, w2, weights, ids = _inputs(T, 2048, 768, 128, 8, torch.bfloat16, seed=T)
     got = moe.fused_moe(x, w13, w2, weights, ids)
     assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids)) < REL_TOL[torch.bfloat16]
+    # both launch forms of the picked tiles give the same rows
+    p = moe.plan(T, 8, 128)
+    flip = replace(p, persistent=not p.persistent, down=replace(p.down_tiles(), persistent=not p.down_tiles().persistent))
+    assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids, p=flip))
