@@ -31,6 +31,9 @@ CASES = {
     "qwen B16 100-700 w2048": dict(B=16, Hq=14, Hkv=2, D=64, bs=16, width=2048, lo=100, hi=700),
     "qwen B256 512-640 w2048": dict(B=256, Hq=14, Hkv=2, D=64, bs=16, width=2048, lo=512, hi=640),
 }
+# Llama-3-8B's heads per rank at TP = 1, 2, 4: one decode step of pp_check's 64 x 512 tokens
+TP_CASES = {f"llama TP={tp} B64 512 w512": dict(B=64, Hq=32 // tp, Hkv=8 // tp, D=128, bs=16, width=512, lo=512, hi=512)
+            for tp in (1, 2, 4)}
 FULL_GRID = {"qwen B64 512-640 w2048", "llama B64 512-640 w512"}  # every tile / split / min-tiles / prefetch
 FP8_CASES = ("llama B64 4096 w512", "llama B64 512-640 w512", "qwen B64 512-640 w2048", "llama B8 4096 w512")
 
@@ -136,6 +139,38 @@ def cold_sweep(kv: str | None) -> list[dict]:
     return rows
 
 
+def tp_sweep() -> list[dict]:
+    """Cold L2 (many layers' caches in turn, per layer) at Llama-3-8B's heads per tensor-parallel
+    rank: the default plan against split counts, tile sizes and the block-table prefetch."""
+    import torch
+
+    from kernels.paged_attention import decode_config, paged_decode_attention
+
+    rows = []
+    for name, c in TP_CASES.items():
+        layer_bytes = c["B"] * c["lo"] * c["Hkv"] * c["D"] * 2 * 2
+        n = int(max(2, min(32, 600e6 // layer_bytes)))
+        layers = [make_inputs(**c, seed=i) for i in range(n)]
+        outs = [torch.empty_like(x[0]) for x in layers]
+
+        def run(cfg: dict) -> None:
+            for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
+                paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
+
+        default = decode_config(c["B"], c["Hkv"], c["width"] * c["bs"], c["D"], False)
+        cands = {"default": {}} | {f"splits {s} tile {t} prefetch {p}": {"num_splits": s, "tile_n": t, "prefetch": p}
+                                   for s in (1, 2, 3, 4) for t in (32, 64) for p in (False, True)}
+        times = {k: graph_us(lambda: run(v), per=n) for k, v in cands.items()}
+        best = min(times, key=times.get)
+        rows.append(dict(case=name, layers=n, layer_mb=layer_bytes / 1e6, default=default, us_per_layer=times,
+                         best=best))
+        print(f"{name} ({n} layers of {layer_bytes / 1e6:.0f} MB, default splits {default['num_splits']}, prefetch "
+              f"{default['prefetch']}): default {times['default']:.2f} us, best {best} {times[best]:.2f} us", flush=True)
+        del layers, outs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     import time
 
@@ -144,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="page dtype")
     ap.add_argument("--cold", action="store_true", help="per layer over many layers' caches (cold L2)")
+    ap.add_argument("--tp", action="store_true", help="cold, at Llama-3-8B's heads per rank for TP = 1, 2, 4")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     kv = None if args.kv == "bf16" else "fp8"
-    rows = cold_sweep(kv) if args.cold else sweep(kv)
+    rows = tp_sweep() if args.tp else cold_sweep(kv) if args.cold else sweep(kv)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-{'cold' if args.cold else 'splits'}-{args.kv}-{slug(gpu)}.json"
+    mode = "tp" if args.tp else "cold" if args.cold else "splits"
+    path = args.out / f"decode-{mode}-{args.kv}-{slug(gpu)}.json"
     path.write_text(json.dumps(dict(gpu=gpu, date=time.strftime("%Y-%m-%d"), kv=args.kv, results=rows), indent=1))
     print(f"wrote {path}")
     return 0
