@@ -216,6 +216,10 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     if tokens.step:
         graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, tokens.step)
     graphs += nccl_graph_bytes(req, dtype, tokens)
+    if req.tensor_parallel_size > 1:
+        from engine.parallel.peer_allreduce import fused_buffer_bytes
+
+        graphs += fused_buffer_bytes(req.tensor_parallel_size)
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,

@@ -35,6 +35,13 @@ FUSED_MAX_BYTES = {2: 16 << 20}
 _ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
 
 
+def fused_buffer_bytes(ranks: int) -> int:
+    """The fused kernel's rows on each GPU of a group of `ranks` (two halves; its flags, a few KiB,
+    aside): outside torch's allocator and measured into TP_COMM_BYTES (kvcache/calc.py) before it
+    existed, so `serve kv-calc` adds it."""
+    return 2 * FUSED_MAX_BYTES.get(ranks, 0)
+
+
 @dataclass
 class PeerAllReduce:
     """Symmetric buffers of max_bytes on every rank of a group: the one-shot sum through one, and
@@ -145,7 +152,7 @@ def allocate(device: torch.device, group, ranks: int, programs: int, max_bytes: 
     rows = None
     if fused_max_bytes:
         flags = flag_bytes(programs, ranks)
-        rows = symm_mem.empty(flags + 2 * fused_max_bytes, dtype=torch.uint8, device=device)
+        rows = symm_mem.empty(flags + 2 * fused_max_bytes, dtype=torch.uint8, device=device)  # fused_buffer_bytes
         rows[:flags].zero_()
         torch.cuda.synchronize(device)  # zeros before any rank can map them (rendezvous comes after)
     return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"),
