@@ -225,3 +225,21 @@ def test_fused_moe_qwen3_30b_shape(T):
     p = moe.plan(T, 8, 128)
     flip = replace(p, persistent=not p.persistent, down=replace(p.down_tiles(), persistent=not p.down_tiles().persistent))
     assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids, p=flip))
+
+
+@gpu
+@pytest.mark.parametrize("start", [0, 4])
+def test_mixtral_tp2_and_expert_parallel_shapes_persistent(start):
+    """Mixtral-8x7B's experts as a rank holds them at 2 GPUs, 4,096 tokens (512-2,048 rows an
+    expert: the persistent plans): tensor parallel (all 8 experts, half the width) and expert
+    parallel (4 whole experts, the other rank's assignments left to it); both launch forms equal,
+    and equal to the reference."""
+    T, H, k = 4096, 4096, 2
+    E, I = (8, 7168) if start == 0 else (4, 14336)
+    x, w13, w2, weights, ids = _inputs(T, H, I, E, k, torch.bfloat16, seed=start, experts=8)
+    p = moe.plan(T, k, E)
+    assert p.down_tiles().persistent
+    flip = replace(p, persistent=not p.persistent, down=replace(p.down_tiles(), persistent=not p.down_tiles().persistent))
+    got = moe.fused_moe(x, w13, w2, weights, ids, start, 8, p)
+    assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids, start, 8, flip))
+    assert rel_err(got, ref.fused_moe(x, w13, w2, weights, ids, start)) < REL_TOL[torch.bfloat16]
