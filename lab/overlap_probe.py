@@ -7,7 +7,8 @@ probe measures, at Llama-3-8B's shapes, what running them at the same time on tw
 a chain of `layers` gate/up matmuls of M prompt rows (cuBLAS) beside a chain of decode attentions
 (kernels/paged_attention.py, 64 sequences of 512 tokens, each layer its own pages: cold L2), each
 alone and both forked onto two streams inside one CUDA graph, optionally with cuBLAS told to leave
-some SMs free (--carveouts). Reports per layer: matmul alone,
+some SMs free (--carveouts), or with lab/tma_gemm.py's persistent matmul on fewer programs than
+SMs (--triton-programs), the rest of the SMs left to the attention. Reports per layer: matmul alone,
 attention alone, their sum, both together, and the share of the attention hidden
 ((sum - together) / attention). Writes one JSON with the GPU's name and the date.
 """
@@ -22,10 +23,11 @@ from lab.decode_splits import make_inputs
 from lab.kernels import graph_us
 
 HIDDEN, INTER = 4096, 14336
+TMA_TILES = (128, 256, 64, 3, 8)  # one of lab/tma_gemm.py's candidates: 128 x 256 tiles, 3 stages, 8 warps
 ATTN = dict(B=64, Hq=32, Hkv=8, D=128, bs=16, width=512, lo=512, hi=512)
 
 
-def run(layers: int, rows: list[int], carveouts: list[int]) -> dict:
+def run(layers: int, rows: list[int], carveouts: list[int], programs: list[int]) -> dict:
     import torch
 
     from kernels.paged_attention import paged_decode_attention
@@ -72,6 +74,29 @@ def run(layers: int, rows: list[int], carveouts: list[int]) -> dict:
             print(f"M={m:5d} carveout {carve:2d}: matmul {mm_us:7.1f} us ({row['matmul_tflops']:.0f} TFLOP/s), "
                   f"attention {attention_us:6.1f}, sum {row['sum_us']:7.1f}, together {both_us:7.1f}: "
                   f"{row['attention_hidden']:.0%} of the attention hidden", flush=True)
+        for n in programs:  # our persistent TMA matmul on n programs: the other SMs free for the attention
+            from lab.tma_gemm import matmul as tma_matmul
+
+            def tma_matmuls(n=n) -> None:
+                for w in ws:
+                    tma_matmul(x, w, TMA_TILES, programs=n)
+
+            def tma_both(n=n) -> None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    attentions()
+                tma_matmuls(n)
+                torch.cuda.current_stream().wait_stream(side)
+
+            mm_us = graph_us(tma_matmuls, per=layers)
+            both_us = graph_us(tma_both, per=layers)
+            row = {"rows": m, "triton_programs": n, "matmul_us": mm_us, "attention_us": attention_us,
+                   "sum_us": mm_us + attention_us, "together_us": both_us,
+                   "attention_hidden": (mm_us + attention_us - both_us) / attention_us,
+                   "matmul_tflops": 2 * m * HIDDEN * 2 * INTER / (mm_us * 1e-6) / 1e12}
+            out["cases"].append(row)
+            print(f"M={m:5d} TMA matmul on {n:3d} programs: matmul {mm_us:7.1f} us ({row['matmul_tflops']:.0f} TFLOP/s), "
+                  f"together {both_us:7.1f}: {row['attention_hidden']:.0%} of the attention hidden", flush=True)
     return out
 
 
@@ -81,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", default="64,256,576,1024,2048", help="prompt rows of the matmuls")
     ap.add_argument("--carveouts", default="0", help="SMs the matmuls leave free (cuBLAS), each a run")
+    ap.add_argument("--triton-programs", default="", help="also lab/tma_gemm.py's matmul on this many programs, each a run")
     args = ap.parse_args(argv)
-    res = run(args.layers, [int(r) for r in args.rows.split(",")], [int(c) for c in args.carveouts.split(",")])
+    res = run(args.layers, [int(r) for r in args.rows.split(",")], [int(c) for c in args.carveouts.split(",")],
+              [int(n) for n in args.triton_programs.split(",") if n])
     args.out.write_text(json.dumps(res, indent=1))
     return 0
 

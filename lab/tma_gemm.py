@@ -32,13 +32,16 @@ def _persistent_mm(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         c_desc.store([pid_m * BM, pid_n * BN], acc.to(tl.bfloat16))
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int, int]) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int, int],
+           programs: int | None = None) -> torch.Tensor:
+    """programs: at most this many programs (SMs) instead of one an SM (lab/overlap_probe.py leaves
+    the others to a kernel on another stream)."""
     assert x.dtype == w.dtype == torch.bfloat16 and x.shape[1] == w.shape[1]
     bm, bn, bk, stages, warps = tiles
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     a = TensorDescriptor.from_tensor(x, [bm, bk])
     b = TensorDescriptor.from_tensor(w, [bn, bk])
     c = TensorDescriptor.from_tensor(out, [bm, bn])
