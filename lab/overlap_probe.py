@@ -19,6 +19,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
+from collections.abc import Callable
+
 from lab.decode_splits import make_inputs
 from lab.kernels import graph_us
 
@@ -31,6 +33,7 @@ def run(layers: int, rows: list[int], carveouts: list[int], programs: list[int])
     import torch
 
     from kernels.paged_attention import paged_decode_attention
+    from lab.tma_gemm import matmul as tma_matmul
 
     attn = [make_inputs(**ATTN, seed=i) for i in range(layers)]
     attn_out = [torch.empty_like(a[0]) for a in attn]
@@ -44,13 +47,9 @@ def run(layers: int, rows: list[int], carveouts: list[int], programs: list[int])
     out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "layers": layers,
            "attention": ATTN, "cases": []}
     attention_us = graph_us(attentions, per=layers)
-    for m in rows:
-        x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
-        y = torch.empty(m, 2 * INTER, device="cuda", dtype=torch.bfloat16)
 
-        def matmuls() -> None:
-            for w in ws:
-                torch.mm(x, w.t(), out=y)
+    def measure(matmuls: Callable[[], None], m: int, **what) -> dict:
+        """Per layer: the matmul chain alone, and beside the attention chain on a second stream."""
 
         def both() -> None:
             side.wait_stream(torch.cuda.current_stream())
@@ -59,44 +58,33 @@ def run(layers: int, rows: list[int], carveouts: list[int], programs: list[int])
             matmuls()
             torch.cuda.current_stream().wait_stream(side)
 
+        mm_us = graph_us(matmuls, per=layers)
+        both_us = graph_us(both, per=layers)
+        row = {"rows": m, **what, "matmul_us": mm_us, "attention_us": attention_us, "sum_us": mm_us + attention_us,
+               "together_us": both_us, "attention_hidden": (mm_us + attention_us - both_us) / attention_us,
+               "matmul_tflops": 2 * m * HIDDEN * 2 * INTER / (mm_us * 1e-6) / 1e12}
+        out["cases"].append(row)
+        print(f"M={m:5d} {what}: matmul {mm_us:7.1f} us ({row['matmul_tflops']:.0f} TFLOP/s), attention "
+              f"{attention_us:6.1f}, sum {row['sum_us']:7.1f}, together {both_us:7.1f}: "
+              f"{row['attention_hidden']:.0%} of the attention hidden", flush=True)
+        return row
+
+    for m in rows:
+        x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
+        y = torch.empty(m, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+
+        def cublas() -> None:
+            for w in ws:
+                torch.mm(x, w.t(), out=y)
+
         for carve in carveouts:  # SMs cuBLAS leaves to the other stream (torch's experimental knob)
             torch._C._set_sm_carveout_experimental(carve or None)
             try:
-                mm_us = graph_us(matmuls, per=layers)
-                both_us = graph_us(both, per=layers)
+                measure(cublas, m, sm_carveout=carve)
             finally:
                 torch._C._set_sm_carveout_experimental(None)
-            row = {"rows": m, "sm_carveout": carve, "matmul_us": mm_us, "attention_us": attention_us,
-                   "sum_us": mm_us + attention_us, "together_us": both_us,
-                   "attention_hidden": (mm_us + attention_us - both_us) / attention_us,
-                   "matmul_tflops": 2 * m * HIDDEN * 2 * INTER / (mm_us * 1e-6) / 1e12}
-            out["cases"].append(row)
-            print(f"M={m:5d} carveout {carve:2d}: matmul {mm_us:7.1f} us ({row['matmul_tflops']:.0f} TFLOP/s), "
-                  f"attention {attention_us:6.1f}, sum {row['sum_us']:7.1f}, together {both_us:7.1f}: "
-                  f"{row['attention_hidden']:.0%} of the attention hidden", flush=True)
         for n in programs:  # our persistent TMA matmul on n programs: the other SMs free for the attention
-            from lab.tma_gemm import matmul as tma_matmul
-
-            def tma_matmuls(n=n) -> None:
-                for w in ws:
-                    tma_matmul(x, w, TMA_TILES, programs=n)
-
-            def tma_both(n=n) -> None:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    attentions()
-                tma_matmuls(n)
-                torch.cuda.current_stream().wait_stream(side)
-
-            mm_us = graph_us(tma_matmuls, per=layers)
-            both_us = graph_us(tma_both, per=layers)
-            row = {"rows": m, "triton_programs": n, "matmul_us": mm_us, "attention_us": attention_us,
-                   "sum_us": mm_us + attention_us, "together_us": both_us,
-                   "attention_hidden": (mm_us + attention_us - both_us) / attention_us,
-                   "matmul_tflops": 2 * m * HIDDEN * 2 * INTER / (mm_us * 1e-6) / 1e12}
-            out["cases"].append(row)
-            print(f"M={m:5d} TMA matmul on {n:3d} programs: matmul {mm_us:7.1f} us ({row['matmul_tflops']:.0f} TFLOP/s), "
-                  f"together {both_us:7.1f}: {row['attention_hidden']:.0%} of the attention hidden", flush=True)
+            measure(lambda n=n: [tma_matmul(x, w, TMA_TILES, programs=n) for w in ws], m, triton_programs=n)
     return out
 
 
