@@ -334,9 +334,10 @@ def _plan_json(p: Plan) -> dict:
 
 def gate_up_candidates(cfg: Sweep) -> list[Plan]:
     from kernels import moe
+    # 16 warps persistent would take 256 KiB of shared memory (--sm90): not a candidate
     return [moe.Plan(bm, *tiles, group_m=cfg.first_group, tma=tma, fuse_gate_up=fused, persistent=pers)
             for bm, tile_list in cfg.gate_up_tiles.items() for tiles in tile_list for fused, tma in cfg.gate_up_modes
-            for pers in cfg.persistent if not (pers and tiles[2] > 8)]  # 16 warps persistent: 256 KiB of shared memory (--sm90)
+            for pers in cfg.persistent if not (pers and tiles[2] > 8)]
 
 
 def down_candidates(cfg: Sweep) -> list[Plan]:
