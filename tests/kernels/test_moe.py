@@ -230,7 +230,7 @@ def test_fused_moe_qwen3_30b_shape(T):
 @gpu
 @pytest.mark.parametrize("start", [0, 4])
 def test_mixtral_tp2_and_expert_parallel_shapes_persistent(start):
-    """Mixtral-8x7B's experts as a rank holds them at 2 GPUs, 4,096 tokens (512-2,048 rows an
+    """Mixtral-8x7B's experts as a rank holds them at 2 GPUs, 4,096 tokens (about 1,024 rows an
     expert: the persistent plans): tensor parallel (all 8 experts, half the width) and expert
     parallel (4 whole experts, the other rank's assignments left to it); both launch forms equal,
     and equal to the reference."""
