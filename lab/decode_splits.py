@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from lab.kernels import RESULTS, graph_us, slug
@@ -110,23 +111,33 @@ COLD_CASES = ("qwen B64 512-640 w2048", "qwen B16 100-700 w2048", "qwen B256 512
               "llama B64 512-640 w512", "llama B8 4096 w512", "llama B64 4096 w512")
 
 
+def cold_layers(c: dict, kv: str | None, max_layers: int) -> tuple[int, float, Callable[[dict], None]]:
+    """Case c's inputs for as many layers as ~600 MB of pages take (2 to max_layers: beyond L2) ->
+    (layers, one layer's page bytes, run(config): the attention over every layer in turn)."""
+    import torch
+
+    from kernels.paged_attention import paged_decode_attention
+
+    layer_bytes = c["B"] * (c["lo"] + c["hi"]) / 2 * c["Hkv"] * c["D"] * 2 * (1 if kv else 2)
+    n = int(max(2, min(max_layers, 600e6 // layer_bytes)))
+    layers = [make_inputs(**c, kv=kv, seed=i) for i in range(n)]
+    outs = [torch.empty_like(x[0]) for x in layers]
+
+    def run(cfg: dict) -> None:
+        for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
+            paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
+    return n, layer_bytes, run
+
+
 def cold_sweep(kv: str | None) -> list[dict]:
     import torch
 
-    from kernels.paged_attention import decode_config, paged_decode_attention
+    from kernels.paged_attention import decode_config
 
     rows = []
     for name in COLD_CASES:
         c = CASES[name]
-        layer_bytes = c["B"] * (c["lo"] + c["hi"]) / 2 * c["Hkv"] * c["D"] * 2 * (1 if kv else 2)
-        n = int(max(2, min(24, 600e6 // layer_bytes)))
-        layers = [make_inputs(**c, kv=kv, seed=i) for i in range(n)]
-        outs = [torch.empty_like(x[0]) for x in layers]
-
-        def run(cfg: dict) -> None:
-            for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
-                paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
-
+        n, layer_bytes, run = cold_layers(c, kv, 24)
         default = decode_config(c["B"], c["Hkv"], c["width"] * c["bs"], c["D"], False, kv is not None)
         cands = {"default": {}, "prefetch": {"prefetch": True}, "no prefetch": {"prefetch": False},
                  "1 split, 128-token tiles, prefetch": {"num_splits": 1, "tile_n": 128, "min_tiles": 1, "prefetch": True}}
@@ -134,7 +145,7 @@ def cold_sweep(kv: str | None) -> list[dict]:
         rows.append(dict(case=name, layers=n, layer_mb=layer_bytes / 1e6, default=default, us_per_layer=times))
         print(f"{name} ({n} layers, default splits {default['num_splits']}, prefetch {default['prefetch']}): " +
               ", ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)
-        del layers, outs
+        del run
         torch.cuda.empty_cache()
     return rows
 
@@ -144,19 +155,11 @@ def tp_sweep() -> list[dict]:
     rank: the default plan against split counts, tile sizes and the block-table prefetch."""
     import torch
 
-    from kernels.paged_attention import decode_config, paged_decode_attention
+    from kernels.paged_attention import decode_config
 
     rows = []
     for name, c in TP_CASES.items():
-        layer_bytes = c["B"] * c["lo"] * c["Hkv"] * c["D"] * 2 * 2
-        n = int(max(2, min(32, 600e6 // layer_bytes)))
-        layers = [make_inputs(**c, seed=i) for i in range(n)]
-        outs = [torch.empty_like(x[0]) for x in layers]
-
-        def run(cfg: dict) -> None:
-            for (q, kc, vc, bt, sl, ks, vs), o in zip(layers, outs):
-                paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o, config=cfg)
-
+        n, layer_bytes, run = cold_layers(c, None, 32)
         default = decode_config(c["B"], c["Hkv"], c["width"] * c["bs"], c["D"], False)
         cands = {"default": {}} | {f"splits {s} tile {t} prefetch {p}": {"num_splits": s, "tile_n": t, "prefetch": p}
                                    for s in (1, 2, 3, 4) for t in (32, 64) for p in (False, True)}
@@ -166,7 +169,7 @@ def tp_sweep() -> list[dict]:
                          best=best))
         print(f"{name} ({n} layers of {layer_bytes / 1e6:.0f} MB, default splits {default['num_splits']}, prefetch "
               f"{default['prefetch']}): default {times['default']:.2f} us, best {best} {times[best]:.2f} us", flush=True)
-        del layers, outs
+        del run
         torch.cuda.empty_cache()
     return rows
 
