@@ -4,25 +4,36 @@ Under tensor parallelism each layer ends its attention and its MLP with a projec
 every rank holds a part of; the parts are summed over the ranks (an all-reduce) and the sum goes
 into the residual add and RMSNorm of what follows. A decode step of Llama-3-8B at TP=2 did that
 64 times, as NCCL's all-reduce (~10 us inside a CUDA graph) and then the norm's kernel. Here one
-kernel does both, over NVLink peer memory: each rank copies its rows into a buffer that every rank
-maps (torch's symmetric memory, engine/parallel/peer_allreduce.py), flags the other ranks, reads
-their rows over NVLink, adds the ranks' rows in rank order (every rank computes the same bits),
-rounds the sum to the model's dtype as the all-reduce would, and then adds the residual and
-normalizes as kernels/fused.py's rms_norm does.
+kernel does both, over NVLink peer memory: the ranks exchange their rows through buffers that every
+rank maps (torch's symmetric memory, engine/parallel/peer_allreduce.py) and flag each other, each
+adds the ranks' rows in rank order (every rank computes the same bits), rounds the sum to the
+model's dtype as the all-reduce would, and then adds the residual and normalizes as
+kernels/fused.py's rms_norm does.
 
-Each rank's buffer holds flags, then two halves of rows, used by turns. Program b always takes
+Up to PUSH_MAX_BYTES each rank writes its rows into the other ranks' memory (NVLink writes, which
+need no answer) and then reads every rank's from its own; above it each rank writes its rows into
+its own memory and reads the others' over NVLink, which moves large messages faster. On two H100s
+(lab/allreduce.py, 2026-11-27, bench/results/allreduce-push-h100-2026-11-27.json) pushing took
+7.7 against 9.7 us at 64 x 4,096 bf16 and 10.9 against 11.3 at 64 x 8,192, and lost from 4 MiB
+(48 against 37 us at 1,024 x 4,096).
+
+Each rank's buffer holds flags, then two halves, used by turns, each with a slot of rows for every
+other rank (pushed there) or, in the first, its own (read by the others). Program b always takes
 the rows congruent to b modulo the fixed program count G, whatever the number of rows, so program
 b of one rank only ever meets program b of the others; each counts its calls (its epoch, kept in
 its rank's flags, the same count on every rank: every rank launches the same programs), writes
-its rows into the half of its epoch's parity, stores the epoch into the peers' READY[b][rank] (a
-release store at system scope: the peers are other GPUs) and waits until every peer's READY[b][s]
-holds it, then reads the peers' rows. A half is written again two calls later, when program b
-has seen every peer's READY of the call between, which a peer stores only after it finished the
-call before (stream order): no handshake when done, one store a peer per call. Every launch's
-programs fit on the GPU at once (G <= SMs) and a program waits only for program b of its peers,
-so the waits can't form a cycle.
+its rows into the halves of its epoch's parity, stores the epoch into the peers' READY[b][rank] (a
+release store at system scope: the peers are other GPUs; the barrier before it orders every
+thread's rows first) and waits until every peer's READY[b][s] holds it, then reads the peers'
+rows. A half is written again two calls later, when program b has seen every peer's READY of the
+call between, which a peer stores only after it finished the call before, reads included (stream
+order, whichever way either call took): no handshake when done, one store a peer per call. Every
+launch's programs fit on the GPU at once (G <= SMs) and a program waits only for program b of its
+peers, so the waits can't form a cycle.
 
-GPU only (atomics on peer memory); kernels/reference.py's rms_norm after a sum is the reference.
+On GPUs the buffers are peer memory; under Triton's interpreter, processes forked with shared
+buffers (the same addresses in each) stand for the ranks (tests/kernels/test_allreduce_norm.py).
+kernels/reference.py's rms_norm after a sum is the reference.
 """
 from __future__ import annotations
 
@@ -32,6 +43,19 @@ import triton.language as tl
 
 from kernels.launch import launch, next_pow2
 from kernels.pdl import wait_for_prior
+
+
+PUSH_MAX_BYTES = 2 << 20
+
+
+def slots(world: int) -> int:
+    """Slots of rows in each half of a rank's buffer: one for every other rank (at least one)."""
+    return max(world - 1, 1)
+
+
+def row_bytes(slot_bytes: int, world: int) -> int:
+    """Bytes of rows after the flags in each rank's buffer: two halves of slots(world) slots."""
+    return 2 * slots(world) * slot_bytes
 
 
 def flag_bytes(programs: int, world: int) -> int:
@@ -50,9 +74,9 @@ def _poll(flag, epoch):
 
 @triton.jit(do_not_specialize=["rank", "rows"])  # one compile for every row count (compiled before captures)
 def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_ptrs, flag_ptrs, rank, rows, N,
-                               eps, stride_x, stride_r, stride_o, stride_ro, HALF,
-                               G: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                               HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                               eps, stride_x, stride_r, stride_o, stride_ro, SLOT,
+                               G: tl.constexpr, WORLD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+                               HAS_RES: tl.constexpr, PUSH: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -60,10 +84,18 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
     dt = x_ptr.dtype.element_ty
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     epoch = tl.load(flags + G * WORLD + b, volatile=True) + 1  # int32: wraps, compared only for equality
-    half = (epoch & 1).to(tl.int64) * HALF  # elements
+    half = (epoch & 1).to(tl.int64) * (SLOTS * SLOT)  # elements
     mine = tl.load(data_ptrs + rank).to(tl.pointer_type(dt)) + half
     for i in range(b, rows, G):
-        tl.store(mine + i * N + cols, tl.load(x_ptr + i * stride_x + cols, mask=mask), mask=mask)
+        v = tl.load(x_ptr + i * stride_x + cols, mask=mask)
+        if PUSH:  # into this rank's slot of every peer's half (NVLink writes, which need no answer)
+            for s in tl.static_range(WORLD):
+                if s != rank:
+                    slot = rank - (rank > s).to(tl.int32)  # the peers' slots skip their own rank
+                    dst = tl.load(data_ptrs + s).to(tl.pointer_type(dt)) + half + slot.to(tl.int64) * SLOT
+                    tl.store(dst + i * N + cols, v, mask=mask)
+        else:  # into the first slot of this rank's own half, for the peers to read
+            tl.store(mine + i * N + cols, v, mask=mask)
     tl.debug_barrier()  # every thread's rows before the stores that release them
     for s in tl.static_range(WORLD):
         if s != rank:
@@ -75,9 +107,17 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
     tl.debug_barrier()
     for i in range(b, rows, G):  # offsets stay far below 2**31: the rows fit the peer buffer
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(WORLD):
-            src = tl.load(data_ptrs + s).to(tl.pointer_type(dt)) + half
-            acc += tl.load(src + i * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        for s in tl.static_range(WORLD):  # rank order: every rank adds the same values the same way
+            if PUSH:
+                if s == rank:
+                    v = tl.load(x_ptr + i * stride_x + cols, mask=mask, other=0.0)
+                else:
+                    src = mine + (s - (s > rank)) * SLOT  # what rank s wrote here
+                    v = tl.load(src + i * N + cols, mask=mask, other=0.0, cache_modifier=".cv")
+            else:  # every rank's first slot, the peers' over NVLink
+                src = tl.load(data_ptrs + s).to(tl.pointer_type(dt)) + half
+                v = tl.load(src + i * N + cols, mask=mask, other=0.0, cache_modifier=".cv")
+            acc += v.to(tl.float32)
         h = acc.to(dt)  # the all-reduce's result, as the unfused path has it
         if HAS_RES:
             r = tl.load(r_ptr + i * stride_r + cols, mask=mask, other=0.0)
@@ -93,14 +133,15 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
 
 def allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int, programs: int,
-                       half_bytes: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       slot_bytes: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N]: this rank's part of a sum over the ranks -> (RMSNorm(sum + residual) * weight, sum +
     residual), as rms_norm(all_reduce(x), weight, eps, residual) computes them (without residual:
     the sum is the new residual stream). Every rank of the group calls it with the same shapes.
 
-    data_ptrs, flag_ptrs: int64 [world] on this GPU, each rank's rows (two halves of half_bytes,
-    each room for T x N of x's dtype) and flags (flag_bytes(programs, world), zeros at first) in
-    peer memory; programs: the group's fixed program count (at most the GPU's SMs)."""
+    data_ptrs, flag_ptrs: int64 [world] on this GPU, each rank's rows (two halves of slots(world)
+    slots of slot_bytes, each room for T x N of x's dtype: row_bytes) and flags
+    (flag_bytes(programs, world), zeros at first) in peer memory; programs: the group's fixed
+    program count (at most the GPU's SMs)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [T, N], rows contiguous"
     T, N = x.shape
     assert weight.shape == (N,) and weight.is_contiguous()
@@ -108,13 +149,14 @@ def allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     out = torch.empty((T, N), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     r = residual if residual is not None else x
-    assert T * N * x.element_size() <= half_bytes and half_bytes % x.element_size() == 0
+    assert T * N * x.element_size() <= slot_bytes and slot_bytes % x.element_size() == 0
     assert r.shape == x.shape and r.dtype == x.dtype and r.stride(-1) == 1
     if T:
         block = next_pow2(N)
         launch(_allreduce_add_norm_kernel, (min(T, programs),),
                x, r, weight, out, res_out, data_ptrs, flag_ptrs, rank, T, N, eps,
-               x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), half_bytes // x.element_size(),
-               G=programs, WORLD=world, BLOCK=block, HAS_RES=residual is not None, PDL=pdl,
+               x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), slot_bytes // x.element_size(),
+               G=programs, WORLD=world, SLOTS=slots(world), BLOCK=block, HAS_RES=residual is not None,
+               PUSH=T * N * x.element_size() <= PUSH_MAX_BYTES, PDL=pdl,
                num_warps=min(16, max(1, block // 512)), launch_pdl=pdl)  # as rms_norm: the same sums
     return out, res_out

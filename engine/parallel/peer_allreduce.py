@@ -2,10 +2,10 @@
 (torch's kernel) or fused with the residual add and RMSNorm after it (kernels/allreduce_norm.py).
 
 NCCL's all-reduce is built for bandwidth; a decode step's messages (rows x hidden, e.g. 64 x 4096
-bf16 = 512 KiB) are latency bound, and a Llama-3-8B step makes 64 of them. Here every rank copies
-its input into a buffer that all ranks map (torch's symmetric memory), the ranks signal each other,
-and each reads every peer's buffer and sums: one kernel, no ring, no host work, and CUDA graphs
-capture it like any other kernel. Multicast (multimem) operations are not used: NVLS stays off.
+bf16 = 512 KiB) are latency bound, and a Llama-3-8B step makes 64 of them. Here the ranks exchange
+their inputs through buffers that all ranks map (torch's symmetric memory) and signal each other,
+and each sums: one kernel, no ring, no host work, and CUDA graphs capture it like any other kernel.
+Multicast (multimem) operations are not used: NVLS stays off.
 
 Which messages take this path: those captured into CUDA graphs (decode steps, the piecewise and
 whole-step graphs) up to a size limit per number of ranks, measured against NCCL inside CUDA graphs
@@ -36,10 +36,12 @@ _ALIGN = 16  # bytes: the kernel's vector width; other sizes take NCCL
 
 
 def fused_buffer_bytes(ranks: int) -> int:
-    """The fused kernel's rows on each GPU of a group of `ranks` (two halves; its flags, a few KiB,
-    aside): outside torch's allocator and measured into TP_COMM_BYTES (kvcache/calc.py) before it
-    existed, so `serve kv-calc` adds it."""
-    return 2 * FUSED_MAX_BYTES.get(ranks, 0)
+    """The fused kernel's rows on each GPU of a group of `ranks` (its flags, a few KiB, aside):
+    outside torch's allocator and measured into TP_COMM_BYTES (kvcache/calc.py) before it existed,
+    so `serve kv-calc` adds it."""
+    from kernels.allreduce_norm import row_bytes
+
+    return row_bytes(FUSED_MAX_BYTES.get(ranks, 0), ranks)
 
 
 @dataclass
@@ -51,7 +53,7 @@ class PeerAllReduce:
     group_name: str
     max_bytes: int
     copy_out: bool  # torch has the op that copies the input in itself (one kernel instead of two)
-    # uint8 [flag bytes + 2 x fused_max_bytes]: the fused kernel's flags and rows (kernels/allreduce_norm.py)
+    # uint8 [flag bytes + row bytes]: the fused kernel's flags and rows (kernels/allreduce_norm.py)
     rows: torch.Tensor | None
     fused_max_bytes: int  # 0 (and rows None): no fused kernel, a world size not measured
     rank: int
@@ -137,7 +139,7 @@ def allocate(device: torch.device, group, ranks: int, programs: int, max_bytes: 
     every rank's GPU."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from kernels.allreduce_norm import flag_bytes
+    from kernels.allreduce_norm import flag_bytes, row_bytes
 
     name = group.group_name
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -152,7 +154,7 @@ def allocate(device: torch.device, group, ranks: int, programs: int, max_bytes: 
     rows = None
     if fused_max_bytes:
         flags = flag_bytes(programs, ranks)
-        rows = symm_mem.empty(flags + 2 * fused_max_bytes, dtype=torch.uint8, device=device)  # fused_buffer_bytes
+        rows = symm_mem.empty(flags + row_bytes(fused_max_bytes, ranks), dtype=torch.uint8, device=device)
         rows[:flags].zero_()
         torch.cuda.synchronize(device)  # zeros before any rank can map them (rendezvous comes after)
     return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"),
