@@ -34,7 +34,9 @@ class AttnMetadata:
 class Ops:
     rms_norm: Callable
     apply_rotary: Callable
-    gate_up_silu: Callable  # (x, gate_up weight [2I, K]) -> silu(x @ gate.T) * (x @ up.T)
+    # (x, gate_up weight [2I, K], prefetch=False) -> silu(x @ gate.T) * (x @ up.T); prefetch: the
+    # kernel before is a cross-GPU sum that leaves the memory idle (kernels/gate_up.py)
+    gate_up_silu: Callable
     write_kv_cache: Callable
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=)
     # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, out=):
@@ -62,8 +64,12 @@ def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_
                                      scale, k_scale, v_scale, out)
 
 
+def _reference_gate_up(x, weight, prefetch=False):
+    return reference.gate_up_silu(x, weight)
+
+
 def reference_ops() -> Ops:
-    return Ops(reference.rms_norm, reference.apply_rotary, reference.gate_up_silu,
+    return Ops(reference.rms_norm, reference.apply_rotary, _reference_gate_up,
                reference.write_kv_cache, reference.paged_decode_attention, reference.rotary_decode_attention,
                _reference_prefill, reference.linear, reference.argmax_rows)
 

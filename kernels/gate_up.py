@@ -24,14 +24,21 @@ import triton.language as tl
 from kernels.attn_common import mma
 from kernels.fused import silu_and_mul
 from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2
-from kernels.linear import linear
+from kernels.linear import MAX_M, linear
+from kernels.pdl import prefetch_l2, wait_for_prior
+
+
+# With prefetch, the most of its weights the kernel pulls into L2 while the fused cross-GPU sum before
+# it runs: about what the copy bandwidth moves in that sum's ~8 us, well inside the 50 MB L2.
+PREFETCH_MAX_BYTES = 24 << 20
 
 
 # M is each step's token count: no specialization on it (no compiles mid-serving)
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_kernel(x_desc, w_desc, out_ptr, M, I, K, stride_om,
+def _gate_up_kernel(x_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, prefetch_k,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr,
+                    PDL: tl.constexpr, LINES: tl.constexpr):
     # consecutive programs take GROUP_M row tiles of one column tile, so the weight tiles they
     # share are read from L2
     pid = tl.program_id(0)
@@ -44,6 +51,14 @@ def _gate_up_kernel(x_desc, w_desc, out_ptr, M, I, K, stride_om,
     pid_n = (pid % per_group) // group_m
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
+    if PDL and LINES > 0:
+        # the first prefetch_k columns of this program's gate and up rows into L2 while the kernel
+        # before (a cross-GPU sum) finishes; 64 elements = one 128-byte line (16-bit weights)
+        rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), I - 1).to(tl.int64)
+        lines = tl.minimum(tl.arange(0, LINES) * 64, prefetch_k - 1)
+        prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :])
+        prefetch_l2(w_ptr + (I + rows)[:, None] * stride_wn + lines[None, :])
+    wait_for_prior(PDL)
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -103,8 +118,11 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
             and (w.stride(0) * e) % 16 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, p: Plan | None = None) -> torch.Tensor:
-    """x [M, K], w [2I, K] (gate rows, then up rows) -> silu(x @ w[:I].T) * (x @ w[I:].T) [M, I]."""
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, p: Plan | None = None, prefetch: bool = False) -> torch.Tensor:
+    """x [M, K], w [2I, K] (gate rows, then up rows) -> silu(x @ w[:I].T) * (x @ w[I:].T) [M, I].
+    prefetch: launch with PDL and pull the first columns of the weights, PREFETCH_MAX_BYTES in all,
+    into L2 before waiting for the kernel before: for a kernel before that leaves the memory idle
+    (the fused cross-GPU sum, waiting on NVLink)."""
     assert supports(x, w), "gate_up_silu needs 16-bit x [M, K] and w [2I, K], rows contiguous and 16-byte aligned"
     M, K = x.shape
     I = w.shape[0] // 2
@@ -115,21 +133,28 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, p: Plan | None = None) -> tor
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [p.block_m, p.block_k])
     w_desc = TensorDescriptor(w, [2 * I, K], [w.stride(0), 1], [p.block_n, p.block_k])
     grid = (cdiv(M, p.block_m) * cdiv(I, p.block_n),)
-    launch(_gate_up_kernel, grid, x_desc, w_desc, out, M, I, K, out.stride(0),
+    pdl = prefetch and x.is_cuda
+    # 128-byte lines a weight row, the same first ones of every row
+    lines = min(cdiv(K, 64), PREFETCH_MAX_BYTES // (2 * I * 128)) if pdl else 0
+    launch(_gate_up_kernel, grid, x_desc, w_desc, w, out, M, I, K, w.stride(0), out.stride(0), lines * 64,
            BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
-           NUM_STAGES=p.num_stages, NATIVE=x.is_cuda, num_warps=p.num_warps)
+           NUM_STAGES=p.num_stages, NATIVE=x.is_cuda, PDL=pdl, LINES=next_pow2(lines) if lines else 0,
+           num_warps=p.num_warps, launch_pdl=pdl)
     return out
 
 
-def mlp_gate_up(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def mlp_gate_up(x: torch.Tensor, w: torch.Tensor, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """The engine's MLP activation: gate_up_silu where plan() picks it, else the GEMM (kernels/linear.py)
     and kernels/fused.py's silu_and_mul. Same result as reference.gate_up_silu.
 
     pdl applies to the unfused path's kernels only. The fused kernel launches the usual way: with
     PDL (its weights prefetched or not) the decode step was slower than without, because the
     kernel after it starts early and competes (H100, Qwen2.5-0.5B decode only, one call: 48,965
-    tok/s with PDL and no prefetch, 50,004 without PDL; bench/NOTES.md, 2026-11-23)."""
+    tok/s with PDL and no prefetch, 50,004 without PDL; bench/NOTES.md, 2026-11-23). With prefetch
+    (and pdl) decode rows take it with PDL after all: the kernel before is then the fused cross-GPU
+    sum, which leaves the memory idle (Llama-3-8B's TP=2 decode step 4.80 against 4.88 ms on two
+    H100s, bench/NOTES.md, 2026-11-27)."""
     p = plan(x.shape[0], w.shape[0] // 2, w.shape[1]) if supports(x, w) else None
     if p is None:
         return silu_and_mul(linear(x, w, pdl=pdl), pdl=pdl)
-    return gate_up_silu(x, w, p)
+    return gate_up_silu(x, w, p, prefetch=pdl and prefetch and x.shape[0] <= MAX_M)

@@ -48,7 +48,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
     n_mask = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PDL:
+    if PDL and LINES > 0:
         # this program's weights (which no kernel writes) into L2 while the previous kernel
         # finishes; 64 elements = one 128-byte line of a 16-bit weight (the wrapper checks)
         lines = tl.minimum(k_lo + tl.arange(0, LINES) * 64, k_hi - 1)
@@ -98,11 +98,23 @@ class Plan:
     swap: bool
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: bool = True  # with PDL, the weights into L2 before the wait
 
 
 # Used for weights up to this size; larger ones (Llama-3-8B's, Qwen's gate_up and lm_head) measured
-# as fast or faster with cuBLAS at M = 64 (bench/NOTES.md, 2026-11-23).
+# as fast or faster with cuBLAS at M = 64 (bench/NOTES.md, 2026-11-23), but for a long K (below).
 MAX_WEIGHT_BYTES = 16 << 20
+# Larger weights over a long K with few output columns (an MLP's down projection into a hidden size
+# of at most 4,096: K >= 1.75 N), where cuBLAS splits K and adds a reduce kernel, stream faster
+# here, in 64-column tiles with K split in two. H100, 64 rows, cold L2 (bench/NOTES.md, 2026-11-27):
+# Llama-3-8B's down 45.7 against 46.2 us at TP=1, 25.2 against 27.4 at TP=2, the TP=2 decode step
+# 4.66 against 4.73 ms; Llama-3-70B's at TP=2 (N = 8,192) 89.0 against cuBLAS's 82.0, which reads
+# it at 95% of the copy bandwidth. They launch with PDL but prefetch nothing: the kernel before
+# them (the gate/up matmul) streams weights of its own, and with a prefetch the TP=2 step took
+# 4.86 ms.
+LONG_K_PLAN = Plan(64, 128, 2, swap=False, prefetch=False)
+LONG_K_RATIO = 1.75
+LONG_K_MAX_N = 4096
 
 
 def plan(M: int, N: int, K: int) -> Plan:
@@ -117,18 +129,26 @@ def plan(M: int, N: int, K: int) -> Plan:
     return Plan(16 if split == 1 else 32, block_k, split, swap=M <= 16)
 
 
-def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether skinny_linear takes x [M, K] and w [N, K], and should."""
-    K = w.shape[1]
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.shape[1] == K
+def supports(x: torch.Tensor, w: torch.Tensor) -> Plan | None:
+    """The plan skinny_linear takes x [M, K] and w [N, K] with where it should, else None: plan()'s
+    up to MAX_WEIGHT_BYTES, LONG_K_PLAN for a larger weight over a long K into few columns."""
+    N, K = w.shape
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.shape[1] == K
             and K % 64 == 0 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(1) == 1 and w.stride(1) == 1 and w.numel() * w.element_size() <= MAX_WEIGHT_BYTES)
+            and x.stride(1) == 1 and w.stride(1) == 1):
+        return None
+    if w.numel() * w.element_size() <= MAX_WEIGHT_BYTES:
+        return plan(x.shape[0], N, K)
+    if N <= LONG_K_MAX_N and K >= LONG_K_RATIO * N and K % LONG_K_PLAN.block_k == 0:
+        return LONG_K_PLAN
+    return None
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, p: Plan | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T + bias -> [M, N] in x's dtype, for M <= 64 and K a multiple of 64.
-    pdl: launch with programmatic dependent launch (kernels/pdl.py), prefetching the weights."""
+    pdl: launch with programmatic dependent launch (kernels/pdl.py), prefetching the weights where
+    the plan says so."""
     M = x.shape[0]
     N, K = w.shape
     assert x.dim() == 2 and x.shape[1] == K and K % 64 == 0 and M <= MAX_M
@@ -156,15 +176,16 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
            x.stride(0), w.stride(0), out.stride(0),
            HAS_BIAS=bias is not None, NATIVE=x.is_cuda, SPLIT_ONE=split == 1, SWAP=p.swap,
            BLOCK_M=max(16, next_pow2(M)), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-           PDL=pdl, LINES=min(128, next_pow2(cdiv(k_per_split, 64))) if pdl else 1,
+           PDL=pdl, LINES=min(128, next_pow2(cdiv(k_per_split, 64))) if pdl and p.prefetch else 0,
            num_warps=p.num_warps, num_stages=p.num_stages, launch_pdl=pdl)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The engine's projection: skinny_linear where supports() says so, cuBLAS otherwise."""
-    if supports(x, weight):
-        return skinny_linear(x, weight, bias, out, pdl=pdl)
+    """The engine's projection: skinny_linear where supports() gives a plan, cuBLAS otherwise."""
+    p = supports(x, weight)
+    if p is not None:
+        return skinny_linear(x, weight, bias, out, p, pdl=pdl)
     return reference.linear(x, weight, bias, out)
 

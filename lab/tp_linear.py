@@ -1,13 +1,13 @@
 """The decode step's projections at tensor-parallel shapes: `python -m lab.tp_linear --out F`.
 
-Llama-3-8B at TP = 1 and 2, 64 rows, bf16: each projection (qkv, o, gate/up with SiLU, down) timed
-as a decode step sees it, in one CUDA graph over several layers' weights in turn (beyond L2), by
-each path the engine could take: cuBLAS (kernels/reference.py), the skinny kernel
-(kernels/linear.py, with and without PDL, at its plan() and at other tiles; it is used today only
-up to MAX_WEIGHT_BYTES), and for gate/up the fused kernel (kernels/gate_up.py) at several tiles
-against cuBLAS + the SiLU kernel. Each time is per layer, with the fraction of the copy bandwidth
-measured in the same run over the weight bytes; every candidate's output is checked against cuBLAS.
-Writes one JSON with the GPU's name and the date.
+Llama-3-8B (or --model llama3-70b) at TP = 1 and 2, 64 rows, bf16: each projection (qkv, o,
+gate/up with SiLU, down; --proj some of them) timed as a decode step sees it, in one CUDA graph over
+several layers' weights in turn (beyond L2), by each path the engine could take: cuBLAS
+(kernels/reference.py), the engine's own choice (kernels/linear.py's linear() with PDL), the skinny
+kernel with and without PDL at its plan() and at other tiles, and for gate/up the fused kernel
+(kernels/gate_up.py) at several tiles against cuBLAS + the SiLU kernel. Each time is per layer, with
+the fraction of the copy bandwidth measured in the same run over the weight bytes; every
+candidate's output is checked against cuBLAS. Writes one JSON with the GPU's name and the date.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from lab.kernels import copy_bandwidth, graph_us
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+# hidden, intermediate, heads, KV heads, head dim
+MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
 ROWS = 64
 # skinny kernel tiles: (block_n, block_k, split, num_warps, num_stages)
 SKINNY = [(32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (32, 128, 8, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4),
@@ -28,24 +29,27 @@ GATE_UP = [(64, 32, 128, 4, 3), (64, 16, 128, 4, 4), (64, 32, 128, 4, 4), (64, 1
            (64, 16, 256, 4, 3), (64, 32, 64, 4, 6), (64, 64, 64, 4, 4), (64, 16, 64, 4, 8)]
 
 
-def shapes(tp: int) -> dict[str, tuple[int, int]]:
+def shapes(model: str, tp: int) -> dict[str, tuple[int, int]]:
     """Projection -> (N, K) of one rank's weight."""
-    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM // tp
-    return {"qkv": (qkv, HIDDEN), "o": (HIDDEN, HIDDEN // tp), "gate_up": (2 * INTER // tp, HIDDEN),
-            "down": (HIDDEN, INTER // tp)}
+    hidden, inter, heads, kv_heads, head_dim = MODELS[model]
+    qkv = (heads + 2 * kv_heads) * head_dim // tp
+    return {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim // tp), "gate_up": (2 * inter // tp, hidden),
+            "down": (hidden, inter // tp)}
 
 
-def run(layers: int, tps: list[int]) -> dict:
+def run(layers: int, tps: list[int], model: str = "llama3-8b", projections: list[str] | None = None) -> dict:
     import torch
 
     from kernels import fused, gate_up as gu, linear, reference
 
     bw = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "copy_bandwidth": bw,
-           "rows": ROWS, "layers": layers, "cases": []}
+           "model": model, "rows": ROWS, "layers": layers, "cases": []}
     print(f"{out['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for tp in tps:
-        for name, (n, k) in shapes(tp).items():
+        for name, (n, k) in shapes(model, tp).items():
+            if projections and name not in projections:
+                continue
             g = torch.Generator(device="cuda").manual_seed(n + k)
             ws = [(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16() for _ in range(layers)]
             xs = [torch.randn(ROWS, k, device="cuda", generator=g).bfloat16() for _ in range(layers)]
@@ -75,6 +79,7 @@ def run(layers: int, tps: list[int]) -> dict:
             else:
                 want = reference.linear(xs[0], ws[0])
                 add("cublas", reference.linear, want)
+                add("engine linear() pdl", lambda x, w: linear.linear(x, w, pdl=True), want)
                 pick = linear.plan(ROWS, n, k)
                 for pdl in (False, True):
                     add(f"skinny plan() {pick} pdl={pdl}",
@@ -105,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=8, help="weights cycled in the graph (beyond L2)")
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes whose shapes to time")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
+    ap.add_argument("--proj", default=None, help="comma-separated projections to time (default: all)")
     args = ap.parse_args(argv)
-    res = run(args.layers, [int(t) for t in args.tp.split(",")])
+    res = run(args.layers, [int(t) for t in args.tp.split(",")], args.model,
+              args.proj.split(",") if args.proj else None)
     args.out.write_text(json.dumps(res, indent=1))
     return 0
 

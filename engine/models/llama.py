@@ -126,10 +126,13 @@ class MLP(nn.Module):
         part = even_split(cfg.intermediate_size, comm.rank, comm.size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=False)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size)
+        self.comm = comm
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         """-> this rank's part of the output (a sum over the ranks)."""
-        return ops.linear(ops.gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
+        # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
+        h = ops.gate_up_silu(x, self.gate_up_proj.weight, prefetch=self.comm.fused_sums)
+        return ops.linear(h, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

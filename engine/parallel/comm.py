@@ -48,6 +48,12 @@ class Comm:
             return ops.rms_norm(x, weight, eps), x
         return ops.rms_norm(x, weight, eps, residual)
 
+    @property
+    def fused_sums(self) -> bool:
+        """reduce_norm is the fused kernel, whose wait on NVLink leaves the memory idle: the
+        gate/up matmul after it pulls its first weights into L2 meanwhile (kernels/gate_up.py)."""
+        return self.peer is not None and self.peer.fused
+
     def use_peer_memory(self, device: torch.device) -> str | None:
         """Set up the one-shot all-reduce on every rank, or on none: a collective that all ranks
         call at the same point. Returns why not, or None when it is on."""

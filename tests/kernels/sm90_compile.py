@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, fused, linear, paged_attention, prefill_ws  # noqa: E402
+from kernels import cache_write, fused, gate_up, linear, paged_attention, prefill_ws  # noqa: E402
 from kernels.launch import TensorDescriptor  # noqa: E402
 
 if prefill_ws.gluon is not None:
@@ -99,7 +99,7 @@ def cases() -> list[tuple]:
     """(fn, args, kwargs) of one launch of each wrapper the decode step calls."""
     calls: list = []
     rec = _record(calls)
-    for mod in (linear, fused, cache_write, paged_attention):
+    for mod in (linear, fused, gate_up, cache_write, paged_attention):
         mod.launch = rec
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -108,6 +108,8 @@ def cases() -> list[tuple]:
     linear.skinny_linear(torch.randn(64, 4864, generator=g).to(bf), torch.randn(896, 4864, generator=g).to(bf))
     fused.rms_norm(x, torch.randn(896, generator=g).to(bf), 1e-6, x.clone())
     fused.silu_and_mul(torch.randn(64, 2 * 4864, generator=g).to(bf))
+    # the fused gate/up kernel after a cross-GPU sum (prefetch: with PDL)
+    gate_up.gate_up_silu(x, torch.randn(2 * 4864, 896, generator=g).to(bf), prefetch=True)
     q = torch.randn(64, 14, 64, generator=g).to(bf)
     k = torch.randn(64, 2, 64, generator=g).to(bf)
     kc = torch.zeros(32, 2, 16, 64, dtype=bf)

@@ -84,11 +84,13 @@ def test_mlp_gate_up_falls_back():
 
 
 @gpu
-@pytest.mark.parametrize("model,K,I", [("qwen2.5-0.5b", 896, 4864), ("llama3-8b", 4096, 14336)])
+@pytest.mark.parametrize("model,K,I", [("qwen2.5-0.5b", 896, 4864), ("llama3-8b", 4096, 14336),
+                                       ("llama3-8b at TP=2", 4096, 7168)])
 @pytest.mark.parametrize("M", [1, 64, 1024, 3328])
-@pytest.mark.parametrize("pdl", [False, True])  # for the unfused path's kernels
+@pytest.mark.parametrize("pdl", [False, True])  # the unfused path's kernels; with prefetch the fused one's too
 def test_gate_up_real_shapes(model, K, I, M, pdl):
     x, w = _inputs(M, I, K, torch.bfloat16, seed=M)
     _check(gu.mlp_gate_up(x, w, pdl=pdl), x, w)
+    _check(gu.mlp_gate_up(x, w, pdl=pdl, prefetch=True), x, w)
     p = gu.plan(M, I, K) or gu.Plan(128, 64, 64, 8, 3, 16)
     _check(gu.gate_up_silu(x, w, p), x, w)

@@ -71,6 +71,19 @@ def test_dispatch_falls_back_where_unsupported():
     assert not lin.supports(torch.empty(1, 64, dtype=torch.bfloat16), big)
 
 
+def test_large_weights_over_a_long_k_take_their_own_tiles():
+    """An MLP's down projection past MAX_WEIGHT_BYTES (Llama-3-8B's: 4,096 x 14,336) keeps the skinny
+    kernel, in LONG_K_PLAN's tiles; a square or wide one of the same size goes to cuBLAS, and so does
+    Llama-3-70B's down at TP=2 (8,192 x 14,336), which cuBLAS streams at 95% of the bandwidth."""
+    x = torch.empty(64, 14336, dtype=torch.bfloat16)
+    assert lin.supports(x, torch.empty(4096, 14336, dtype=torch.bfloat16)) == lin.LONG_K_PLAN
+    assert lin.supports(x, torch.empty(8192, 14336, dtype=torch.bfloat16)) is None
+    assert lin.supports(x[:, :4096], torch.empty(14336, 4096, dtype=torch.bfloat16)) is None
+    assert lin.supports(x[:, :8192], torch.empty(8192, 8192, dtype=torch.bfloat16)) is None
+    x, w, b = _inputs(5, 64, 512, torch.bfloat16, True)  # the plan at a size the interpreter runs
+    _check(lin.skinny_linear(x, w, b, p=lin.LONG_K_PLAN), _expect(x, w, b))
+
+
 def test_dispatch_writes_into_out():
     x, w, b = _inputs(3, 40, 128, torch.bfloat16, True)
     out = torch.empty(8, 40, dtype=torch.bfloat16, device=DEVICE)[:3]
@@ -89,6 +102,15 @@ def test_skinny_linear_gpu(N, K, bias, M):
     x, w, b = _inputs(M, N, K, torch.bfloat16, bias, seed=M)
     assert lin.supports(x, w)
     _check(lin.skinny_linear(x, w, b), _expect(x, w, b))
+
+
+@gpu
+@pytest.mark.parametrize("N,K", [(4096, 14336), (4096, 7168)])  # Llama-3-8B's down at TP=1, TP=2
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_long_k_linear_gpu(N, K, M):
+    x, w, _ = _inputs(M, N, K, torch.bfloat16, False, seed=M)
+    assert lin.supports(x, w) == lin.LONG_K_PLAN
+    _check(lin.linear(x, w, pdl=True), _expect(x, w, None))
 
 
 @gpu
