@@ -50,8 +50,9 @@ class Comm:
 
     @property
     def fused_sums(self) -> bool:
-        """reduce_norm is the fused kernel, whose wait on NVLink leaves the memory idle: the
-        gate/up matmul after it pulls its first weights into L2 meanwhile (kernels/gate_up.py)."""
+        """reduce_norm takes the fused kernel (in CUDA graph captures: the decode steps), whose wait
+        on NVLink leaves the memory idle: the gate/up matmul after it pulls its first weights into
+        L2 meanwhile (kernels/gate_up.py)."""
         return self.peer is not None and self.peer.fused
 
     def use_peer_memory(self, device: torch.device) -> str | None:
