@@ -6,7 +6,10 @@ roofline: where a mixed step (64 to ~1,000 rows) loses the overlap of compute an
 Forwards run eagerly as the start-up cost model runs them (prompt chunks of 256, writing no KV), at
 16, 32 and every 64 rows to 1,024. Each projection (qkv, o, gate_up, down) is timed alone with
 cuBLAS (and with --triton, lab/tma_gemm.py's persistent TMA kernel at a few tile shapes, the best
-kept) against max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call.
+kept; with --split-k, cuBLAS over K split in 2, 3 or 4 as one batched GEMM with float32 outputs
+summed after it, the best kept, and cuBLAS on the rows padded to a multiple of 128) against
+max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call. Split-K is for
+the projections with few columns (qkv, o), whose output tiles at 128-512 rows leave SMs idle.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="a model folder (dummy weights)")
     p.add_argument("--out", required=True)
     p.add_argument("--triton", action="store_true", help="also lab/tma_gemm.py's persistent kernel")
+    p.add_argument("--split-k", action="store_true", help="also cuBLAS over split K, and on padded rows")
     p.add_argument("--rows", default="16,32," + ",".join(str(m) for m in range(64, 1025, 64)))
     args = p.parse_args(argv)
 
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                         best = (ms, tiles)
                 if best is not None:
                     row["tma_ms"], row["tma_tiles"] = best[0], list(best[1])
+            if args.split_k and m >= 64:
+                row.update(split_k_rows(xm, w))
             row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
             gemms.append(row)
             print(json.dumps(row), flush=True)
@@ -85,6 +91,41 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("forward ms:", {k: round(v, 2) for k, v in forward.items()})
     return 0
+
+
+def split_k_rows(x, w) -> dict:
+    """cuBLAS on x [M, K] @ w [N, K].T as S batched GEMMs over K / S (float32 outputs, summed, then
+    rounded once), the best S of 2-4; and on x's rows padded to a multiple of 128."""
+    import torch
+    import triton.testing
+    from torch.nn import functional as F
+
+    m, k = x.shape
+    n = w.shape[0]
+    ref = F.linear(x, w)
+    out = {}
+    for s in (2, 3, 4):
+        if k % (s * 64):
+            continue
+        xs = x.view(m, s, k // s).transpose(0, 1)
+        ws = w.view(n, s, k // s).permute(1, 2, 0)
+
+        def fn(xs=xs, ws=ws):
+            return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(x.dtype)
+        try:
+            torch.testing.assert_close(fn(), ref, atol=0.05, rtol=0.02)
+            ms = triton.testing.do_bench(fn, rep=60)
+        except Exception as e:  # noqa: BLE001 - a torch without bmm's out_dtype: a result too
+            out.setdefault("split_k_errors", []).append(f"{s}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if "split_k_ms" not in out or ms < out["split_k_ms"]:
+            out["split_k_ms"], out["split_k"] = ms, s
+    padded = -(-m // 128) * 128
+    if padded != m:
+        xp = torch.zeros(padded, k, dtype=x.dtype, device=x.device)
+        xp[:m] = x
+        out["pad128_ms"] = triton.testing.do_bench(lambda: F.linear(xp, w), rep=60)
+    return out
 
 
 if __name__ == "__main__":
