@@ -35,8 +35,9 @@ QKV_N, INTER = 3072, 7168  # Llama-3-8B at TP=2: (32 + 2 x 8) x 128 / 2 columns 
 
 
 @triton.jit
-def _clock(dummy):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dummy], dtype=tl.int64,
+def _clock():
+    """The GPU's global timer, ns (the asm's input is unused: an elementwise asm needs one)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)], dtype=tl.int64,
                                      is_pure=False, pack=1)
 
 
@@ -44,10 +45,10 @@ def _clock(dummy):
 def _spin_kernel(ns):
     """The sum's stand-in: the next kernel may launch at once; this one waits ns on the clock."""
     wait_for_prior(True)
-    start = _clock(ns)
+    start = _clock()
     now = start
     while now - start < ns:
-        now = _clock(ns)
+        now = _clock()
 
 
 @triton.jit
