@@ -41,7 +41,7 @@ class Comm:
         (RMSNorm(sum + residual) * weight, sum + residual); without residual the sum is the new
         residual stream. ops: the model's (its rms_norm where nothing is fused)."""
         if self.size > 1:
-            if self.peer is not None and self.peer.fused and self.peer.fits(x, self.peer.fused_max_bytes):
+            if self.fused_sums and self.peer.fits(x, self.peer.fused_max_bytes):
                 return self.peer.add_norm(x, residual, weight, eps)
             x = self.all_reduce(x)
         if residual is None:
