@@ -77,15 +77,22 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
                                eps, stride_x, stride_r, stride_o, stride_ro, SLOT,
                                G: tl.constexpr, WORLD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
                                HAS_RES: tl.constexpr, PUSH: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dt = x_ptr.dtype.element_ty
+    # Before the wait (a PDL launch starts during the projection before it), only what that
+    # projection does not write: the buffers' addresses, this program's epoch (its last call
+    # stored it), the norm's weight, and the first row of the residual, which the sum before
+    # that projection wrote: the projection passed its own wait, so that sum has finished.
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     epoch = tl.load(flags + G * WORLD + b, volatile=True) + 1  # int32: wraps, compared only for equality
     half = (epoch & 1).to(tl.int64) * (SLOTS * SLOT)  # elements
     mine = tl.load(data_ptrs + rank).to(tl.pointer_type(dt)) + half
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r_next = tl.load(r_ptr + b * stride_r + cols, mask=mask & (b + 0 * cols < rows), other=0.0)
+    wait_for_prior(PDL)
     for i in range(b, rows, G):
         v = tl.load(x_ptr + i * stride_x + cols, mask=mask)
         if PUSH:  # into this rank's slot of every peer's half (NVLink writes, which need no answer)
@@ -120,13 +127,13 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
             acc += v.to(tl.float32)
         h = acc.to(dt)  # the all-reduce's result, as the unfused path has it
         if HAS_RES:
-            r = tl.load(r_ptr + i * stride_r + cols, mask=mask, other=0.0)
+            r = r_next
+            r_next = tl.load(r_ptr + (i + G) * stride_r + cols, mask=mask & (i + G + 0 * cols < rows), other=0.0)
             h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(res_out_ptr + i * stride_ro + cols, h, mask=mask)
         hf = h.to(tl.float32)
         var = tl.sum(hf * hf, axis=0) / N
         normed = (hf * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + i * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(flags + G * WORLD + b, epoch)
 

@@ -25,9 +25,30 @@ from pathlib import Path
 from lab.tp_check import agreement
 
 
+def apply_variant(variant: dict) -> None:
+    """A lab variant of the decode attention, in this process only (one-GPU layouts: TP/PP ranks
+    are processes of their own): "decode" overrides keys of decode_config()'s plan; "unfused_rotary"
+    runs the rotary embedding and the KV write as their own kernel before decode attention."""
+    from kernels import fused, paged_attention as pa
+
+    if variant.get("decode"):
+        plan = pa.decode_config
+        pa.decode_config = lambda *args, **kw: {**plan(*args, **kw), **variant["decode"]}
+    if variant.get("unfused_rotary"):
+        def unfused(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                    softmax_scale, out=None, config=None, reuse=None, pdl=False):
+            q, _ = fused.apply_rotary(q, k, positions, cos_sin, v, k_cache, v_cache, slot_mapping, pdl=pdl)
+            return pa.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out=out,
+                                             config=config, reuse=reuse, pdl=pdl)
+        pa.rotary_decode_attention = unfused
+
+
 def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) -> dict:
     from scheduler.request import SamplingParams
     from serve.llm import LLM
+
+    if a.variant:
+        apply_variant(json.loads(a.variant))
 
     shape, flags = layout.rstrip("en"), layout[len(layout.rstrip("en")):]
     tp, pp = (int(x) for x in shape.split("x"))
@@ -55,6 +76,7 @@ def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) 
         elapsed = time.perf_counter() - t0
         tokens = core.stats.generation_tokens - before
         kernels = kernel_profile(core, a.profile_steps, a.batch) if a.kernel_profile else None
+        mixed = mixed_profile(core, a, rng, vocab) if a.mixed_tokens else None
         for s in seqs:
             core.abort(s.seq_id)
         while core.has_unfinished():
@@ -66,9 +88,47 @@ def run_one(model: str, layout: str, a: argparse.Namespace, emit: bool = False) 
                   "peer_all_reduce": llm.engine.runner.comm.peer is not None}
         if kernels is not None:
             result["kernels"] = kernels
+        if mixed is not None:
+            result["mixed"] = mixed
         if emit:  # before the engine stops: a stop that hangs still leaves the figures
             print(json.dumps(result), flush=True)
         return result
+
+
+def mixed_profile(core, a: argparse.Namespace, rng: random.Random, vocab: int) -> dict:
+    """Steps that carry the decoding batch and a new prompt of --mixed-tokens tokens each (as a
+    mixed step of serving does): their wall time with the GPU drained around each, and rank 0's
+    GPU kernels by device time per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from scheduler.request import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def mixed_step() -> float:
+        core.add_request([rng.randrange(vocab) for _ in range(a.mixed_tokens)], one)
+        sync()
+        t0 = time.perf_counter()
+        core.step()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(3):  # warm: this step size's graphs replayed once
+        mixed_step()
+    walls = sorted(mixed_step() for _ in range(a.profile_steps))
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        for _ in range(a.profile_steps):
+            mixed_step()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"kernel": ev.key[:160], "calls": ev.count, "us_per_step": us / a.profile_steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"prompt_tokens": a.mixed_tokens, "step_ms_median": walls[len(walls) // 2],
+            "kernel_us_per_step": sum(r["us_per_step"] for r in rows), "kernels": rows[:40]}
 
 
 def kernel_profile(core, steps: int, batch: int) -> list[dict]:
@@ -109,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout-timeout", type=float, default=300, help="seconds a layout's process may take")
     p.add_argument("--kernel-profile", action="store_true", help="rank 0's GPU kernels over --profile-steps steps")
     p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--mixed-tokens", type=int, default=0,
+                   help="also profile steps that carry a new prompt of this many tokens beside the decodes")
+    p.add_argument("--variant", default="", help="JSON: a lab variant of decode attention (apply_variant; one GPU)")
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: this layout only
     a = p.parse_args(argv)
@@ -119,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     for layout in a.layouts.split(","):
         cmd = [sys.executable, "-m", "lab.pp_check", "--model", a.model, "--one", layout]
         for flag in ("prompts", "input_len", "output_len", "batch", "context", "steps", "dtype", "gpu_memory_utilization",
-                     "profile_steps"):
+                     "profile_steps", "mixed_tokens"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
         cmd += ["--kernel-profile"] if a.kernel_profile else []
+        cmd += ["--variant", a.variant] if a.variant else []
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.layout_timeout)
             out, err, code = done.stdout, done.stderr, done.returncode
@@ -136,9 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             continue
         runs[layout] = json.loads(lines[-1])
-        print(layout, {k: v for k, v in runs[layout].items() if k not in ("greedy", "kernels")}, flush=True)
+        print(layout, {k: v for k, v in runs[layout].items() if k not in ("greedy", "kernels", "mixed")}, flush=True)
         for row in runs[layout].get("kernels", [])[:15]:
             print(f"  {row['us_per_step']:9.1f} us/step {row['calls']:6d}  {row['kernel'][:110]}", flush=True)
+        if "mixed" in runs[layout]:
+            m = runs[layout]["mixed"]
+            print(f"  mixed steps (+{m['prompt_tokens']} prompt tokens): {m['step_ms_median']:.2f} ms, "
+                  f"kernels {m['kernel_us_per_step'] / 1e3:.2f} ms", flush=True)
+            for row in m["kernels"][:20]:
+                print(f"  {row['us_per_step']:9.1f} us/step {row['calls']:6d}  {row['kernel'][:110]}", flush=True)
     if a.layouts.split(",")[0] not in runs:
         print("the reference layout did not finish", file=sys.stderr)
         return 1

@@ -1,0 +1,74 @@
+"""Matmuls of 64 to ~768 rows (a mixed step's) against their own roofline, by each way cuBLAS can
+run them from torch: `python -m lab.mid_gemm --out F`.
+
+For Llama-3-8B at TP=1 and Llama-3-70B at TP=2 (one rank's weights, lab/tp_linear.py's shapes),
+each projection at each row count: cuBLAS as torch calls it, cuBLASLt (torch's preferred BLAS
+library switched), cuBLAS over K split in 2-4 as one batched GEMM with float32 outputs summed after
+it, and on the rows padded to a multiple of 128 (lab/forward_curve.py's split_k_rows); each against
+max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call (bench/hardware.py).
+Times are triton's do_bench (L2 flushed between runs). Writes one JSON with the GPU and the date.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lab.forward_curve import split_k_rows
+from lab.tp_linear import shapes
+
+ROWS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768)
+
+
+def run(cases: list[tuple[str, int]], rows: tuple[int, ...]) -> dict:
+    import torch
+    import triton.testing
+    from torch.nn import functional as F
+
+    from bench.hardware import measure
+
+    hw = measure()
+    bandwidth, rate = hw.copy_bandwidth, hw.matmul_flops
+    out = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).date().isoformat(),
+           "copy_bandwidth": bandwidth, "matmul_rate": rate, "gemms": []}
+    print(f"{out['gpu']}: {bandwidth / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s", flush=True)
+    default = torch.backends.cuda.preferred_blas_library()
+    for model, tp in cases:
+        for name, (n, k) in shapes(model, tp).items():
+            w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+            for m in rows:
+                x = torch.randn(m, k, device="cuda").bfloat16()
+                bound_ms = max(2 * m * n * k / rate, 2 * (n * k + m * k + m * n) / bandwidth) * 1e3
+                row = {"model": model, "tp": tp, "proj": name, "M": m, "N": n, "K": k, "bound_ms": bound_ms,
+                       "cublas_ms": triton.testing.do_bench(lambda: F.linear(x, w), rep=60)}
+                ref = F.linear(x, w)
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                try:
+                    torch.testing.assert_close(F.linear(x, w), ref, atol=0.05, rtol=0.02)
+                    row["cublaslt_ms"] = triton.testing.do_bench(lambda: F.linear(x, w), rep=60)
+                finally:
+                    torch.backends.cuda.preferred_blas_library(default)
+                row.update(split_k_rows(x, w))
+                best = min(v for key, v in row.items() if key.endswith("_ms") and key != "bound_ms")
+                row["best_of_bound"] = row["bound_ms"] / best
+                row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
+                out["gemms"].append(row)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            del w
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cases", default="llama3-8b:1,llama3-70b:2", help="model:tp, comma-separated")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    args = p.parse_args(argv)
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    args.out.write_text(json.dumps(run(cases, tuple(int(r) for r in args.rows.split(","))), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
