@@ -55,6 +55,9 @@ class Ops:
     # (x, w13, w2, topk_weights, topk_ids, expert_start, num_global_experts) -> [T, hidden]: the
     # experts of a mixture-of-experts layer (kernels/moe_reference.py)
     fused_moe: Callable = moe_reference.fused_moe
+    # (logits [N, V] of vocabulary entries offset.., offset) -> int64 [N] keys whose maximum over the
+    # tensor-parallel ranks holds the greedy token (kernels/argmax.py)
+    argmax_keys: Callable = reference.argmax_keys
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

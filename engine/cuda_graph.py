@@ -118,9 +118,9 @@ class DecodeGraphs:
                             s.seq_lens[:bs], s.block_tables, self.block_size)
         carry = None if self.carry is None else self.carry[:, :bs]
         out = self.model(self.ops, s.input_ids[:bs], s.positions[:bs], self.caches, s.meta(bs), s.logit_indices[:bs],
-                         carry)
-        if self.model.norm is not None:  # logits (not a pipeline stage's carry)
-            self.ops.argmax_rows(out, self.tokens[:bs])
+                         carry, gather=False)
+        if self.model.norm is not None:  # this rank's logits (not a pipeline stage's carry)
+            self.model.greedy_tokens(self.ops, out, self.tokens[:bs])
         return out
 
     @torch.inference_mode()
@@ -155,14 +155,15 @@ class DecodeGraphs:
         """The pinned buffer (int64 words) to write the next replay's inputs into."""
         return self._uploads.buffer().view(np.int64)
 
-    def replay(self, n: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, n: int, words: int, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Upload the first `words` of host_inputs() and run the graph of n rows' bucket ->
-        (logits [n, V], greedy tokens [n]), both views of static buffers that the next replay
-        overwrites."""
+        (logits [n, V] or None without `logits`, greedy tokens [n]). The tokens are a view of a
+        static buffer that the next replay overwrites, and so are the logits on one GPU (under
+        tensor parallelism they are gathered after the graph: its greedy tokens need no gather)."""
         self._uploads.send(self.stage.view(torch.uint8), words * 8)
         bs = self.bucket_for(n)
         self.graphs[bs].replay()
-        return self.logits[bs][:n], self.tokens[:n]
+        return (self.model.gather_logits(self.logits[bs][:n]) if logits else None), self.tokens[:n]
 
     def replay_carry(self, n: int, words: int) -> torch.Tensor:
         """replay() on a pipeline stage before the last -> its carry out [2, n, hidden], a view of a
@@ -180,7 +181,7 @@ class DecodeGraphs:
         all the positions). draw(logits [n, V], step) -> tokens [n]: where rows sample rather than
         take the graph's greedy tokens, queued after each replay, its tokens the next one's input.
         -> every step's tokens [steps, n], a view of a static buffer."""
-        logits, tokens = self.replay(n, words)
+        _, tokens = self.replay(n, words, logits=False)
         bs = self.bucket_for(n)
         graph = self.graphs[bs]
         out = self.step_tokens[:steps, :n]
@@ -191,6 +192,6 @@ class DecodeGraphs:
                 positions.add_(1)
                 graph.replay()
             if draw is not None:
-                tokens.copy_(draw(logits, j))
+                tokens.copy_(draw(self.model.gather_logits(self.logits[bs][:n]), j))
             out[j].copy_(tokens)
         return out

@@ -965,7 +965,7 @@ class ModelRunner:
                 draw = lambda logits, step: sample_on_device(logits, sbatch, self.generator, step).tokens  # noqa: E731
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None for p in params):
-            samples = DeviceSamples(g.replay(n, words)[1], params)
+            samples = DeviceSamples(g.replay(n, words, logits=False)[1], params)
         else:  # sampled, with logprobs or constrained: from the graph's logits
             logits, tokens = g.replay(n, words)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])

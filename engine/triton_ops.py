@@ -8,7 +8,7 @@ from engine.attention import Ops
 
 def triton_ops(pdl: bool = False) -> Ops:
     """pdl: the kernels of a decode layer launch with programmatic dependent launch (kernels/pdl.py)."""
-    from kernels.argmax import argmax_rows
+    from kernels.argmax import argmax_keys, argmax_rows
     from kernels.cache_write import write_kv_cache
     from kernels.fused import apply_rotary, rms_norm
     from kernels.gate_up import mlp_gate_up
@@ -24,4 +24,4 @@ def triton_ops(pdl: bool = False) -> Ops:
         fns = {name: partial(fn, pdl=True) for name, fn in fns.items()}
     # argmax_rows launches without PDL: it follows the lm_head's cuBLAS GEMM
     return Ops(prefill_attention=paged_prefill_attention, argmax_rows=argmax_rows, reuse=True, work_lists=True,
-               fused_moe=fused_moe, **fns)
+               fused_moe=fused_moe, argmax_keys=argmax_keys, **fns)

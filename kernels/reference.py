@@ -152,6 +152,19 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return torch.argmax(x, dim=-1, out=out)
 
 
+def argmax_keys(x: torch.Tensor, offset: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, V], the logits of vocabulary entries offset .. offset + V - 1 -> int64 [N]: each row's
+    maximum and its first index as one key, (order-preserving int32 of the float32 value) << 32 |
+    (2**32 - 1 - (offset + index)), NaN above every value (kernels/argmax.py)."""
+    idx = torch.argmax(x, dim=-1)
+    best = x.gather(1, idx[:, None])[:, 0].float() + 0.0
+    bits = best.view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = torch.where(best.isnan(), 0x7FFFFFFF, ordered)
+    keys = (ordered << 32) | (0xFFFFFFFF - (idx + offset))
+    return keys if out is None else out.copy_(keys)
+
+
 def sample_probs(x: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """What kernels/sample.py draws from: per row, softmax(x / T) over the tokens with fewer than
     top_k tokens and less than top_p of the mass above them, renormalized; a row with T = 0 puts

@@ -31,7 +31,8 @@ from engine.config import ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_map, router_weight_name
 from engine.parallel.comm import Comm
 from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
-                                    VocabParallelEmbedding, even_split, head_split, vocab_logits)
+                                    VocabParallelEmbedding, even_split, gather_logits, head_split, vocab_argmax,
+                                    vocab_logits)
 from engine.parallel.stage import Stage, whole_model
 from kvcache.pool import LayerCache
 
@@ -147,11 +148,9 @@ class DecoderLayer(nn.Module):
     def input_norm(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None,
                    summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input RMSNorm (adding x to the residual stream) -> (normed, residual). x: the
-        embedding (residual None), or the layer before's output, a part of a sum over the ranks,
-        unless summed (a pipeline stage's carry)."""
+        embedding (residual None) or the layer before's output, each a part of a sum over the
+        ranks, unless summed (a pipeline stage's carry)."""
         ln = self.input_layernorm
-        if residual is None:
-            return ops.rms_norm(x, ln.weight, ln.eps), x
         if summed:
             return ops.rms_norm(x, ln.weight, ln.eps, residual)
         return self.comm.reduce_norm(ops, x, residual, ln.weight, ln.eps)
@@ -197,8 +196,10 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim], set by the runner
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttnMetadata, logit_indices: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [len(logit_indices), vocab] in float32; a pipeline
+                meta: AttnMetadata, logit_indices: torch.Tensor, carry: torch.Tensor | None = None,
+                gather: bool = True) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logit_indices), vocab] in the model's dtype (with
+        gather=False this rank's part of the vocabulary: greedy_tokens, gather_logits); a pipeline
         stage after the first reads carry (the last stage's output) instead of input_ids, and a stage
         before the last returns its carry [2, T, hidden] instead of logits."""
         if self.embed_tokens is not None:
@@ -210,13 +211,26 @@ class LlamaForCausalLM(nn.Module):
         if self.norm is None:
             return torch.stack((self.comm.all_reduce(x), residual))
         x, _ = self.comm.reduce_norm(ops, x, residual, self.norm.weight, self.norm.eps)
-        return self.compute_logits(x[logit_indices])
+        return self.compute_logits(x[logit_indices], gather)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    @property
+    def _head(self) -> nn.Module:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         # in the model's dtype: greedy rows take the argmax as is (the same token as in float32);
         # the sampler converts for the rows and logprobs that need float32
-        return vocab_logits(h, w, self.comm, self.global_cfg.vocab_size)
+        return vocab_logits(h, self._head.weight, self.comm, self.global_cfg.vocab_size, gather)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """compute_logits(gather=False)'s logits -> the whole vocabulary's, on every rank."""
+        return gather_logits(logits, self.comm, self.global_cfg.vocab_size)
+
+    def greedy_tokens(self, ops: Ops, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """compute_logits(gather=False)'s logits -> every row's greedy token into out [N]."""
+        head = self._head
+        start, valid = (0, logits.shape[-1]) if self.comm.size == 1 else (head.start, head.num_valid)
+        return vocab_argmax(ops, logits, self.comm, start, valid, out)
 
     def held_elsewhere(self, hf_name: str) -> bool:
         """Whether a checkpoint tensor belongs to another pipeline stage (the loader skips it)."""

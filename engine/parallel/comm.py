@@ -35,6 +35,12 @@ class Comm:
         dist.all_reduce(t, group=self.group.device)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest over ranks, in place through NCCL (gloo on the CPU)."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.device)
+        return t
+
     def reduce_norm(self, ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's part of a sum over the ranks (a row-parallel projection's output) ->

@@ -14,12 +14,12 @@ NCCL_BYTES_PER_CAPTURE = 120_000
 
 
 def forward_collectives(num_layers: int, first_stage: bool, last_stage: bool) -> tuple[int, int, int]:
-    """(all-reduces a norm follows, other all-reduces, all-gathers) of one tensor-parallel forward
-    over a stage of num_layers layers: two a layer (attention's and the MLP's row-parallel output),
-    each summed with the norm after it, but for the last MLP's on a stage before the last (summed
-    alone into the carry); the vocabulary-parallel embedding's on the first stage; the LM head's
-    gather of the logits on the last."""
-    return 2 * num_layers - int(not last_stage), int(first_stage) + int(not last_stage), int(last_stage)
+    """(all-reduces a norm follows, other all-reduces, the greedy tokens' all-reduce) of one
+    tensor-parallel forward over a stage of num_layers layers: two a layer (attention's and the
+    MLP's row-parallel output), each summed with the norm after it, but for the last MLP's on a stage
+    before the last (summed alone into the carry); the vocabulary-parallel embedding's on the first
+    stage, summed with the first layer's norm; the largest of the ranks' greedy keys on the last."""
+    return 2 * num_layers - int(not last_stage) + int(first_stage), int(not last_stage), int(last_stage)
 
 
 def nccl_captures(decode_rows: list[int], prefill_tokens: list[int], row_bytes: int, num_layers: int,
@@ -27,12 +27,13 @@ def nccl_captures(decode_rows: list[int], prefill_tokens: list[int], row_bytes: 
     """Collectives that go through NCCL inside the graphs: one decode graph per entry of decode_rows
     (its forward ends in the LM head), one graph or set of pieces per entry of prefill_tokens (no LM
     head). An all-reduce of rows x row_bytes up to one_shot_max_bytes takes the one-shot kernel
-    instead, one a norm follows up to fused_max_bytes the kernel fused with the norm (0: none does);
-    the logits' gather is always NCCL's."""
-    normed, plain, gathers = forward_collectives(num_layers, first_stage, last_stage)
+    instead, one a norm follows up to fused_max_bytes the kernel fused with the norm (0: none does)
+    or else the one-shot kernel; the greedy tokens' all-reduce is always NCCL's."""
+    normed, plain, greedy = forward_collectives(num_layers, first_stage, last_stage)
 
     def through_nccl(rows: int) -> int:
         size = rows * row_bytes
-        return normed * (size > fused_max_bytes) + plain * (size > one_shot_max_bytes)
+        # a norm's all-reduce that the fused kernel does not take goes to the one-shot one if it fits
+        return normed * (size > max(fused_max_bytes, one_shot_max_bytes)) + plain * (size > one_shot_max_bytes)
 
-    return sum(through_nccl(rows) + gathers for rows in decode_rows) + sum(map(through_nccl, prefill_tokens))
+    return sum(through_nccl(rows) + greedy for rows in decode_rows) + sum(map(through_nccl, prefill_tokens))

@@ -110,31 +110,53 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """-> this rank's part of the embeddings, a sum over the ranks (the first layer's input norm
+        sums it as it sums the layers' outputs: Comm.reduce_norm)."""
         if self.comm.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_valid)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.comm.all_reduce(x)
+        return x.masked_fill_(outside.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(nn.Module):
     """Logits over this rank's vocabulary rows, gathered into the full vocabulary on every rank,
-    so every rank samples the same token from the same logits."""
+    so every rank samples the same token from the same logits (greedy rows need only the keys of
+    vocab_argmax)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
         super().__init__()
         segment, rows = vocab_split(vocab_size, comm.rank, comm.size)
         self.vocab_size, self.comm = vocab_size, comm
+        self.start, self.num_valid = segment.start, segment.length
         self.shard = Shard(0, (segment,))
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
 
-def vocab_logits(h: torch.Tensor, weight: torch.Tensor, comm: Comm, vocab_size: int) -> torch.Tensor:
-    """h [N, hidden] @ this rank's vocabulary rows -> all ranks' logits [N, vocab_size]."""
+def vocab_logits(h: torch.Tensor, weight: torch.Tensor, comm: Comm, vocab_size: int,
+                 gather: bool = True) -> torch.Tensor:
+    """h [N, hidden] @ this rank's vocabulary rows -> all ranks' logits [N, vocab_size], or with
+    gather=False this rank's [N, rows] (gather_logits later)."""
     logits = F.linear(h, weight)
+    return gather_logits(logits, comm, vocab_size) if gather else logits
+
+
+def gather_logits(logits: torch.Tensor, comm: Comm, vocab_size: int) -> torch.Tensor:
+    """Every rank's logits [N, rows] -> [N, vocab_size] (the last rank's padded rows off)."""
     if comm.size == 1:
         return logits
     logits = comm.all_gather(logits)
-    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()  # padded rows off
+    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()
+
+
+def vocab_argmax(ops, logits: torch.Tensor, comm: Comm, start: int, num_valid: int, out: torch.Tensor) -> torch.Tensor:
+    """This rank's logits [N, rows] of vocabulary entries start.. (num_valid of them real) -> the
+    greedy tokens over the whole vocabulary [N] into out, on every rank the same: each rank's best
+    as a key, the largest over the ranks (kernels/argmax.py), instead of gathering the logits."""
+    if comm.size == 1:
+        return ops.argmax_rows(logits, out)
+    from kernels.argmax import key_token
+
+    keys = comm.all_reduce_max(ops.argmax_keys(logits[:, :num_valid], start))
+    return key_token(keys, out=out)

@@ -13,21 +13,23 @@ from kvcache import calc
 from serve import kv_calc_cmd as cmd
 
 
-def test_a_forward_has_two_all_reduces_a_layer_the_embeddings_and_the_heads_gather():
-    assert forward_collectives(32, True, True) == (64, 1, 1)
+def test_a_forward_has_two_all_reduces_a_layer_the_embeddings_and_the_greedy_keys():
+    assert forward_collectives(32, True, True) == (65, 0, 1)  # the embedding's sum with layer 0's norm
     assert forward_collectives(16, False, True) == (32, 0, 1)  # a later pipeline stage: no embedding
     # no LM head before the last stage; its last MLP output is summed into the carry without a norm
-    assert forward_collectives(16, True, False) == (31, 2, 0)
+    assert forward_collectives(16, True, False) == (32, 1, 0)
 
 
 def test_the_peer_kernels_take_their_messages_out_of_nccl():
     row = 8192  # bytes a row: 4,096 bf16 values
     every = nccl_captures([1, 64, 256], [512], row, 32, True, True, 0, 0)
     assert every == 3 * (65 + 1) + 65
-    # up to 64 rows (512 KiB) the all-reduces go peer to peer; the gather stays NCCL's
+    # up to 64 rows (512 KiB) the all-reduces go peer to peer; the greedy keys' stays NCCL's
     assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row, 64 * row) == 3 + 65 + 65
-    # the fused kernel up to 512 rows, the embedding's one-shot up to 64
-    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row, 512 * row) == 3 + 1 + 1
+    # the fused kernel up to 512 rows (the embedding's sum is fused with layer 0's norm)
+    assert nccl_captures([1, 64, 256], [512], row, 32, True, True, 64 * row, 512 * row) == 3
+    # a stage before the last: its carry's sum is the one-shot's
+    assert nccl_captures([64, 256], [], row, 16, True, False, 64 * row, 512 * row) == 1
     assert nccl_captures([], [], row, 32, True, True, 0, 0) == 0
 
 
@@ -54,7 +56,7 @@ def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
         expected = NCCL_BYTES_PER_CAPTURE * nccl_captures(graph_buckets(256), prefill, hidden * 2, layers, True, True,
                                                           ONE_SHOT_MAX_BYTES[tp], FUSED_MAX_BYTES.get(tp, 0))
         assert cmd.nccl_graph_bytes(req, "bfloat16", tokens) == expected
-        # with the fused kernel (2 ranks) only the gathers and the largest embeddings' sums are NCCL's
+        # with the fused kernel (2 ranks) only the greedy keys' all-reduces and the largest steps' sums are NCCL's
         assert (expected < 10**7) == (tp in FUSED_MAX_BYTES) and expected > 10**6
         m = req.model  # the plan's graph reserve: the activations' estimates, NCCL's share, the fused kernel's rows
         step = calc.estimate_step_graph_bytes(256, 8192, 16, tokens.step) if tokens.step else 0

@@ -5,6 +5,7 @@ the residual add and RMSNorm equals NCCL's sum and the norm kernel bit for bit, 
 size in any order through its buffer's two halves."""
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import pytest
@@ -197,4 +198,8 @@ def test_tp2_with_the_one_shot_all_reduce_equals_one_gpu_float32(tiny_models):
             # the second engine of this process reuses the first one's group name: NCCL (peer_access)
             assert (llm.engine.runner.comm.peer is not None) == (i == 0)
             got = llm.generate(ps, GREEDY)
+            # a sampled step gathers the ranks' logits after the graph (greedy ones take the argmax
+            # keys inside it): a temperature this low samples the greedy tokens
+            cold = llm.generate(ps, dataclasses.replace(GREEDY, temperature=1e-6))
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.token_ids for o in cold] == [o.token_ids for o in want]

@@ -60,8 +60,9 @@ def _model(cfg, comm, folder: Path | None):
     return model.eval()
 
 
-def _forward(model, n: int = 9) -> torch.Tensor:
-    """A prefill of n tokens over a fresh pool -> logits of every position."""
+def _forward(model, n: int = 9, gather: bool = True) -> torch.Tensor:
+    """A prefill of n tokens over a fresh pool -> logits of every position (this rank's part of
+    the vocabulary without gather)."""
     from engine.attention import AttnMetadata, reference_ops
     from kvcache.pool import KVPool
     from kvcache.spec import KVCacheSpec
@@ -72,7 +73,7 @@ def _forward(model, n: int = 9) -> torch.Tensor:
     meta = AttnMetadata(torch.arange(n), torch.tensor([[0]], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
                         torch.tensor([0, n], dtype=torch.int32), num_decode=0, max_query_len=n)
     with torch.inference_mode():
-        return model(reference_ops(), ids, torch.arange(n), pool.layers, meta, torch.arange(n))
+        return model(reference_ops(), ids, torch.arange(n), pool.layers, meta, torch.arange(n), gather=gather)
 
 
 def _check_rank(rank: int, port: int, folder: Path, vocab: int | None) -> None:
@@ -105,6 +106,18 @@ def _check_rank(rank: int, port: int, folder: Path, vocab: int | None) -> None:
         ref, got = _forward(whole), _forward(part)
         assert got.shape == ref.shape == (9, cfg.vocab_size)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        # greedy tokens from each rank's part of the vocabulary (the decode graphs' way), by the
+        # reference and by the Triton kernel: the whole row's argmax on both ranks
+        local = _forward(part, gather=False)
+        assert local.shape == (9, -(-cfg.vocab_size // 2))
+        assert torch.equal(part.gather_logits(local), got)
+        from engine.attention import reference_ops
+        from kernels import argmax
+
+        for ops in (reference_ops(), dataclasses.replace(reference_ops(), argmax_keys=argmax.argmax_keys)):
+            tokens = torch.full((9,), -1, dtype=torch.int64)
+            assert part.greedy_tokens(ops, local, tokens) is tokens
+            assert tokens.tolist() == torch.argmax(got, dim=-1).tolist()
     finally:
         destroy_group(group)
 

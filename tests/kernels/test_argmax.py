@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kernels import launch
-from kernels.argmax import argmax_rows
+from kernels import reference
+from kernels.argmax import argmax_keys, argmax_rows, key_token
 from tests.kernels.util import DEVICE, gpu
 
 
@@ -38,6 +39,41 @@ def test_argmax_nan_is_largest():
     x[0, 5] = float("inf")
     x[1, 299] = float("nan")
     assert argmax_rows(x, chunk=64).tolist() == [100, 299, int(torch.argmax(x[2]))] == torch.argmax(x, dim=-1).tolist()
+
+
+def _split_argmax(x: torch.Tensor, parts: int, keys_fn) -> torch.Tensor:
+    """The argmax of x's rows from the largest of its column ranges' keys (as tensor-parallel ranks)."""
+    V = x.shape[1]
+    per = -(-V // parts)
+    keys = [keys_fn(x[:, r * per:min(V, (r + 1) * per)], r * per) for r in range(parts)]
+    return key_token(torch.stack(keys).amax(dim=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_keys_over_vocabulary_ranges_give_the_argmax_of_the_whole_row(dtype, parts):
+    """Ties across ranges (the lower index wins), -0.0 against 0.0 (equal: the first), NaN above
+    inf, all -inf, negatives only: the largest key is the whole row's torch.argmax, and the kernel's
+    keys are the reference's."""
+    x = _rows(9, 300, dtype, seed=parts)
+    x[0, [250, 20]] = 40.0  # a tie across ranges
+    x[1] = -x[1].abs() - 1  # negatives only
+    x[2] = -1.0
+    x[2, 10] = -0.0  # equal to the 0.0 after it: the first wins
+    x[2, 290] = 0.0
+    x[3] = float("-inf")
+    x[4, 5] = float("inf")
+    x[4, 280] = float("nan")
+    x[5, [290, 120]] = float("nan")
+    x[6, 299] = 1e4
+    x[7] = x[7] * 1e-30  # tiny values
+    x[8, 150:] = 99.0
+    want = torch.argmax(x, dim=-1)
+    got = _split_argmax(x, parts, lambda part, off: argmax_keys(part, off, chunk=64))
+    assert got.tolist() == want.tolist()
+    assert _split_argmax(x, parts, reference.argmax_keys).tolist() == want.tolist()
+    for off in (0, 1000):
+        assert torch.equal(argmax_keys(x, off, chunk=64), reference.argmax_keys(x, off))
 
 
 def test_argmax_no_rows():
