@@ -4,9 +4,11 @@ run them from torch: `python -m lab.mid_gemm --out F`.
 For Llama-3-8B at TP=1 and Llama-3-70B at TP=2 (one rank's weights, lab/tp_linear.py's shapes),
 each projection at each row count: cuBLAS as torch calls it, cuBLASLt (torch's preferred BLAS
 library switched), cuBLAS over K split in 2-4 as one batched GEMM with float32 outputs summed after
-it, and on the rows padded to a multiple of 128 (lab/forward_curve.py's split_k_rows); each against
-max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call (bench/hardware.py).
-Times are triton's do_bench (L2 flushed between runs). Writes one JSON with the GPU and the date.
+it, and on the rows padded to a multiple of 128 (lab/forward_curve.py's split_k_rows); with --triton
+also lab/splitk_gemm.py's split-K TMA kernel at each of its plans (the best kept, each checked
+against cuBLAS); each against max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the
+same call (bench/hardware.py). Times are triton's do_bench (L2 flushed between runs). Writes one
+JSON with the GPU and the date.
 """
 from __future__ import annotations
 
@@ -21,7 +23,29 @@ from lab.tp_linear import shapes
 ROWS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768)
 
 
-def run(cases: list[tuple[str, int]], rows: tuple[int, ...]) -> dict:
+def triton_rows(x, w) -> dict:
+    """lab/splitk_gemm.py at every plan that fits the shape: the fastest, its plan, and the errors."""
+    import torch
+    import triton.testing
+    from torch.nn import functional as F
+
+    from lab import splitk_gemm
+
+    ref = F.linear(x, w)
+    out: dict = {}
+    for plan in splitk_gemm.CANDIDATES:
+        try:
+            torch.testing.assert_close(splitk_gemm.matmul(x, w, plan), ref, atol=0.05, rtol=0.02)
+            ms = triton.testing.do_bench(lambda: splitk_gemm.matmul(x, w, plan), rep=60)
+        except Exception as e:  # noqa: BLE001 - a plan that does not fit (shared memory, K) is a result
+            out.setdefault("triton_errors", []).append(f"{plan}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if "triton_ms" not in out or ms < out["triton_ms"]:
+            out["triton_ms"], out["triton_plan"] = ms, list(plan)
+    return out
+
+
+def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool = False) -> dict:
     import torch
     import triton.testing
     from torch.nn import functional as F
@@ -50,6 +74,8 @@ def run(cases: list[tuple[str, int]], rows: tuple[int, ...]) -> dict:
                 finally:
                     torch.backends.cuda.preferred_blas_library(default)
                 row.update(split_k_rows(x, w))
+                if with_triton:
+                    row.update(triton_rows(x, w))
                 best = min(v for key, v in row.items() if key.endswith("_ms") and key != "bound_ms")
                 row["best_of_bound"] = row["bound_ms"] / best
                 row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
@@ -64,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", default="llama3-8b:1,llama3-70b:2", help="model:tp, comma-separated")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--triton", action="store_true", help="also lab/splitk_gemm.py's split-K kernel")
     args = p.parse_args(argv)
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
-    args.out.write_text(json.dumps(run(cases, tuple(int(r) for r in args.rows.split(","))), indent=1))
+    rows = tuple(int(r) for r in args.rows.split(","))
+    args.out.write_text(json.dumps(run(cases, rows, args.triton), indent=1))
     return 0
 
 
