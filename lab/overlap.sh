@@ -29,6 +29,7 @@ bench() {
     | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|error|Error" | head -14)
   if [ -f "$R/$label.jsonl" ]; then
     PYTHONPATH=$PWD python3 -m lab.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \
+      --model "$MODELS_DIR/$model" --bench-json "$R/$label.json" \
       > "$R/$label-trace.txt" && head -${TRACE_LINES:-30} "$R/$label-trace.txt"
     rm -f "$R/$label.jsonl"
   fi

@@ -9,6 +9,11 @@ CUDA events around the step) and how long the device sat idle before it (idle).
 --after-idle MS keeps only the steps after the last time the device sat idle for more than MS
 (a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
 fit of their device time against their prompt tokens (fixed ms per step + us per token).
+--model FOLDER with the rates (--bench-json, a serve bench result of the same run: its copy
+bandwidth, matmul rate and GPUs; or --copy-bandwidth TB/s --matmul-tflops T): each kind of step's
+device time against its own bound, each step's max(FLOPs / matmul rate, bytes / copy bandwidth)
+(bench/roofline.py's costs: every weight once a model step, the KV the step reads and writes, 2
+FLOPs a parameter a token and attention over the positions it attends).
 --token-gaps: how long a decoding row waits from one step to the next, as its client would see
 the engine's side of the inter-token gap: each step's interval to the next, once per row it
 carried; median, p90, p99. A disaggregated server's engines write one trace between them: with
@@ -66,7 +71,22 @@ def _fit(rs: list[dict]) -> dict | None:
     return {"fixed_ms": intercept, "us_per_prompt_token": slope * 1e3}
 
 
-def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
+def step_bound_ms(row: dict, cost, rates) -> float | None:
+    """The step's device time at the roofline, ms (None for a row without the trace's attended and
+    cached fields). A multi-step row runs its decodes `steps` times, each one position further."""
+    if "attended" not in row:
+        return None
+    n = row.get("steps", 1)
+    later = row["decodes"] * n * (n - 1) / 2  # positions the later model steps add
+    tokens = row["tokens"] * n
+    flops = 2.0 * cost.model.active_params() * tokens + cost.attention_flops(row["attended"] * n + later)
+    nbytes = n * cost.step_weight_bytes(row["tokens"]) + (row["cached"] * n + later + tokens) * cost.kv_bytes_per_token
+    return max(flops / rates.matmul_flops, nbytes / rates.copy_bandwidth) * 1e3
+
+
+def summarize(rows: list[dict], after_idle_ms: float | None = None, cost=None, rates=None) -> dict:
+    """Per kind of step: counts, host phases, device and idle time; with cost (bench/roofline.py's
+    ModelCost) and rates (HardwareRates) also each kind's device time against its steps' bounds."""
     rows = _device_times(rows)
     if after_idle_ms is not None:
         rows = after_idle(rows, after_idle_ms)
@@ -99,6 +119,11 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None) -> dict:
         fit = _fit(rs) if k in ("mixed", "prefill") else None
         if fit is not None:
             s["gpu_fit"] = fit
+        if cost is not None:
+            pairs = [(r["gpu_ms"], b) for r in rs if "gpu_ms" in r and (b := step_bound_ms(r, cost, rates))]
+            if pairs:
+                s["bound_ms"] = _stats([b for _, b in pairs])
+                s["gpu_over_bound"] = sum(g for g, _ in pairs) / sum(b for _, b in pairs)
         out[k] = s
     nxt = {id(r): n for r, n in zip(rows, rows[1:])}
     for k in ("decode", "mixed", "prefill"):
@@ -126,13 +151,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after-idle", type=float, default=None, metavar="MS")
     p.add_argument("--token-gaps", action="store_true")
     p.add_argument("--decoding-engine", action="store_true")
+    p.add_argument("--model", default=None, help="the served model's folder: each kind of step against its bound")
+    p.add_argument("--bench-json", default=None, help="serve bench's result JSON of the run (its rates and GPUs)")
+    p.add_argument("--copy-bandwidth", type=float, default=None, metavar="TB/s")
+    p.add_argument("--matmul-tflops", type=float, default=None)
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
-    res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle)
+    cost, rates = _bound_inputs(p, args) if args.model else (None, None)
+    res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle, cost, rates)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return 0
+
+
+def _bound_inputs(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """(ModelCost, HardwareRates) for --model, from --bench-json or the two rates given."""
+    from bench.roofline import HardwareRates, ModelCost
+    from engine.config import ModelConfig
+
+    kv_dtype = "auto"
+    if args.bench_json:
+        res = json.loads(Path(args.bench_json).read_text())
+        if not res.get("copy_bandwidth_tbs") or not res.get("matmul_tflops"):
+            p.error(f"{args.bench_json} has no copy_bandwidth_tbs / matmul_tflops (a run without a roofline)")
+        bw, tflops = res["copy_bandwidth_tbs"], res["matmul_tflops"]
+        kv_dtype = res.get("kv_cache_dtype") or "auto"
+    elif args.copy_bandwidth and args.matmul_tflops:
+        bw, tflops = args.copy_bandwidth, args.matmul_tflops
+    else:
+        p.error("--model needs --bench-json, or --copy-bandwidth and --matmul-tflops")
+    return ModelCost.of(ModelConfig.from_path(args.model), kv_dtype), HardwareRates(bw * 1e12, tflops * 1e12)
 
 
 if __name__ == "__main__":

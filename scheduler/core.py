@@ -164,8 +164,12 @@ class EngineCore:
             else:
                 batch = self.scheduler.schedule()
             if trace is not None and batch is not None:
-                trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(batch.items), steps=batch.num_steps,
-                           held=self.scheduler.num_held_steps - held)
+                # attended: query x key positions of the step's attention (its first model step);
+                # cached: the positions each sequence reads from the KV cache (lab/trace_summary.py)
+                items = batch.items
+                trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(items), steps=batch.num_steps,
+                           held=self.scheduler.num_held_steps - held, cached=sum(it.start for it in items),
+                           attended=sum(it.num_new_tokens * (it.start + (it.num_new_tokens + 1) / 2) for it in items))
             self.stats.num_preemptions += self.scheduler.num_preemptions - before
             if batch is not None:
                 if self.block_manager.host is not None:

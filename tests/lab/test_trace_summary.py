@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lab import trace_summary
 
 
@@ -26,6 +28,12 @@ def test_step_trace_of_an_offline_run(tiny_models, tmp_path, monkeypatch):
     assert sum(res[k]["steps"] for k in kinds) == len(rows)
     assert res["decode"]["schedule_ms"]["sum"] >= 0
     assert res["held_steps"] == 0 and all(r["held"] == 0 for r in rows)  # the prefill hold is off by default
+    # each prompt's tokens attend over 1..20 positions, its three decodes over 21, 22 and 23 (a
+    # round of n model steps: each one position further), whichever steps carried them
+    attended = sum(r["attended"] * r["steps"] + r["decodes"] * r["steps"] * (r["steps"] - 1) / 2 for r in rows)
+    assert attended == 3 * (sum(range(1, 21)) + 21 + 22 + 23)
+    # a decode attends over the positions it reads and its own
+    assert all(r["attended"] == r["cached"] + r["seqs"] for r in rows if r["decodes"] == r["seqs"])
 
 
 def test_device_times_go_to_the_step_that_was_collected():
@@ -73,3 +81,48 @@ def test_token_gaps_count_each_step_once_per_decode_row():
     assert got["rows"] == 6 and got["median_ms"] == 10.0 and got["p99_ms"] == 20.0 and got["p99_over_median"] == 2.0
     # one engine: its prefill step at t 5 ends the wait of the rows of the step at t 1
     assert trace_summary.token_gaps(rows)["rows"] == 6 and trace_summary.token_gaps(rows)["median_ms"] == 4.0
+
+
+def _cost(tiny_models):
+    from bench.roofline import HardwareRates, ModelCost
+    from engine.config import ModelConfig
+
+    return ModelCost.of(ModelConfig.from_path(tiny_models["llama"])), HardwareRates(2e12, 1e14)
+
+
+def test_a_steps_bound_counts_weights_kv_and_flops(tiny_models):
+    cost, rates = _cost(tiny_models)
+    m, kv = cost.model, cost.kv_bytes_per_token
+    flops_per_pos = cost.attention_flops(1)
+    # two decodes at 10 and 20 cached positions: 11 + 21 attended, 30 read, 2 written
+    row = {"seqs": 2, "decodes": 2, "tokens": 2, "attended": 32.0, "cached": 30}
+    want = max((2.0 * m.active_params() * 2 + 32 * flops_per_pos) / rates.matmul_flops,
+               (cost.weight_bytes + 32 * kv) / rates.copy_bandwidth) * 1e3
+    assert abs(trace_summary.step_bound_ms(row, cost, rates) - want) < 1e-12
+    # the same as a round of 3 model steps: each reads the weights, every row one position further
+    three = {**row, "steps": 3}
+    attended, read = 96 + 2 * (0 + 1 + 2), 90 + 2 * (0 + 1 + 2)
+    want3 = max((2.0 * m.active_params() * 6 + attended * flops_per_pos) / rates.matmul_flops,
+                (3 * cost.weight_bytes + (read + 6) * kv) / rates.copy_bandwidth) * 1e3
+    assert abs(trace_summary.step_bound_ms(three, cost, rates) - want3) < 1e-12
+    assert trace_summary.step_bound_ms({"seqs": 2, "decodes": 2, "tokens": 2}, cost, rates) is None  # an old trace
+
+
+def test_each_kind_of_step_against_its_bound(tiny_models, tmp_path, capsys):
+    cost, rates = _cost(tiny_models)
+    rows = [{"t0": 0.0, "t_end": 1.0, "seqs": 1, "decodes": 0, "tokens": 64, "attended": 64 * 32.5, "cached": 0},
+            {"t0": 1.0, "t_end": 2.0, "seqs": 1, "decodes": 1, "tokens": 1, "attended": 65.0, "cached": 64,
+             "prev_gpu_ms": 0.5, "prev_idle_ms": 0.0},
+            {"t0": 2.0, "t_end": 2.5, "prev_gpu_ms": 0.25, "prev_idle_ms": 0.0}]
+    res = trace_summary.summarize(rows, cost=cost, rates=rates)
+    for k, gpu in (("prefill", 0.5), ("decode", 0.25)):
+        bound = trace_summary.step_bound_ms(rows[0 if k == "prefill" else 1], cost, rates)
+        assert res[k]["bound_ms"]["sum"] == bound and abs(res[k]["gpu_over_bound"] - gpu / bound) < 1e-12
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"copy_bandwidth_tbs": 2.0, "matmul_tflops": 100.0, "kv_cache_dtype": "auto"}))
+    assert trace_summary.main([str(path), "--model", str(tiny_models["llama"]), "--bench-json", str(bench)]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"]["gpu_over_bound"] == res["decode"]["gpu_over_bound"]
+    with pytest.raises(SystemExit):  # a model without rates
+        trace_summary.main([str(path), "--model", str(tiny_models["llama"])])
