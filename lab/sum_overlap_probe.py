@@ -1,0 +1,151 @@
+"""Can a mixed step's cross-GPU sum hide under its matmuls? Two GPUs: `python -m lab.sum_overlap_probe --out F`.
+
+Llama-3-70B at TP=2 spends ~10% of a 768-row mixed step in its 160 fused sums of 12.6 MB (55.7 us
+each, bench/NOTES.md 2026-11-27), one after another with the matmuls. Before building sums that run
+beside the projections, this measures the primitive such a design would stand on, each rank doing
+the same at once: a gate/up-sized matmul (rows x 8,192 @ 8,192 x 28,672, cuBLAS) alone; moving one
+rank's rows x 8,192 bf16 partial to the other three ways: a copy out of the peer's symmetric memory
+(torch's copy_ of a peer view: the copy engines, no SMs), NCCL's all-reduce, and the engine's fused
+all-reduce + RMSNorm kernel (kernels/allreduce_norm.py, SMs); and each of the three on a second
+stream beside the matmul. Per case the median over --repeats of the matmul's end and the transfer's
+end from a common start (CUDA events). Writes one JSON with the GPUs and the date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+HIDDEN, GATE_UP = 8192, 28672  # Llama-3-70B: hidden size, one rank's gate/up columns at TP=2
+
+
+def _timed(main_fn, side_fn, side: torch.cuda.Stream, repeats: int, comm) -> dict:
+    """Median ms from a common start to the end of main_fn (current stream) and of side_fn (side)."""
+    mains, sides = [], []
+    for _ in range(repeats + 2):  # the first two warm up
+        comm.barrier()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        main_end, side_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        side.wait_event(start)
+        if main_fn is not None:
+            main_fn()
+            main_end.record()
+        if side_fn is not None:
+            with torch.cuda.stream(side):
+                side_fn()
+                side_end.record()
+        torch.cuda.synchronize()
+        mains.append(start.elapsed_time(main_end) if main_fn is not None else None)
+        sides.append(start.elapsed_time(side_end) if side_fn is not None else None)
+    out = {}
+    for name, vals in (("main_ms", mains[2:]), ("side_ms", sides[2:])):
+        if vals[0] is not None:
+            out[name] = sorted(vals)[len(vals) // 2]
+    return out
+
+
+def _rank(rank: int, port: int, rows: int, repeats: int, queue) -> None:
+    try:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch.nn import functional as F
+
+        from engine.parallel import peer_allreduce
+        from engine.parallel.comm import Comm
+        from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
+
+        env = rank_env("127.0.0.1", port, rank, 2)
+        group = init_group(env, "cuda", store=connect_store(env))
+        comm = Comm(group)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        nbytes = rows * HIDDEN * 2
+        peer = peer_allreduce.allocate(device, group.device, 2, comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count),
+                                       fused_max_bytes=max(nbytes, 2 << 20))
+        peer_allreduce.rendezvous(peer)
+        peer.pdl = False
+        src = symm_mem.empty(rows * HIDDEN, dtype=torch.bfloat16, device=device).view(rows, HIDDEN)
+        src.copy_(torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).bfloat16())
+        handle = symm_mem.rendezvous(src, group.device.group_name)
+        theirs = handle.get_buffer(1 - rank, (rows, HIDDEN), torch.bfloat16)
+        recv = torch.empty_like(src)
+        torch.cuda.synchronize()
+        comm.barrier()
+        recv.copy_(theirs)
+        want = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1 - rank)).bfloat16()
+        copy_correct = bool(torch.equal(recv.cpu(), want))
+
+        x = torch.randn(rows, HIDDEN, device=device).bfloat16()
+        w = (torch.randn(GATE_UP, HIDDEN, device=device) / HIDDEN ** 0.5).bfloat16()
+        r = torch.randn(rows, HIDDEN, device=device).bfloat16()
+        nw = torch.ones(HIDDEN, device=device).bfloat16()
+        part = src.clone()
+        side = torch.cuda.Stream(device)
+
+        def gemm():
+            F.linear(x, w)
+
+        def copy_engine():
+            recv.copy_(theirs)
+
+        def nccl():
+            dist.all_reduce(part, group=group.device)
+
+        def fused():
+            peer.add_norm(src, r, nw, 1e-5)
+
+        res = {"rows": rows, "bytes": nbytes, "copy_correct": copy_correct,
+               "gemm_alone": _timed(gemm, None, side, repeats, comm)}
+        for name, fn in (("copy_engine", copy_engine), ("nccl", nccl), ("fused_kernel", fused)):
+            res[f"{name}_alone"] = _timed(None, fn, side, repeats, comm)
+            res[f"gemm_and_{name}"] = _timed(gemm, fn, side, repeats, comm)
+        if rank == 0:
+            queue.put(res)
+        comm.barrier()
+        destroy_group(group)
+    except BaseException:
+        queue.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+        raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="256,768", help="rows of the matmul and of the summed partial")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("needs two GPUs", file=sys.stderr)
+        return 1
+    from engine.parallel.group import host_store
+
+    out = {"gpu": f"2x {torch.cuda.get_device_name(0)}", "date": datetime.date.today().isoformat(), "runs": []}
+    ctx = mp.get_context("spawn")
+    for rows in (int(x) for x in args.rows.split(",")):
+        queue = ctx.Queue()
+        store = host_store(2, timeout_s=60)
+        procs = [ctx.Process(target=_rank, args=(r, store.port, rows, args.repeats, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        res = queue.get(timeout=600)
+        for proc in procs:
+            proc.join(120)
+        if "error" in res:
+            print(res["error"], file=sys.stderr)
+            return 1
+        print(json.dumps(res), flush=True)
+        out["runs"].append(res)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
