@@ -5,6 +5,7 @@ rows beyond the program count go round the programs, and each call moves the pro
 and switches halves. Its exchanges between GPUs are tested on two of them
 (tests/engine/test_peer_allreduce.py)."""
 import multiprocessing as mp
+import traceback
 
 import pytest
 import torch
@@ -57,20 +58,12 @@ def _play_rank(rank: int, bufs: list, flags: int, slot: int, programs: int, xs, 
         res_outs[call, rank, :n].copy_(res)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors run under the interpreter only; GPUs: test_peer_allreduce")
-@pytest.mark.parametrize("world,rows,programs", [(2, 5, 2), (3, 3, 4)])
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("push_max_bytes", [0, 1 << 20, None], ids=["read", "push", "both"])
-def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, push_max_bytes, monkeypatch):
-    """Every rank gets the norm of the sum in rank order, bit for bit the same, over calls that
-    reuse both halves; a rank that waited on a flag never set would hang (joined with a timeout).
-    The interpreter rounds float32 to bf16 toward zero (the GPU to nearest): one ulp's tolerance
-    against torch. Rows are read from the peers' memory, pushed into it, or (both) pushed for the
-    small calls and read for the large, one after the other."""
+def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_max_bytes: int | None) -> None:
+    """The ranks' calls, forked from this process, checked against torch (raises if they differ)."""
     hidden, dtype, calls = 64, torch.bfloat16, 4
     if push_max_bytes is None:  # calls of 1 row or `rows` rows by turns: the second over the limit
         push_max_bytes = hidden * dtype.itemsize
-    monkeypatch.setattr(arn, "PUSH_MAX_BYTES", push_max_bytes)
+    arn.PUSH_MAX_BYTES = push_max_bytes  # this process's own module: it is a test's helper
     g = torch.Generator().manual_seed(world * 10 + rows)
     flags, slot = flag_bytes(programs, world), rows * hidden * dtype.itemsize
     bufs = [torch.zeros(flags + row_bytes(slot, world), dtype=torch.uint8).share_memory_() for _ in range(world)]
@@ -90,7 +83,7 @@ def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, pus
     for p in alive:
         p.kill()
     assert not alive, "a rank waited forever for a peer's flag"
-    assert all(p.exitcode == 0 for p in procs)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     for call in range(calls):
         n = 1 if call % 2 else rows
         total = sum(xs[call, s, :n].float() for s in range(world)).to(dtype)  # rank order, rounded once
@@ -104,3 +97,39 @@ def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, pus
             torch.testing.assert_close(outs[call, rank, :n], want, atol=0.1, rtol=1.6e-2)
             assert torch.equal(outs[call, rank], outs[call, 0])
             assert torch.equal(res_outs[call, rank], res_outs[call, 0])
+
+
+def _exchange_reporting(queue, *args) -> None:
+    try:
+        _exchange(*args)
+        queue.put(None)
+    except BaseException:
+        queue.put(traceback.format_exc())
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors run under the interpreter only; GPUs: test_peer_allreduce")
+@pytest.mark.parametrize("world,rows,programs", [(2, 5, 2), (3, 3, 4)])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("push_max_bytes", [0, 1 << 20, None], ids=["read", "push", "both"])
+def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, push_max_bytes):
+    """Every rank gets the norm of the sum in rank order, bit for bit the same, over calls that
+    reuse both halves; a rank that waited on a flag never set would hang (joined with a timeout).
+    The interpreter rounds float32 to bf16 toward zero (the GPU to nearest): one ulp's tolerance
+    against torch. Rows are read from the peers' memory, pushed into it, or (both) pushed for the
+    small calls and read for the large, one after the other.
+
+    The ranks are forked (so that their shared buffers sit at the same addresses in each) from a
+    forkserver's child, never from pytest's own process: a fork of a process that other tests left
+    threads in (tokenizers, gloo) once crashed a rank in its garbage collector."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue = ctx.Queue()
+    helper = ctx.Process(target=_exchange_reporting, args=(queue, world, rows, programs, with_residual, push_max_bytes))
+    helper.start()
+    try:
+        failure = queue.get(timeout=300)
+    finally:
+        helper.join(timeout=60)
+        if helper.is_alive():
+            helper.kill()
+    assert failure is None, failure
