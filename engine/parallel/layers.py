@@ -158,5 +158,8 @@ def vocab_argmax(ops, logits: torch.Tensor, comm: Comm, start: int, num_valid: i
         return ops.argmax_rows(logits, out)
     from kernels.argmax import key_token
 
-    keys = comm.all_reduce_max(ops.argmax_keys(logits[:, :num_valid], start))
-    return key_token(keys, out=out)
+    if num_valid:
+        keys = ops.argmax_keys(logits[:, :num_valid], start)
+    else:  # a rank past the end of a vocabulary smaller than the ranks' rows: every other key wins
+        keys = torch.full((logits.shape[0],), torch.iinfo(torch.int64).min, dtype=torch.int64, device=logits.device)
+    return key_token(comm.all_reduce_max(keys), out=out)

@@ -136,3 +136,25 @@ def test_two_ranks_load_their_shards_and_match_the_whole_model(tiny_models, arch
 def test_two_ranks_of_dummy_weights_are_one_model(tiny_models):
     """Dummy weights: each rank's shard of the same seeded model, a vocabulary padded on rank 1."""
     _run_two_ranks(tiny_models["qwen3"], 383)
+
+
+def test_a_rank_past_the_end_of_the_vocabulary_loses_every_row():
+    """A vocabulary smaller than the ranks' rows leaves the last rank none of it: its keys must lose
+    to every key of the others, negative logits included (a stand-in group of two: the other rank's
+    keys are the first rank's)."""
+    from engine.attention import reference_ops
+    from engine.parallel.layers import vocab_argmax
+    from kernels.reference import argmax_keys
+
+    logits = -torch.rand(3, 4) - 1  # every row's best is negative
+    logits[1, 2] = 5.0
+
+    class OtherRank:
+        size = 2
+
+        def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+            return torch.maximum(t, argmax_keys(logits, 0))
+
+    out = torch.full((3,), -1, dtype=torch.int64)
+    vocab_argmax(reference_ops(), torch.zeros(3, 2), OtherRank(), 4, 0, out)
+    assert out.tolist() == torch.argmax(logits, dim=-1).tolist()
