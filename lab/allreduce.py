@@ -19,7 +19,8 @@ import sys
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from lab.spawn import rank0_result
 
 SIZES = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
 
@@ -57,7 +58,7 @@ def _time_graph(fn, x, chain: int, repeats: int, comm) -> float:
     return times[len(times) // 2]
 
 
-def _rank(rank: int, n: int, port: int, chain: int, repeats: int, queue) -> None:
+def _rank(rank: int, port: int, n: int, chain: int, repeats: int, queue) -> None:
     try:
         import torch.distributed as dist
 
@@ -165,17 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.gpus:
         print(f"lab.allreduce: needs {a.gpus} GPUs", file=sys.stderr)
         return 1
-    from engine.parallel.group import host_store
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store = host_store(a.gpus, timeout_s=120)
-    procs = [ctx.Process(target=_rank, args=(r, a.gpus, store.port, a.chain, a.repeats, queue)) for r in range(a.gpus)]
-    for proc in procs:
-        proc.start()
-    got = queue.get(timeout=300)
-    for proc in procs:
-        proc.join(60)
+    got = rank0_result(_rank, a.gpus, (a.gpus, a.chain, a.repeats), timeout_s=300)
     if "error" in got:
         print(got["error"], file=sys.stderr)
         return 1

@@ -19,7 +19,8 @@ import sys
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from lab.spawn import rank0_result
 
 HIDDEN, GATE_UP = 8192, 28672  # Llama-3-70B: hidden size, one rank's gate/up columns at TP=2
 
@@ -124,19 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 2:
         print("needs two GPUs", file=sys.stderr)
         return 1
-    from engine.parallel.group import host_store
-
     out = {"gpu": f"2x {torch.cuda.get_device_name(0)}", "date": datetime.date.today().isoformat(), "runs": []}
-    ctx = mp.get_context("spawn")
     for rows in (int(x) for x in args.rows.split(",")):
-        queue = ctx.Queue()
-        store = host_store(2, timeout_s=60)
-        procs = [ctx.Process(target=_rank, args=(r, store.port, rows, args.repeats, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        res = queue.get(timeout=600)
-        for proc in procs:
-            proc.join(120)
+        res = rank0_result(_rank, 2, (rows, args.repeats), timeout_s=600)
         if "error" in res:
             print(res["error"], file=sys.stderr)
             return 1
