@@ -65,20 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"proj": name, "M": m, "N": N, "K": K, "bound_ms": bound_ms,
                    "cublas_ms": triton.testing.do_bench(lambda: F.linear(xm, w), rep=60)}
             if tma is not None and m >= 64:
-                ref = F.linear(xm, w)
-                best = None
-                for tiles in tma.CANDIDATES:
-                    try:
-                        out = tma.matmul(xm, w, tiles)
-                        torch.testing.assert_close(out, ref, atol=0.05, rtol=0.02)
-                        ms = triton.testing.do_bench(lambda: tma.matmul(xm, w, tiles), rep=60)
-                    except Exception as e:  # a tile shape that does not fit this GPU's shared memory
-                        row.setdefault("tma_errors", []).append(f"{tiles}: {type(e).__name__}: {str(e)[:120]}")
-                        continue
-                    if best is None or ms < best[0]:
-                        best = (ms, tiles)
-                if best is not None:
-                    row["tma_ms"], row["tma_tiles"] = best[0], list(best[1])
+                row.update(fastest_plan(tma.matmul, tma.CANDIDATES, xm, w, "tma", "tma_tiles"))
             if args.split_k and m >= 64:
                 row.update(split_k_rows(xm, w))
             row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
@@ -91,6 +78,27 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("forward ms:", {k: round(v, 2) for k, v in forward.items()})
     return 0
+
+
+def fastest_plan(matmul, plans, x, w, name: str, plan_key: str) -> dict:
+    """matmul(x, w, plan) at every plan, each checked against cuBLAS -> {name_ms: the fastest's
+    time, plan_key: its plan, name_errors: the plans that failed (shared memory, K)}."""
+    import torch
+    import triton.testing
+    from torch.nn import functional as F
+
+    ref = F.linear(x, w)
+    out: dict = {}
+    for plan in plans:
+        try:
+            torch.testing.assert_close(matmul(x, w, plan), ref, atol=0.05, rtol=0.02)
+            ms = triton.testing.do_bench(lambda: matmul(x, w, plan), rep=60)
+        except Exception as e:  # noqa: BLE001 - a plan that does not fit this GPU is a result
+            out.setdefault(f"{name}_errors", []).append(f"{plan}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if f"{name}_ms" not in out or ms < out[f"{name}_ms"]:
+            out[f"{name}_ms"], out[plan_key] = ms, list(plan)
+    return out
 
 
 def split_k_rows(x, w) -> dict:

@@ -17,32 +17,10 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lab.forward_curve import split_k_rows
+from lab.forward_curve import fastest_plan, split_k_rows
 from lab.tp_linear import shapes
 
 ROWS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768)
-
-
-def triton_rows(x, w) -> dict:
-    """lab/splitk_gemm.py at every plan that fits the shape: the fastest, its plan, and the errors."""
-    import torch
-    import triton.testing
-    from torch.nn import functional as F
-
-    from lab import splitk_gemm
-
-    ref = F.linear(x, w)
-    out: dict = {}
-    for plan in splitk_gemm.CANDIDATES:
-        try:
-            torch.testing.assert_close(splitk_gemm.matmul(x, w, plan), ref, atol=0.05, rtol=0.02)
-            ms = triton.testing.do_bench(lambda: splitk_gemm.matmul(x, w, plan), rep=60)
-        except Exception as e:  # noqa: BLE001 - a plan that does not fit (shared memory, K) is a result
-            out.setdefault("triton_errors", []).append(f"{plan}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        if "triton_ms" not in out or ms < out["triton_ms"]:
-            out["triton_ms"], out["triton_plan"] = ms, list(plan)
-    return out
 
 
 def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool = False) -> dict:
@@ -75,7 +53,9 @@ def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool =
                     torch.backends.cuda.preferred_blas_library(default)
                 row.update(split_k_rows(x, w))
                 if with_triton:
-                    row.update(triton_rows(x, w))
+                    from lab import splitk_gemm
+
+                    row.update(fastest_plan(splitk_gemm.matmul, splitk_gemm.CANDIDATES, x, w, "triton", "triton_plan"))
                 best = min(v for key, v in row.items() if key.endswith("_ms") and key != "bound_ms")
                 row["best_of_bound"] = row["bound_ms"] / best
                 row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]

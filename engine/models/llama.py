@@ -229,8 +229,7 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, ops: Ops, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """compute_logits(gather=False)'s logits -> every row's greedy token into out [N]."""
         head = self._head
-        start, valid = (0, logits.shape[-1]) if self.comm.size == 1 else (head.start, head.num_valid)
-        return vocab_argmax(ops, logits, self.comm, start, valid, out)
+        return vocab_argmax(ops, logits, self.comm, head.start, head.num_valid, out)
 
     def held_elsewhere(self, hf_name: str) -> bool:
         """Whether a checkpoint tensor belongs to another pipeline stage (the loader skips it)."""
