@@ -80,19 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def fastest_plan(matmul, plans, x, w, name: str, plan_key: str) -> dict:
+def fastest_plan(matmul, plans, x, w, name: str, plan_key: str, timer=None) -> dict:
     """matmul(x, w, plan) at every plan, each checked against cuBLAS -> {name_ms: the fastest's
-    time, plan_key: its plan, name_errors: the plans that failed (shared memory, K)}."""
+    time, plan_key: its plan, name_errors: the plans that failed (shared memory, K)}.
+    timer(f) -> ms times f(weight) (default: triton's do_bench of f(w))."""
     import torch
     import triton.testing
     from torch.nn import functional as F
 
+    if timer is None:
+        def timer(f):
+            return triton.testing.do_bench(lambda: f(w), rep=60)
     ref = F.linear(x, w)
     out: dict = {}
     for plan in plans:
         try:
             torch.testing.assert_close(matmul(x, w, plan), ref, atol=0.05, rtol=0.02)
-            ms = triton.testing.do_bench(lambda: matmul(x, w, plan), rep=60)
+            ms = timer(lambda wi, plan=plan: matmul(x, wi, plan))
         except Exception as e:  # noqa: BLE001 - a plan that does not fit this GPU is a result
             out.setdefault(f"{name}_errors", []).append(f"{plan}: {type(e).__name__}: {str(e)[:120]}")
             continue

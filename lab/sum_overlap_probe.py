@@ -8,7 +8,8 @@ rank's rows x 8,192 bf16 partial to the other three ways: a copy out of the peer
 (torch's copy_ of a peer view: the copy engines, no SMs), NCCL's all-reduce, and the engine's fused
 all-reduce + RMSNorm kernel (kernels/allreduce_norm.py, SMs); and each of the three on a second
 stream beside the matmul. Per case the median over --repeats of the matmul's end and the transfer's
-end from a common start (CUDA events). Writes one JSON with the GPUs and the date.
+end from a common start (CUDA events). Then two chains of a layer the engine's way against torch's
+async tensor parallelism (_chains). Writes one JSON with the GPUs and the date.
 """
 from __future__ import annotations
 
@@ -49,6 +50,58 @@ def _timed(main_fn, side_fn, side: torch.cuda.Stream, repeats: int, comm) -> dic
     for name, vals in (("main_ms", mains[2:]), ("side_ms", sides[2:])):
         if vals[0] is not None:
             out[name] = sorted(vals)[len(vals) // 2]
+    return out
+
+
+def _chains(rows, repeats, side, comm, peer, group_name, x, w_gate_up, r, nw, device) -> dict:
+    """A row-parallel projection, its sum with the residual add and RMSNorm, and the next
+    column-parallel projection, two ways: as the engine runs them (cuBLAS, the fused all-reduce +
+    norm, cuBLAS), and as torch's async tensor parallelism would (torch.ops.symm_mem's
+    fused_matmul_reduce_scatter: the sum scattered by rows over the copy engines while the other
+    rank's rows multiply; the add + norm on this rank's half of the rows; fused_all_gather_matmul:
+    the halves gathered while each multiplies). o: attention output [rows, 4,096] @ o_proj, then
+    gate/up; down: [rows, 14,336] @ down, then qkv. Each chain's output is compared with NCCL's
+    all-reduce and torch's RMSNorm between the same matmuls."""
+    from torch.nn import functional as F
+
+    out = {}
+    half = rows // comm.size
+    me = slice(comm.rank * half, (comm.rank + 1) * half)
+    g = torch.Generator(device=device).manual_seed(7)  # the same inputs on both ranks but the weights
+    for name, k_in, w_next in (("o_then_gate_up", 4096, w_gate_up),
+                               ("down_then_qkv", 14336, (torch.randn(5120, HIDDEN, device=device) / HIDDEN ** 0.5).bfloat16())):
+        a = torch.randn(rows, k_in, device=device, generator=g).bfloat16()
+        w_row = (torch.randn(HIDDEN, k_in, device=device) / k_in ** 0.5).bfloat16()
+        residual = r.clone()
+
+        def engine_way():
+            h = F.linear(a, w_row)
+            normed, _ = peer.add_norm(h, residual, nw, 1e-5)
+            return F.linear(normed, w_next)
+
+        def async_tp():
+            summed = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w_row.t(), "sum", 0, group_name)
+            normed = F.rms_norm(summed + residual[me], (HIDDEN,), nw, 1e-5)
+            _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(normed, [w_next.t()], 0, group_name, return_A=False)
+            return y
+
+        def nccl_way():
+            h = F.linear(a, w_row)
+            torch.distributed.all_reduce(h, group=comm.group.device)
+            return F.linear(F.rms_norm(h + residual, (HIDDEN,), nw, 1e-5), w_next)
+
+        try:
+            want = nccl_way()
+            for way, fn in (("engine_way", engine_way), ("async_tp", async_tp)):
+                got = fn()
+                out[f"{name}_{way}_max_diff_from_nccl"] = float((want.float() - got.float()).abs().max())
+            out[f"{name}_output_max"] = float(want.float().abs().max())
+            out[f"{name}_engine_way"] = _timed(engine_way, None, side, repeats, comm)
+            out[f"{name}_async_tp"] = _timed(async_tp, None, side, repeats, comm)
+            out[f"{name}_row_gemm_alone"] = _timed(lambda: F.linear(a, w_row), None, side, repeats, comm)
+            out[f"{name}_next_gemm_alone"] = _timed(lambda: F.linear(r, w_next), None, side, repeats, comm)
+        except Exception as e:  # noqa: BLE001 - a torch without these ops is a result too
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
@@ -107,6 +160,7 @@ def _rank(rank: int, port: int, rows: int, repeats: int, queue) -> None:
         for name, fn in (("copy_engine", copy_engine), ("nccl", nccl), ("fused_kernel", fused)):
             res[f"{name}_alone"] = _timed(None, fn, side, repeats, comm)
             res[f"gemm_and_{name}"] = _timed(gemm, fn, side, repeats, comm)
+        res.update(_chains(rows, repeats, side, comm, peer, group.device.group_name, x, w, r, nw, device))
         if rank == 0:
             queue.put(res)
         comm.barrier()
