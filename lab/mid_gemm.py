@@ -23,7 +23,9 @@ from lab.tp_linear import shapes
 ROWS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768)
 
 
-def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool = False, layers: int = 6) -> dict:
+def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool = False, layers: int = 6,
+        path: Path | None = None) -> dict:
+    """-> the result, also written to path after every row (a time limit keeps what was measured)."""
     import torch
     from torch.nn import functional as F
 
@@ -64,6 +66,8 @@ def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool =
                 row["best_of_bound"] = row["bound_ms"] / best
                 row["cublas_of_bound"] = row["bound_ms"] / row["cublas_ms"]
                 out["gemms"].append(row)
+                if path is not None:
+                    path.write_text(json.dumps(out, indent=1))
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
             del ws
             torch.cuda.empty_cache()
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
     rows = tuple(int(r) for r in args.rows.split(","))
-    args.out.write_text(json.dumps(run(cases, rows, args.triton, args.layers), indent=1))
+    run(cases, rows, args.triton, args.layers, args.out)
     return 0
 
 

@@ -9,6 +9,9 @@ grid (and the M tiles of one weight tile next to each other, so the programs run
 its read from L2). With SPLIT > 1 a program stores its float32 partial and counts its arrival on
 the tile's counter; the last to arrive adds the partials in split order (the result does not depend
 on timing, as kernels/linear.py's skinny kernel) and stores the tile.
+
+Measured in CUDA graphs on an H100 (2026-11-27, bench/NOTES.md): slower than cuBLAS at all 36
+shapes (Llama-3-8B and 70B TP=2 projections, 128-640 rows); its best plans were unsplit.
 """
 from __future__ import annotations
 
