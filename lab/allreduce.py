@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import sys
-import traceback
 
 import torch
 
@@ -58,48 +57,41 @@ def _time_graph(fn, x, chain: int, repeats: int, comm) -> float:
     return times[len(times) // 2]
 
 
-def _rank(rank: int, port: int, n: int, chain: int, repeats: int, queue) -> None:
-    try:
-        import torch.distributed as dist
+def _rank(rank: int, port: int, n: int, chain: int, repeats: int) -> tuple[dict, object]:
+    import torch.distributed as dist
 
-        from engine.parallel import peer_allreduce
-        from engine.parallel.comm import Comm
-        from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
+    from engine.parallel import peer_allreduce
+    from engine.parallel.comm import Comm
+    from engine.parallel.group import connect_store, init_group, rank_env
 
-        env = rank_env("127.0.0.1", port, rank, n)
-        group = init_group(env, "cuda", store=connect_store(env))
-        comm = Comm(group)
-        device = torch.device("cuda", rank)
-        why = peer_allreduce.peer_access(device, n)
-        peer = None
-        if why is None or why.startswith("no measured size limit"):
-            programs = comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count)
-            peer = peer_allreduce.allocate(device, group.device, n, programs, max_bytes=max(SIZES),
-                                           fused_max_bytes=max(SIZES))
-            peer_allreduce.rendezvous(peer)
-            peer.pdl = True
+    env = rank_env("127.0.0.1", port, rank, n)
+    group = init_group(env, "cuda", store=connect_store(env))
+    comm = Comm(group)
+    device = torch.device("cuda", rank)
+    why = peer_allreduce.peer_access(device, n)
+    peer = None
+    if why is None or why.startswith("no measured size limit"):
+        programs = comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count)
+        peer = peer_allreduce.allocate(device, group.device, n, programs, max_bytes=max(SIZES),
+                                       fused_max_bytes=max(SIZES))
+        peer_allreduce.rendezvous(peer)
+        peer.pdl = True
 
-        def nccl(y: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(y, group=group.device)
-            return y
+    def nccl(y: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(y, group=group.device)
+        return y
 
-        rows = []
-        for size in SIZES:
-            x = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
-            row = {"bytes": size, "nccl_us": _time_graph(nccl, x.clone(), chain, repeats, comm)}
-            if peer is not None:
-                row["one_shot_us"] = _time_graph(peer, x.clone(), chain, repeats, comm)
-                got = peer(torch.full_like(x, rank + 1.0))
-                row["one_shot_correct"] = bool((got == n * (n + 1) / 2).all().item())
-            rows.append(row)
-        fused = _fused_rows(comm, peer, nccl, device, chain, repeats) if peer is not None else []
-        if rank == 0:
-            queue.put({"rows": rows, "fused": fused, "peer_why_not": why})
-        comm.barrier()
-        destroy_group(group)
-    except BaseException:
-        queue.put({"error": f"rank {rank}: {traceback.format_exc()}"})
-        raise SystemExit(1)
+    rows = []
+    for size in SIZES:
+        x = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
+        row = {"bytes": size, "nccl_us": _time_graph(nccl, x.clone(), chain, repeats, comm)}
+        if peer is not None:
+            row["one_shot_us"] = _time_graph(peer, x.clone(), chain, repeats, comm)
+            got = peer(torch.full_like(x, rank + 1.0))
+            row["one_shot_correct"] = bool((got == n * (n + 1) / 2).all().item())
+        rows.append(row)
+    fused = _fused_rows(comm, peer, nccl, device, chain, repeats) if peer is not None else []
+    return {"rows": rows, "fused": fused, "peer_why_not": why}, comm
 
 
 def _fused_rows(comm, peer, nccl, device: torch.device, chain: int, repeats: int) -> list[dict]:

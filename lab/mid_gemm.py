@@ -69,7 +69,7 @@ def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool =
                 if path is not None:
                     path.write_text(json.dumps(out, indent=1))
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-            del ws
+            ws.clear()  # the weights freed before the next projection's
             torch.cuda.empty_cache()
     return out
 

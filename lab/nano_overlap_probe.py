@@ -17,14 +17,10 @@ half the rows, so not bit for bit). Writes one JSON with the GPUs and the date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
-import traceback
 
 import torch
 
-from lab.spawn import rank0_result
+from lab.spawn import peer_ranks, runs_over_rows
 
 # Llama-3-70B at TP=2, one rank: hidden, attention output (32 heads x 128), qkv columns, MLP width
 HIDDEN, ATTN, QKV, INTER = 8192, 4096, 5120, 14336
@@ -99,71 +95,53 @@ def halves(x, residual, layers, add_norm, silu_and_mul, side: torch.cuda.Stream)
     return torch.cat([p[0] for p in pending]), torch.cat([p[1] for p in pending])
 
 
-def _rank(rank: int, port: int, rows: int, layers_n: int, repeats: int, queue) -> None:
-    try:
-        from engine.parallel import peer_allreduce
-        from engine.parallel.comm import Comm
-        from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
-        from kernels.fused import silu_and_mul
+def _rank(rank: int, port: int, rows: int, layers_n: int, repeats: int) -> tuple[dict, object]:
+    from kernels.fused import silu_and_mul
 
-        env = rank_env("127.0.0.1", port, rank, 2)
-        group = init_group(env, "cuda", store=connect_store(env))
-        comm = Comm(group)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        sms = comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count)
-        peer = peer_allreduce.allocate(device, group.device, 2, sms, fused_max_bytes=rows * HIDDEN * 2)
-        peer_allreduce.rendezvous(peer)
-        peer.pdl = False
+    _, comm, device, peer = peer_ranks(rank, port, 2, rows * HIDDEN * 2)
 
-        def add_norm(t, res, weight):
-            return peer.add_norm(t, res, weight, EPS)
+    def add_norm(t, res, weight):
+        return peer.add_norm(t, res, weight, EPS)
 
-        layers = _weights(layers_n, device, torch.Generator(device=device).manual_seed(11 + rank))
-        same = torch.Generator(device=device).manual_seed(3)  # the same inputs on both ranks
-        x = torch.randn(rows, HIDDEN, device=device, generator=same).bfloat16()
-        residual = torch.randn(rows, HIDDEN, device=device, generator=same).bfloat16()
-        side = torch.cuda.Stream(device)
-        ways = {"whole": lambda: whole(x, residual, layers, add_norm, silu_and_mul),
-                "halves": lambda: halves(x, residual, layers, add_norm, silu_and_mul, side)}
-        graphs, outs = {}, {}
-        for name, fn in ways.items():
-            fn()  # compiles, and a first eager run of each way
-            torch.cuda.synchronize()
-            comm.barrier()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs[name] = fn()
-            graphs[name] = graph
-        times = {name: [] for name in ways}
-        for i in range(repeats + 2):  # the first two warm up
-            for name, graph in graphs.items():
-                comm.barrier()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                if i >= 2:
-                    times[name].append(start.elapsed_time(end))
-        res = {"rows": rows, "layers": layers_n, "repeats": repeats}
-        for name, ts in times.items():
-            ts.sort()
-            res[f"{name}_ms"] = ts[len(ts) // 2]
-            res[f"{name}_ms_per_layer"] = ts[len(ts) // 2] / layers_n
-        res["halves_over_whole"] = res["halves_ms"] / res["whole_ms"]
-        (a, ra), (b, rb) = outs["whole"], outs["halves"]
-        res["normed_max_diff"] = float((a.float() - b.float()).abs().max())
-        res["normed_max"] = float(a.float().abs().max())
-        res["residual_max_diff"] = float((ra.float() - rb.float()).abs().max())
-        if rank == 0:
-            queue.put(res)
+    layers = _weights(layers_n, device, torch.Generator(device=device).manual_seed(11 + rank))
+    same = torch.Generator(device=device).manual_seed(3)  # the same inputs on both ranks
+    x = torch.randn(rows, HIDDEN, device=device, generator=same).bfloat16()
+    residual = torch.randn(rows, HIDDEN, device=device, generator=same).bfloat16()
+    side = torch.cuda.Stream(device)
+    ways = {"whole": lambda: whole(x, residual, layers, add_norm, silu_and_mul),
+            "halves": lambda: halves(x, residual, layers, add_norm, silu_and_mul, side)}
+    graphs, outs = {}, {}
+    for name, fn in ways.items():
+        fn()  # compiles, and a first eager run of each way
+        torch.cuda.synchronize()
         comm.barrier()
-        destroy_group(group)
-    except BaseException:
-        queue.put({"error": f"rank {rank}: {traceback.format_exc()}"})
-        raise SystemExit(1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs[name] = fn()
+        graphs[name] = graph
+    times = {name: [] for name in ways}
+    for i in range(repeats + 2):  # the first two warm up
+        for name, graph in graphs.items():
+            comm.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times[name].append(start.elapsed_time(end))
+    res = {"rows": rows, "layers": layers_n, "repeats": repeats}
+    for name, ts in times.items():
+        ts.sort()
+        res[f"{name}_ms"] = ts[len(ts) // 2]
+        res[f"{name}_ms_per_layer"] = ts[len(ts) // 2] / layers_n
+    res["halves_over_whole"] = res["halves_ms"] / res["whole_ms"]
+    (a, ra), (b, rb) = outs["whole"], outs["halves"]
+    res["normed_max_diff"] = float((a.float() - b.float()).abs().max())
+    res["normed_max"] = float(a.float().abs().max())
+    res["residual_max_diff"] = float((ra.float() - rb.float()).abs().max())
+    return res, comm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,21 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        print("needs two GPUs", file=sys.stderr)
-        return 1
-    out = {"gpu": f"2x {torch.cuda.get_device_name(0)}", "date": datetime.date.today().isoformat(), "runs": []}
-    for rows in (int(r) for r in args.rows.split(",")):
-        res = rank0_result(_rank, 2, (rows, args.layers, args.repeats), timeout_s=600)
-        if "error" in res:
-            print(res["error"], file=sys.stderr)
-            return 1
-        print(json.dumps(res), flush=True)
-        out["runs"].append(res)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
-
+    return runs_over_rows(_rank, [int(r) for r in args.rows.split(",")], (args.layers, args.repeats), args.out)
 
 if __name__ == "__main__":
     raise SystemExit(main())

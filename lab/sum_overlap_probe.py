@@ -14,14 +14,10 @@ async tensor parallelism (_chains). Writes one JSON with the GPUs and the date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
-import traceback
 
 import torch
 
-from lab.spawn import rank0_result
+from lab.spawn import peer_ranks, runs_over_rows
 
 HIDDEN, GATE_UP = 8192, 28672  # Llama-3-70B: hidden size, one rank's gate/up columns at TP=2
 
@@ -105,69 +101,49 @@ def _chains(rows, repeats, side, comm, peer, group_name, x, w_gate_up, r, nw, de
     return out
 
 
-def _rank(rank: int, port: int, rows: int, repeats: int, queue) -> None:
-    try:
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-        from torch.nn import functional as F
+def _rank(rank: int, port: int, rows: int, repeats: int) -> tuple[dict, object]:
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch.nn import functional as F
 
-        from engine.parallel import peer_allreduce
-        from engine.parallel.comm import Comm
-        from engine.parallel.group import connect_store, destroy_group, init_group, rank_env
+    group, comm, device, peer = peer_ranks(rank, port, 2, max(rows * HIDDEN * 2, 2 << 20))
+    src = symm_mem.empty(rows * HIDDEN, dtype=torch.bfloat16, device=device).view(rows, HIDDEN)
+    src.copy_(torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).bfloat16())
+    handle = symm_mem.rendezvous(src, group.device.group_name)
+    theirs = handle.get_buffer(1 - rank, (rows, HIDDEN), torch.bfloat16)
+    recv = torch.empty_like(src)
+    torch.cuda.synchronize()
+    comm.barrier()
+    recv.copy_(theirs)
+    want = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1 - rank)).bfloat16()
+    copy_correct = bool(torch.equal(recv.cpu(), want))
 
-        env = rank_env("127.0.0.1", port, rank, 2)
-        group = init_group(env, "cuda", store=connect_store(env))
-        comm = Comm(group)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        nbytes = rows * HIDDEN * 2
-        peer = peer_allreduce.allocate(device, group.device, 2, comm.min_int(torch.cuda.get_device_properties(device).multi_processor_count),
-                                       fused_max_bytes=max(nbytes, 2 << 20))
-        peer_allreduce.rendezvous(peer)
-        peer.pdl = False
-        src = symm_mem.empty(rows * HIDDEN, dtype=torch.bfloat16, device=device).view(rows, HIDDEN)
-        src.copy_(torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).bfloat16())
-        handle = symm_mem.rendezvous(src, group.device.group_name)
-        theirs = handle.get_buffer(1 - rank, (rows, HIDDEN), torch.bfloat16)
-        recv = torch.empty_like(src)
-        torch.cuda.synchronize()
-        comm.barrier()
+    x = torch.randn(rows, HIDDEN, device=device).bfloat16()
+    w = (torch.randn(GATE_UP, HIDDEN, device=device) / HIDDEN ** 0.5).bfloat16()
+    r = torch.randn(rows, HIDDEN, device=device).bfloat16()
+    nw = torch.ones(HIDDEN, device=device).bfloat16()
+    part = src.clone()
+    side = torch.cuda.Stream(device)
+
+    def gemm():
+        F.linear(x, w)
+
+    def copy_engine():
         recv.copy_(theirs)
-        want = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1 - rank)).bfloat16()
-        copy_correct = bool(torch.equal(recv.cpu(), want))
 
-        x = torch.randn(rows, HIDDEN, device=device).bfloat16()
-        w = (torch.randn(GATE_UP, HIDDEN, device=device) / HIDDEN ** 0.5).bfloat16()
-        r = torch.randn(rows, HIDDEN, device=device).bfloat16()
-        nw = torch.ones(HIDDEN, device=device).bfloat16()
-        part = src.clone()
-        side = torch.cuda.Stream(device)
+    def nccl():
+        dist.all_reduce(part, group=group.device)
 
-        def gemm():
-            F.linear(x, w)
+    def fused():
+        peer.add_norm(src, r, nw, 1e-5)
 
-        def copy_engine():
-            recv.copy_(theirs)
-
-        def nccl():
-            dist.all_reduce(part, group=group.device)
-
-        def fused():
-            peer.add_norm(src, r, nw, 1e-5)
-
-        res = {"rows": rows, "bytes": nbytes, "copy_correct": copy_correct,
-               "gemm_alone": _timed(gemm, None, side, repeats, comm)}
-        for name, fn in (("copy_engine", copy_engine), ("nccl", nccl), ("fused_kernel", fused)):
-            res[f"{name}_alone"] = _timed(None, fn, side, repeats, comm)
-            res[f"gemm_and_{name}"] = _timed(gemm, fn, side, repeats, comm)
-        res.update(_chains(rows, repeats, side, comm, peer, group.device.group_name, x, w, r, nw, device))
-        if rank == 0:
-            queue.put(res)
-        comm.barrier()
-        destroy_group(group)
-    except BaseException:
-        queue.put({"error": f"rank {rank}: {traceback.format_exc()}"})
-        raise SystemExit(1)
+    res = {"rows": rows, "bytes": rows * HIDDEN * 2, "copy_correct": copy_correct,
+           "gemm_alone": _timed(gemm, None, side, repeats, comm)}
+    for name, fn in (("copy_engine", copy_engine), ("nccl", nccl), ("fused_kernel", fused)):
+        res[f"{name}_alone"] = _timed(None, fn, side, repeats, comm)
+        res[f"gemm_and_{name}"] = _timed(gemm, fn, side, repeats, comm)
+    res.update(_chains(rows, repeats, side, comm, peer, group.device.group_name, x, w, r, nw, device))
+    return res, comm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,21 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        print("needs two GPUs", file=sys.stderr)
-        return 1
-    out = {"gpu": f"2x {torch.cuda.get_device_name(0)}", "date": datetime.date.today().isoformat(), "runs": []}
-    for rows in (int(x) for x in args.rows.split(",")):
-        res = rank0_result(_rank, 2, (rows, args.repeats), timeout_s=600)
-        if "error" in res:
-            print(res["error"], file=sys.stderr)
-            return 1
-        print(json.dumps(res), flush=True)
-        out["runs"].append(res)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
-
+    return runs_over_rows(_rank, [int(x) for x in args.rows.split(",")], (args.repeats,), args.out)
 
 if __name__ == "__main__":
     raise SystemExit(main())
