@@ -7,10 +7,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import jsonschema
 import pytest
 
 from lab.structured_schemas import NESTED_SCHEMA
+
+jsonschema = pytest.importorskip("jsonschema")  # the test extra; the GPU hosts lack it
 
 PEOPLE = ["Marie Curie", "a young chef from Lyon", "Ada Lovelace", "a retired teacher", "a street artist",
           "Alan Turing", "a doctor in Nairobi", "a software engineer", "Frida Kahlo", "a marathon runner"]
