@@ -95,7 +95,7 @@ for stage in "$@"; do
               --server-command "python3 -m serve.cli run" --server-args="--max-num-batched-tokens 32768 --prefill-hold-ms $h" \
               --concurrency 64 --num-prompts 192 --input-len 512 --output-len 128 --ignore-eos --num-warmups 64 \
               --result-json "$OUT/hold-$f.json" 2>&1 | grep -E "Output token|Median TPOT|Median TTFT|Median ITL|Roofline|error" | head -8
-            python3 -m lab.trace_summary "$OUT/trace-hold-$f.jsonl" --json "$OUT/trace-summary-hold-$f.json" > /dev/null
+            python3 -m bench.trace_summary "$OUT/trace-hold-$f.jsonl" --json "$OUT/trace-summary-hold-$f.json" > /dev/null
             rm -f "$OUT/trace-hold-$f.jsonl"
           done
         done
@@ -127,7 +127,7 @@ for stage in "$@"; do
           --server-command "python3 -m serve.cli run" --server-args="${SERVER_ARGS:-}" --concurrency 64 --num-prompts 192 \
           --input-len 512 --output-len 128 --ignore-eos --num-warmups 64 --result-json "$OUT/trace-serve-$f.json" 2>&1 \
           | grep -E "Output token|Median TPOT|Median TTFT|Roofline|error" | head -6
-        python3 -m lab.trace_summary "$OUT/trace-$f.jsonl" --json "$OUT/trace-summary-$f.json" > /dev/null
+        python3 -m bench.trace_summary "$OUT/trace-$f.jsonl" --json "$OUT/trace-summary-$f.json" > /dev/null
       done
       ;;
     kvdecode)

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
 log() { echo "== $* ($(date +%T))"; }
 
 # bench TREE LABEL MODEL CONCURRENCY PROMPTS [serve bench flags...]; SERVER_ARGS: `serve run` flags;
-# TRACE=1: a step trace, summarized into $R/LABEL-trace.json (lab/trace_summary.py)
+# TRACE=1: a step trace, summarized into $R/LABEL-trace.json (bench/trace_summary.py)
 bench() {
   local tree=$1 label=$2 model=$3 c=$4 n=$5
   shift 5
@@ -28,7 +28,7 @@ bench() {
     --input-len 512 --output-len 128 --ignore-eos --num-warmups "$c" --result-json "$R/$label.json" "$@" 2>&1 \
     | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|error|Error" | head -14)
   if [ -f "$R/$label.jsonl" ]; then
-    PYTHONPATH=$PWD python3 -m lab.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \
+    PYTHONPATH=$PWD python3 -m bench.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \
       --model "$MODELS_DIR/$model" --bench-json "$R/$label.json" \
       > "$R/$label-trace.txt" && head -${TRACE_LINES:-30} "$R/$label-trace.txt"
     rm -f "$R/$label.jsonl"

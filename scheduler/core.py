@@ -165,7 +165,7 @@ class EngineCore:
                 batch = self.scheduler.schedule()
             if trace is not None and batch is not None:
                 # attended: query x key positions of the step's attention (its first model step);
-                # cached: the positions each sequence reads from the KV cache (lab/trace_summary.py)
+                # cached: the positions each sequence reads from the KV cache (bench/trace_summary.py)
                 items = batch.items
                 trace.mark("t_sched", decodes=batch.num_decode, tokens=batch.num_tokens, seqs=len(items), steps=batch.num_steps,
                            held=self.scheduler.num_held_steps - held, cached=sum(it.start for it in items),

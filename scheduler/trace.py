@@ -1,7 +1,8 @@
 """Per-step timeline of the engine loop, for benchmarks: PAGEDSERVE_STEP_TRACE=path makes the
 EngineCore append one JSON line per step (host timestamps in ms, the batch's shape; on a GPU also
 the device time of the step it collected, prev_gpu_ms / prev_idle_ms), in batches of 256 lines and
-when the trace is closed. Off (no cost beyond one attribute test) otherwise."""
+when the trace is closed; `python -m bench.trace_summary` summarizes it. Off (no cost beyond one
+attribute test) otherwise."""
 from __future__ import annotations
 
 import atexit

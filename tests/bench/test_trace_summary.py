@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lab import trace_summary
+from bench import trace_summary
 
 
 def test_step_trace_of_an_offline_run(tiny_models, tmp_path, monkeypatch):
@@ -126,3 +126,22 @@ def test_each_kind_of_step_against_its_bound(tiny_models, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["decode"]["gpu_over_bound"] == res["decode"]["gpu_over_bound"]
     with pytest.raises(SystemExit):  # a model without rates
         trace_summary.main([str(path), "--model", str(tiny_models["llama"])])
+
+
+def test_a_preset_name_and_one_line_errors(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"t0": 0.0, "t_end": 1.0, "seqs": 64, "decodes": 64, "tokens": 64,
+                                "attended": 64 * 600.0, "cached": 64 * 599}) + "\n"
+                    + json.dumps({"t0": 1.0, "t_end": 2.0, "prev_gpu_ms": 7.0, "prev_idle_ms": 0.0}) + "\n")
+    rates = ["--copy-bandwidth", "3.0", "--matmul-tflops", "800"]
+    assert trace_summary.main([str(path), "--model", "llama3-8b", *rates]) == 0
+    bound = json.loads(capsys.readouterr().out)["decode"]["bound_ms"]["sum"]
+    assert 5.0 < bound < 8.0  # 16 GB of weights and ~2 GB of KV at 3 TB/s
+    for argv, says in (([str(tmp_path / "missing.jsonl")], "can't read the trace"),
+                       ([str(path), "--model", "no-such-model", *rates], "neither a folder"),
+                       ([str(path), "--model", "llama3-8b", "--bench-json", str(tmp_path / "none.json")],
+                        "can't read serve bench's result")):
+        with pytest.raises(SystemExit) as e:
+            trace_summary.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err

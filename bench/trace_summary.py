@@ -3,8 +3,8 @@ loop's wall time splits into scheduling, launching, waiting for the previous ste
 processing them and sending the outputs; on a GPU also each step's time on the device (gpu, from
 CUDA events around the step) and how long the device sat idle before it (idle).
 
-    python -m lab.trace_summary trace.jsonl [--json out.json] [--after-idle MS]
-    python -m lab.trace_summary trace.jsonl --token-gaps [--decoding-engine]
+    python -m bench.trace_summary trace.jsonl [--json out.json] [--after-idle MS]
+    python -m bench.trace_summary trace.jsonl --token-gaps [--decoding-engine]
 
 --after-idle MS keeps only the steps after the last time the device sat idle for more than MS
 (a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
@@ -145,18 +145,26 @@ def token_gaps(rows: list[dict], decoding_engine: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from serve.cli_args import OneLineErrorParser
+
+    p = OneLineErrorParser(prog="python -m bench.trace_summary", description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--json", default=None)
     p.add_argument("--after-idle", type=float, default=None, metavar="MS")
     p.add_argument("--token-gaps", action="store_true")
     p.add_argument("--decoding-engine", action="store_true")
-    p.add_argument("--model", default=None, help="the served model's folder: each kind of step against its bound")
+    p.add_argument("--model", default=None,
+                   help="the served model (a folder, a config.json or a preset name): each kind of step against its bound")
     p.add_argument("--bench-json", default=None, help="serve bench's result JSON of the run (its rates and GPUs)")
     p.add_argument("--copy-bandwidth", type=float, default=None, metavar="TB/s")
     p.add_argument("--matmul-tflops", type=float, default=None)
     args = p.parse_args(argv)
-    rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        p.error(f"can't read the trace {args.trace}: {e.strerror or e}")
+    except json.JSONDecodeError as e:
+        p.error(f"{args.trace} is not a step trace (one JSON object a line): {e}")
     cost, rates = _bound_inputs(p, args) if args.model else (None, None)
     res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle, cost, rates)
     if args.json:
@@ -167,12 +175,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bound_inputs(p: argparse.ArgumentParser, args: argparse.Namespace):
     """(ModelCost, HardwareRates) for --model, from --bench-json or the two rates given."""
+    from bench.presets import resolve_model
     from bench.roofline import HardwareRates, ModelCost
-    from engine.config import ModelConfig
+    from engine.config import ModelConfig, ModelConfigError
 
     kv_dtype = "auto"
     if args.bench_json:
-        res = json.loads(Path(args.bench_json).read_text())
+        try:
+            res = json.loads(Path(args.bench_json).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"can't read serve bench's result {args.bench_json}: {e}")
         if not res.get("copy_bandwidth_tbs") or not res.get("matmul_tflops"):
             p.error(f"{args.bench_json} has no copy_bandwidth_tbs / matmul_tflops (a run without a roofline)")
         bw, tflops = res["copy_bandwidth_tbs"], res["matmul_tflops"]
@@ -181,7 +193,11 @@ def _bound_inputs(p: argparse.ArgumentParser, args: argparse.Namespace):
         bw, tflops = args.copy_bandwidth, args.matmul_tflops
     else:
         p.error("--model needs --bench-json, or --copy-bandwidth and --matmul-tflops")
-    return ModelCost.of(ModelConfig.from_path(args.model), kv_dtype), HardwareRates(bw * 1e12, tflops * 1e12)
+    try:
+        cfg = ModelConfig.from_path(resolve_model(args.model))
+    except (ValueError, ModelConfigError) as e:
+        p.error(str(e))
+    return ModelCost.of(cfg, kv_dtype), HardwareRates(bw * 1e12, tflops * 1e12)
 
 
 if __name__ == "__main__":
