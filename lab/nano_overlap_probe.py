@@ -65,6 +65,9 @@ def halves(x, residual, layers, add_norm, silu_and_mul, side: torch.cuda.Stream)
     fused kernel's calls pair up by count) while the other half's projections run."""
     main = torch.cuda.current_stream()
     parts = list(zip(x.chunk(2), residual.chunk(2)))
+    # every tensor that crosses between the streams stays referenced until the end: freed, its
+    # memory could go to a later allocation on its own stream while the other stream still reads it
+    keep = []
 
     def on_side(t, res, weight):
         made = torch.cuda.Event()
@@ -74,6 +77,7 @@ def halves(x, residual, layers, add_norm, silu_and_mul, side: torch.cuda.Stream)
             normed, res = add_norm(t, res, weight)
             done = torch.cuda.Event()
             done.record(side)
+        keep.extend((t, normed, res))
         return normed, res, done
 
     pending = [on_side(t, r, layers[0]["ln1"]) for t, r in parts]
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     return runs_over_rows(_rank, [int(r) for r in args.rows.split(",")], (args.layers, args.repeats), args.out)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
