@@ -9,11 +9,12 @@ CUDA events around the step) and how long the device sat idle before it (idle).
 --after-idle MS keeps only the steps after the last time the device sat idle for more than MS
 (a serve bench run after its warm-up requests). Mixed and prefill steps also get a least-squares
 fit of their device time against their prompt tokens (fixed ms per step + us per token).
---model FOLDER with the rates (--bench-json, a serve bench result of the same run: its copy
-bandwidth, matmul rate and GPUs; or --copy-bandwidth TB/s --matmul-tflops T): each kind of step's
-device time against its own bound, each step's max(FLOPs / matmul rate, bytes / copy bandwidth)
-(bench/roofline.py's costs: every weight once a model step, the KV the step reads and writes, 2
-FLOPs a parameter a token and attention over the positions it attends).
+--model (a folder, a config.json or a preset name, as serve bench takes) with the rates
+(--bench-json, a serve bench result of the same run: its copy bandwidth, matmul rate and GPUs; or
+--copy-bandwidth TB/s --matmul-tflops T): each kind of step's device time against its own bound,
+each step's max(FLOPs / matmul rate, bytes / copy bandwidth) (bench/roofline.py's costs: every
+weight once a model step, the KV the step reads and writes, 2 FLOPs a parameter a token and
+attention over the positions it attends).
 --token-gaps: how long a decoding row waits from one step to the next, as its client would see
 the engine's side of the inter-token gap: each step's interval to the next, once per row it
 carried; median, p90, p99. A disaggregated server's engines write one trace between them: with
