@@ -11,7 +11,7 @@ the tile's counter; the last to arrive adds the partials in split order (the res
 on timing, as kernels/linear.py's skinny kernel) and stores the tile.
 
 Measured in CUDA graphs on an H100 (2026-11-27, bench/NOTES.md): slower than cuBLAS at all 36
-shapes (Llama-3-8B and 70B TP=2 projections, 128-640 rows); its best plans were unsplit.
+shapes (Llama-3-8B and 70B TP=2 projections, 128-640 rows); its best plans were mostly unsplit.
 """
 from __future__ import annotations
 
