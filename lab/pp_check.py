@@ -121,12 +121,7 @@ def mixed_profile(core, a: argparse.Namespace, rng: random.Random, vocab: int) -
     with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         for _ in range(a.profile_steps):
             mixed_step()
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
-        if us > 0:
-            rows.append({"kernel": ev.key[:160], "calls": ev.count, "us_per_step": us / a.profile_steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = _kernel_rows(prof, a.profile_steps)
     return {"prompt_tokens": a.mixed_tokens, "step_ms_median": walls[len(walls) // 2],
             "kernel_us_per_step": sum(r["us_per_step"] for r in rows), "kernels": rows[:40]}
 
@@ -145,13 +140,18 @@ def kernel_profile(core, steps: int, batch: int) -> list[dict]:
             core.step()
         torch.cuda.synchronize()
     model_steps = max(1, round((core.stats.generation_tokens - before) / batch))
+    return _kernel_rows(prof, model_steps)[:40]
+
+
+def _kernel_rows(prof, steps: int) -> list[dict]:
+    """A torch.profiler run's kernels with device time, by device time per step, the largest first."""
     rows = []
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
         if us > 0:
-            rows.append({"kernel": ev.key[:160], "calls": ev.count, "us_per_step": us / model_steps})
+            rows.append({"kernel": ev.key[:160], "calls": ev.count, "us_per_step": us / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:40]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
