@@ -21,9 +21,11 @@ import argparse
 import torch
 
 from lab.spawn import peer_ranks, runs_over_rows
+from lab.tp_linear import shapes
 
-# Llama-3-70B at TP=2, one rank: hidden, attention output (32 heads x 128), qkv columns, MLP width
-HIDDEN, ATTN, QKV, INTER = 8192, 4096, 5120, 14336
+# Llama-3-70B at TP=2, one rank: qkv columns, hidden size, attention output (32 heads x 128), MLP width
+_SHAPES = shapes("llama3-70b", 2)
+(QKV, HIDDEN), ATTN, INTER = _SHAPES["qkv"], _SHAPES["o"][1], _SHAPES["down"][1]
 EPS = 1e-5
 
 

@@ -18,8 +18,11 @@ import argparse
 import torch
 
 from lab.spawn import peer_ranks, runs_over_rows
+from lab.tp_linear import shapes
 
-HIDDEN, GATE_UP = 8192, 28672  # Llama-3-70B: hidden size, one rank's gate/up columns at TP=2
+# Llama-3-70B at TP=2, one rank's projections: (output columns, input columns)
+SHAPES = shapes("llama3-70b", 2)
+GATE_UP, HIDDEN = SHAPES["gate_up"]
 
 
 def _timed(main_fn, side_fn, side: torch.cuda.Stream, repeats: int, comm) -> dict:
@@ -64,8 +67,8 @@ def _chains(rows, repeats, side, comm, peer, group_name, x, w_gate_up, r, nw, de
     half = rows // comm.size
     me = slice(comm.rank * half, (comm.rank + 1) * half)
     g = torch.Generator(device=device).manual_seed(7)  # the same inputs on both ranks but the weights
-    for name, k_in, w_next in (("o_then_gate_up", 4096, w_gate_up),
-                               ("down_then_qkv", 14336, (torch.randn(5120, HIDDEN, device=device) / HIDDEN ** 0.5).bfloat16())):
+    qkv = (torch.randn(*SHAPES["qkv"], device=device) / HIDDEN ** 0.5).bfloat16()
+    for name, k_in, w_next in (("o_then_gate_up", SHAPES["o"][1], w_gate_up), ("down_then_qkv", SHAPES["down"][1], qkv)):
         a = torch.randn(rows, k_in, device=device, generator=g).bfloat16()
         w_row = (torch.randn(HIDDEN, k_in, device=device) / k_in ** 0.5).bfloat16()
         residual = r.clone()
