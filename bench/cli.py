@@ -374,9 +374,12 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
     if rates is not None and setup.model is not None:
         lengths = [(r.num_prompt_tokens, r.output_len) for r in requests]
         gpus = roofline_gpus(args.num_gpus, setup.server_args)
-        rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus)
-        roofline = Roofline(estimate(ModelCost.of(setup.model, args.kv_cache_dtype), lengths, rates,
-                                     args.concurrency, rate), rates, gpus)
+        burst = rates.matmul_flops_burst * gpus if rates.matmul_flops_burst else None
+        rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus, burst)
+        cost = ModelCost.of(setup.model, args.kv_cache_dtype)
+        roofline = Roofline(estimate(cost, lengths, rates, args.concurrency, rate), rates, gpus,
+                            estimate(cost, lengths, HardwareRates(rates.copy_bandwidth, burst), args.concurrency, rate)
+                            if burst else None)
     info = RunInfo(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
         served_model_name=target.model, url=base_url, gpu=hw.device, workload=setup.workload,

@@ -1,5 +1,12 @@
 """Measure this GPU's device-to-device copy bandwidth and bf16 matmul rate (the roofline's inputs).
 
+The matmul rate is the one the GPU sustains: an H100 held at its 700 W power limit lowers its
+clocks within about a second of back-to-back matmuls (1,980 MHz cold, 1,300-1,470 MHz at the limit;
+nvidia-smi names the software power cap), and a served compute-heavy model runs its prompt steps
+for many seconds at that limit (bench/NOTES.md, 2026-11-27). So the products are timed after
+SETTLE_S seconds of them; the first products' rate, which a cold GPU reaches, is kept as
+`matmul_flops_burst` for comparison with figures measured that way.
+
 `python -m bench.hardware` prints the measurement as one JSON line; the load generator runs it in
 a subprocess so that its own process never holds a CUDA context beside the server's.
 On a machine without CUDA every figure is None.
@@ -9,21 +16,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 from bench.roofline import HardwareRates
+
+SETTLE_S = 3.0  # back-to-back products before the sustained rate is timed
+SUSTAIN_S = 1.0  # how long the sustained rate is timed over
 
 
 @dataclass(frozen=True)
 class Measurement:
     device: str | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None without CUDA
     copy_bandwidth: float | None = None  # bytes/s, read + written
-    matmul_flops: float | None = None  # FLOP/s
+    matmul_flops: float | None = None  # FLOP/s, sustained (see the module's docstring)
     error: str | None = None  # why there are no figures, when CUDA was there but measuring failed
+    matmul_flops_burst: float | None = None  # FLOP/s of the first products, on a cold GPU
 
     def rates(self) -> HardwareRates | None:
         if self.copy_bandwidth and self.matmul_flops:
-            return HardwareRates(self.copy_bandwidth, self.matmul_flops)
+            return HardwareRates(self.copy_bandwidth, self.matmul_flops, self.matmul_flops_burst)
         return None
 
 
@@ -35,12 +47,12 @@ def measure(copy_mib: int = 1024, matmul_n: int = 8192, warmup: int = 3, iters: 
     device = torch.cuda.get_device_name()
     try:
         copy_bw = _copy_bandwidth(copy_mib, warmup, iters)
-        flops = _matmul_rate(matmul_n, warmup, iters)
+        flops, burst = _matmul_rates(matmul_n, warmup, iters)
     except torch.cuda.OutOfMemoryError as e:
         return Measurement(device=device, error=f"out of GPU memory while measuring: {e}".splitlines()[0])
     finally:
         torch.cuda.empty_cache()
-    return Measurement(device=device, copy_bandwidth=copy_bw, matmul_flops=flops)
+    return Measurement(device=device, copy_bandwidth=copy_bw, matmul_flops=flops, matmul_flops_burst=burst)
 
 
 def _copy_bandwidth(mib: int, warmup: int, iters: int) -> float:
@@ -52,13 +64,26 @@ def _copy_bandwidth(mib: int, warmup: int, iters: int) -> float:
     return 2 * src.numel() * src.element_size() / seconds  # bytes read + bytes written
 
 
-def _matmul_rate(n: int, warmup: int, iters: int) -> float:
+def _matmul_rates(n: int, warmup: int, iters: int, settle_s: float = SETTLE_S,
+                  sustain_s: float = SUSTAIN_S) -> tuple[float, float]:
+    """(sustained, burst) FLOP/s of an n x n x n bf16 product."""
     import torch
 
-    # random data: an all-zero matmul runs measurably faster than real weights
+    # random data: an all-zero matmul runs measurably faster (and draws less power) than real weights
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    return 2.0 * n**3 / _time_cuda(lambda: torch.matmul(a, b), warmup, iters)
+    flops = 2.0 * n**3
+
+    def product():
+        return torch.matmul(a, b)
+    burst = flops / _time_cuda(product, warmup, iters)
+    start = time.monotonic()
+    while time.monotonic() - start < settle_s:  # the GPU busy throughout: a few ms of queue at a time
+        for _ in range(iters):
+            product()
+        torch.cuda.synchronize()
+    sustained = flops / _time_cuda(product, 0, max(iters, int(sustain_s * burst / flops)))
+    return sustained, burst
 
 
 def _time_cuda(fn, warmup: int, iters: int) -> float:

@@ -38,6 +38,7 @@ class Roofline:
     estimate: RooflineEstimate
     rates: HardwareRates  # of all the GPUs the model is split over together
     num_gpus: int = 1
+    at_burst_rate: RooflineEstimate | None = None  # the same bounds at the cold GPU's matmul rate
 
     def fraction(self, output_throughput: float) -> float:
         """Of the physical bound (compute and memory overlapped)."""
@@ -45,6 +46,14 @@ class Roofline:
 
     def serial_fraction(self, output_throughput: float) -> float:
         return output_throughput / self.estimate.serial_output_throughput
+
+    def burst_fractions(self, output_throughput: float) -> tuple[float, float] | None:
+        """(physical, serial) fractions of the bounds at a cold GPU's matmul rate, as figures before
+        2026-11-27 were measured; None where that rate is unknown."""
+        cold = self.at_burst_rate
+        if cold is None or not self.rates.matmul_flops_burst:
+            return None
+        return output_throughput / cold.output_throughput, output_throughput / cold.serial_output_throughput
 
 
 def _ms(x: float | None) -> float | None:
@@ -95,6 +104,7 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
     out["median_chunk_gap_ms"] = metrics.chunk_gap.median
     out["p99_chunk_gap_ms"] = metrics.chunk_gap.p99
     est = roofline.estimate if roofline else None
+    cold = roofline.burst_fractions(metrics.output_throughput) if roofline else None
     out.update({
         "roofline_num_gpus": roofline.num_gpus if roofline else None,
         "copy_bandwidth_tbs": roofline.rates.copy_bandwidth / 1e12 if roofline else None,
@@ -108,6 +118,9 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         "roofline_prefill_s": est.prefill_s if est else None,
         "roofline_decode_s": est.decode_s if est else None,
         "roofline_decode_step_ms": est.decode_step_s * 1000.0 if est else None,
+        "matmul_tflops_burst": roofline.rates.matmul_flops_burst / 1e12 if cold else None,
+        "roofline_fraction_at_burst_rate": cold[0] if cold else None,
+        "serial_bound_fraction_at_burst_rate": cold[1] if cold else None,
     })
     out["requests"] = [
         {"start_s": r.start_s, "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
@@ -199,7 +212,8 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
             lines.append(_row("Roofline GPUs (rates summed):", roofline.num_gpus))
         lines += [
             _row("Copy bandwidth (TB/s):", roofline.rates.copy_bandwidth / 1e12),
-            _row("Matmul rate (TFLOP/s):", roofline.rates.matmul_flops / 1e12, 0 if roofline.rates.matmul_flops >= 1e14 else 2),
+            _row("Matmul rate, sustained (TFLOP/s):", roofline.rates.matmul_flops / 1e12,
+                 0 if roofline.rates.matmul_flops >= 1e14 else 2),
             _row("Physical bound (tok/s):", est.output_throughput),
             _row("Fraction of physical bound:", roofline.fraction(metrics.output_throughput), 3),
             _row("Serial bound (tok/s):", est.serial_output_throughput),
@@ -210,6 +224,11 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
             _row("Median TPOT / roofline step:",
                  metrics.tpot.median / step_ms if metrics.tpot.median is not None and step_ms > 0 else None),
         ]
+        cold = roofline.burst_fractions(metrics.output_throughput)
+        if cold is not None:
+            burst = roofline.rates.matmul_flops_burst / 1e12
+            lines += [_row("Matmul rate, cold burst (TFLOP/s):", burst, 0 if burst >= 100 else 2),
+                      _row("Fractions at the burst rate:", f"{cold[0]:.3f} / {cold[1]:.3f}")]
     if metrics.errors:
         lines.append(_title("Errors"))
         lines += [f"{n:>5} x {msg}" for msg, n in sorted(metrics.errors.items(), key=lambda kv: -kv[1])]

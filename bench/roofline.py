@@ -39,7 +39,8 @@ from kvcache.spec import DTYPE_BYTES, KVCacheSpec, resolve_kv_dtype
 @dataclass(frozen=True)
 class HardwareRates:
     copy_bandwidth: float  # bytes/s of a device-to-device copy, counting bytes read plus written
-    matmul_flops: float  # FLOP/s of a large bf16 matmul
+    matmul_flops: float  # FLOP/s of a large bf16 matmul, as the GPU sustains it (bench/hardware.py)
+    matmul_flops_burst: float | None = None  # the same on a cold GPU, for comparison; no bound uses it
 
     def __post_init__(self) -> None:
         if not (self.copy_bandwidth > 0 and self.matmul_flops > 0):

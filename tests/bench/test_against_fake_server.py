@@ -170,3 +170,24 @@ def test_roofline_of_several_gpus_sums_their_rates(fake_server, bench):
     assert code == 0 and two["roofline_num_gpus"] == 2 and two["copy_bandwidth_tbs"] == 6
     assert two["roofline_output_throughput"] == pytest.approx(2 * one["roofline_output_throughput"])
     assert two["roofline_decode_step_ms"] == pytest.approx(one["roofline_decode_step_ms"] / 2)
+
+
+def test_measured_rates_give_both_bounds(fake_server, bench, capsys, monkeypatch, tmp_path):
+    """A measured GPU (here a stand-in) gives the bounds at its sustained matmul rate and, beside
+    them, the fractions at its cold burst rate."""
+    from bench import cli
+    from bench.hardware import Measurement
+    from tests.models import build_model
+
+    monkeypatch.setattr(cli, "measure_in_subprocess",
+                        lambda: Measurement("Stand-in GPU", 3e12, 600e12, matmul_flops_burst=800e12))
+    folder = build_model("llama", tmp_path / "tiny")
+    srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005)
+    code, res = bench("--url", srv.base_url, "--model", str(folder), "--num-prompts", "4", "--input-len", "24",
+                      "--output-len", "4")
+    assert code == 0
+    assert (res["matmul_tflops"], res["matmul_tflops_burst"]) == (600.0, 800.0)
+    assert res["serial_bound_fraction_at_burst_rate"] <= res["serial_bound_fraction"]
+    assert res["roofline_fraction_at_burst_rate"] <= res["roofline_fraction"]
+    out = capsys.readouterr().out
+    assert "Matmul rate, sustained (TFLOP/s):" in out and "Fractions at the burst rate:" in out

@@ -94,3 +94,21 @@ def test_no_cuda_measures_nothing():
         pytest.skip("has a GPU")
     m = measure()
     assert m.rates() is None and m.device is None
+
+
+def test_burst_rate_is_reported_beside_the_sustained_bound():
+    from bench.hardware import Measurement
+    from bench.report import Roofline
+
+    c = cost("llama3-8b")
+    rates = Measurement("GPU", 3.01e12, 660e12, matmul_flops_burst=800e12).rates()
+    assert (rates.matmul_flops, rates.matmul_flops_burst) == (660e12, 800e12)
+    est = estimate(c, WORKLOAD, rates, concurrency=64)
+    cold = estimate(c, WORKLOAD, HardwareRates(3.01e12, 800e12), concurrency=64)
+    # the bounds use the sustained rate; the burst rate only gives the fractions to compare with before
+    assert est.serial_output_throughput < cold.serial_output_throughput
+    assert est == estimate(c, WORKLOAD, HardwareRates(3.01e12, 660e12), concurrency=64)
+    physical, serial = Roofline(est, rates, 1, cold).burst_fractions(1000.0)
+    assert physical == pytest.approx(1000.0 / cold.output_throughput)
+    assert serial == pytest.approx(1000.0 / cold.serial_output_throughput)
+    assert Roofline(est, HardwareRates(3.01e12, 660e12), 1).burst_fractions(1000.0) is None
