@@ -42,6 +42,12 @@ log = logging.getLogger("pagedserve")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # torch.cuda._sleep spins this many ms per unit at ~2 GHz (an H100 boosts to 1.98 GHz)
 SLEEP_MS_PER_UNIT = 5e-7
+# The start-up cost model times a forward this many times the smallest one's, a compute-bound one,
+# with the GPU at its power limit, after HEAT_MS of matmuls: an H100 held there lowers its clocks
+# ~15% within a second, and a served step with many prompt tokens runs at that limit, where a cold
+# GPU's burst had timed it 10-25% short (bench/NOTES.md, 2026-11-27)
+HOT_ABOVE = 1.25
+HEAT_MS = 400.0
 
 
 def available_ram_bytes() -> int:
@@ -56,20 +62,26 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _device_ms(fn: Callable[[], object], repeats: int = 3, comm: Comm | None = None) -> float:
+def _device_ms(fn: Callable[[], object], repeats: int = 3, comm: Comm | None = None,
+               head: Callable[[float], None] | None = None) -> float:
     """Median device time of fn's kernels, ms. A sleep kernel queued first keeps the GPU busy while
     the host queues fn, so host launch gaps don't count (the graphs replay without them). Where fn
     itself waits for the device (a host sync inside), no head start helps: it is timed as it runs.
     The first call, which may compile, is not timed. comm (tensor parallel): fn's collectives wait
-    for every rank, so all ranks call fn equally often, sleep equally long and start together."""
+    for every rank, so all ranks call fn equally often, sleep equally long and start together.
+    head(ms): queues that head start itself instead of the sleep (_Heater.run: matmuls, so that fn
+    finds the GPU at its power limit)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     comm = comm or Comm()
 
-    def once(sleep: int) -> tuple[float, float]:
+    def once(lead_ms: float) -> tuple[float, float]:
         torch.cuda.synchronize()
         comm.barrier()
-        if sleep:
-            torch.cuda._sleep(sleep)
+        if lead_ms:
+            if head is None:
+                torch.cuda._sleep(int(lead_ms / SLEEP_MS_PER_UNIT))
+            else:
+                head(lead_ms)
         t0 = time.perf_counter()
         start.record()
         fn()
@@ -84,11 +96,41 @@ def _device_ms(fn: Callable[[], object], repeats: int = 3, comm: Comm | None = N
     t0 = time.perf_counter()
     fn()
     host_ms = (time.perf_counter() - t0) * 1e3  # queueing fn (or running it, if it waits for the device)
-    # a head start the host won't use up (the slowest rank's)
-    sleep = comm.max_int(int((1.5 * host_ms + 1.0) / SLEEP_MS_PER_UNIT))
-    if comm.max_int(int(once(sleep)[1] >= 0.8 * SLEEP_MS_PER_UNIT * sleep)):
-        sleep = 0
-    return float(np.median([once(sleep)[0] for _ in range(repeats)]))
+    # a head start the host won't use up (the slowest rank's), in whole microseconds
+    lead_ms = comm.max_int(int((1.5 * host_ms + 1.0) * 1e3)) / 1e3
+    if comm.max_int(int(once(lead_ms)[1] >= 0.8 * lead_ms)):
+        lead_ms = 0.0
+    return float(np.median([once(lead_ms)[0] for _ in range(repeats)]))
+
+
+class _Heater:
+    """Back-to-back bf16 matmuls that hold the GPU at its power limit for a given time; every rank
+    queues as many (the slowest rank's rate), so that the ranks stay in step."""
+
+    N = 4096
+
+    def __init__(self, device: torch.device, comm: Comm) -> None:
+        self.a = torch.randn(self.N, self.N, dtype=torch.bfloat16, device=device)
+        self.b = torch.randn_like(self.a)
+        self.out = torch.empty_like(self.a)
+        self.comm = comm
+        for _ in range(3):
+            self._product()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            self._product()
+        end.record()
+        end.synchronize()
+        # the burst's time: under the power limit a product takes longer, so the head start only grows
+        self.us_each = max(1, comm.max_int(int(start.elapsed_time(end) * 100)))
+
+    def _product(self) -> None:
+        torch.matmul(self.a, self.b, out=self.out)
+
+    def run(self, ms: float) -> None:
+        for _ in range(max(1, int(ms * 1e3 / self.us_each) + 1)):
+            self._product()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -527,16 +569,29 @@ class ModelRunner:
                 "max_model_len": self.max_model_len, "sizes": self._cost_sizes()}
 
     @torch.inference_mode()
-    def measure_step_costs(self, timer: Callable[[Callable[[], object]], float] | None = None) -> StepCostModel:
+    def measure_step_costs(self, timer: Callable[..., float] | None = None) -> StepCostModel:
         """The device time of forwards of a few sizes (prompt chunks of CHUNK tokens, writing no KV)
-        and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: fn ->
-        ms (default: the device timer, _device_ms)."""
+        and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: (fn,
+        head=None) -> ms (default: the device timer, _device_ms); head, where given, fills the head
+        start with matmuls that hold the GPU at its power limit (HOT_ABOVE)."""
         # five repeats: one slow outlier must not make a bucket look beaten (engine/cost_model.py)
-        timer = timer or (lambda fn: _device_ms(fn, repeats=5, comm=self.comm))
+        timer = timer or (lambda fn, head=None: _device_ms(fn, repeats=5, comm=self.comm, head=head))
         sizes = self._cost_sizes()
         pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
-        forward_ms = [timer(self._forward_fn(n, pool)) for n in sizes]
-        del pool
+        heater = _Heater(self.device, self.comm) if self.device.type == "cuda" else None
+        forward_ms: list[float] = []
+        hot = False  # sizes ascend: from the first compute-bound one on, each is timed at the power limit
+        for n in sizes:
+            fn = self._forward_fn(n, pool)
+            ms = timer(fn, heater.run) if hot else timer(fn)
+            # every rank switches at the same size (their forwards' collectives pair up by count)
+            if (not hot and heater is not None and forward_ms
+                    and self.comm.max_int(int(ms > HOT_ABOVE * forward_ms[0]))):
+                hot = True
+                heater.run(HEAT_MS)
+                ms = timer(fn, heater.run)
+            forward_ms.append(ms)
+        del pool, heater
         nbytes = 256 << 20
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)

@@ -44,9 +44,10 @@ class GPUPreset:
 
 
 GPU_PRESETS: tuple[GPUPreset, ...] = (
-    # rates: bench.hardware on H100 80GB HBM3 (2026-11-26) and H200 (2026-11-26), one GPU's figures
+    # rates: bench.hardware, one GPU's figures; the H100's matmul rate as sustained at its power limit
+    # (2026-11-27; 795 on a cold GPU), the H200's as a cold GPU's first products (2026-11-26)
     GPUPreset("H100-80GB", 85_017_493_504, ("h100", "h100-sxm", "h100-80gb-hbm3"), measured=True,
-              rates=(3.00e12, 790e12)),
+              rates=(3.00e12, 677e12)),
     GPUPreset("H100-PCIe", 81559 * MiB, ("h100-pcie-80gb",)),
     GPUPreset("H100-NVL", 95830 * MiB, ("h100-94gb",)),
     GPUPreset("H200", 150_109_880_320, ("h200-141gb", "h200-sxm"), measured=True, rates=(4.25e12, 794e12)),

@@ -75,7 +75,8 @@ def test_the_runner_measures_every_size_and_builds_a_model(tiny_models):
     assert runner.cost_model is None  # the CPU schedules without one
     calls = []
 
-    def timer(fn):
+    def timer(fn, head=None):
+        assert head is None  # no GPU to hold at its power limit
         out = fn()
         calls.append(out)
         return 1.0 + 0.01 * len(calls)
