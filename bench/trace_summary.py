@@ -24,6 +24,7 @@ runs none).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -161,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matmul-tflops", type=float, default=None)
     args = p.parse_args(argv)
     try:
-        rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+        data = Path(args.trace).read_bytes()
+        if data[:2] == b"\x1f\x8b":  # gzipped (lab/overlap.sh's KEEP_TRACE)
+            data = gzip.decompress(data)
+        rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
     except OSError as e:
         p.error(f"can't read the trace {args.trace}: {e.strerror or e}")
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         p.error(f"{args.trace} is not a step trace (one JSON object a line): {e}")
     cost, rates = _bound_inputs(p, args) if args.model else (None, None)
     res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle, cost, rates)

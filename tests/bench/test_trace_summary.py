@@ -1,6 +1,7 @@
 """PAGEDSERVE_STEP_TRACE (scheduler/trace.py) and its summary: one row per engine step, its phases."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -137,10 +138,17 @@ def test_a_preset_name_and_one_line_errors(tmp_path, capsys):
     assert trace_summary.main([str(path), "--model", "llama3-8b", *rates]) == 0
     bound = json.loads(capsys.readouterr().out)["decode"]["bound_ms"]["sum"]
     assert 5.0 < bound < 8.0  # 16 GB of weights and ~2 GB of KV at 3 TB/s
+    packed = tmp_path / "t.jsonl.gz"  # a trace kept gzipped (lab/overlap.sh's KEEP_TRACE) reads the same
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert trace_summary.main([str(packed), "--model", "llama3-8b", *rates]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"]["bound_ms"]["sum"] == bound
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\xff\xfe not a trace")
     for argv, says in (([str(tmp_path / "missing.jsonl")], "can't read the trace"),
                        ([str(path), "--model", "no-such-model", *rates], "neither a folder"),
                        ([str(path), "--model", "llama3-8b", "--bench-json", str(tmp_path / "none.json")],
-                        "can't read serve bench's result")):
+                        "can't read serve bench's result"),
+                       ([str(garbage)], "is not a step trace")):
         with pytest.raises(SystemExit) as e:
             trace_summary.main(argv)
         err = capsys.readouterr().err
