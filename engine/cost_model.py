@@ -7,7 +7,8 @@ grows with N beyond it. The measured curve is steeper and not even monotonic: cu
 kernel by shape, and on an H100 a Llama-3-8B forward of 832 rows took 21.0 ms where 1,024 took 19.0
 (bench/NOTES.md, 2026-11-26). Steps with prompt tokens replay CUDA graphs captured at a few token
 counts (buckets) and pay for the whole bucket, so `forward_ms` holds the device time of a forward at
-each bucket (prompt chunks of at most CHUNK tokens, so that attention stays a small part), and a
+each bucket (prompt chunks of at most CHUNK tokens, so that attention stays a small part; the
+compute-bound ones timed with the GPU at its power limit, as a served run holds it), and a
 bucket that a larger one beats is dropped: a step pads past it to the cheaper one. Decode attention
 adds the read of every context token's K and V, at the measured copy bandwidth.
 

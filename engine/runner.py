@@ -113,7 +113,6 @@ class _Heater:
         self.a = torch.randn(self.N, self.N, dtype=torch.bfloat16, device=device)
         self.b = torch.randn_like(self.a)
         self.out = torch.empty_like(self.a)
-        self.comm = comm
         for _ in range(3):
             self._product()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -569,16 +568,18 @@ class ModelRunner:
                 "max_model_len": self.max_model_len, "sizes": self._cost_sizes()}
 
     @torch.inference_mode()
-    def measure_step_costs(self, timer: Callable[..., float] | None = None) -> StepCostModel:
+    def measure_step_costs(self, timer: Callable[..., float] | None = None, heater: _Heater | None = None) -> StepCostModel:
         """The device time of forwards of a few sizes (prompt chunks of CHUNK tokens, writing no KV)
         and the copy bandwidth, for the scheduler's prompt budget (engine/cost_model.py). timer: (fn,
         head=None) -> ms (default: the device timer, _device_ms); head, where given, fills the head
-        start with matmuls that hold the GPU at its power limit (HOT_ABOVE)."""
+        start with the heater's matmuls, which hold the GPU at its power limit (HOT_ABOVE; the
+        default heater on a GPU, none on the CPU)."""
         # five repeats: one slow outlier must not make a bucket look beaten (engine/cost_model.py)
         timer = timer or (lambda fn, head=None: _device_ms(fn, repeats=5, comm=self.comm, head=head))
         sizes = self._cost_sizes()
         pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
-        heater = _Heater(self.device, self.comm) if self.device.type == "cuda" else None
+        if heater is None and self.device.type == "cuda":
+            heater = _Heater(self.device, self.comm)
         forward_ms: list[float] = []
         hot = False  # sizes ascend: from the first compute-bound one on, each is timed at the power limit
         for n in sizes:

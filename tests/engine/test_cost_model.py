@@ -88,6 +88,43 @@ def test_the_runner_measures_every_size_and_builds_a_model(tiny_models):
     assert m.kv_ms_per_token > 0 and m.prompt_budget(4, 64) >= MIN_PROMPT_TOKENS
 
 
+def test_compute_bound_sizes_are_timed_at_the_power_limit(tiny_models):
+    """From the first size whose forward takes over HOT_ABOVE times the smallest one's, the GPU is
+    first heated and every size is timed with the heater's matmuls as its head start; the sizes
+    before stay cold (decode steps run below the power limit)."""
+    from engine.config import EngineConfig
+    from engine.runner import HEAT_MS, HOT_ABOVE
+    from serve import LLM
+
+    runner = LLM.from_config(EngineConfig(model=str(tiny_models["qwen2"]), device="cpu", dtype="float32",
+                                          max_num_batched_tokens=300)).engine.runner
+
+    class Heater:
+        def __init__(self):
+            self.heats = []
+
+        def run(self, ms):
+            self.heats.append(ms)
+
+    heater = Heater()
+    cold = {16: 1.0, 32: 1.0, 64: 1.1, 128: 1.1 * HOT_ABOVE + 0.1, 256: 3.0, 300: 3.5, "copy": 0.1}
+    timed = []
+    runner._forward_fn = lambda n, pool: (lambda: n)  # each forward says its size
+
+    def timer(fn, head=None):
+        out = fn()
+        n = out if isinstance(out, int) else "copy"
+        timed.append((n, head is not None))
+        return cold[n] * (1.2 if head is not None else 1.0)
+
+    m = runner.measure_step_costs(timer, heater)
+    # 128 decides (cold), is timed again hot, and so is every larger size; the copy stays cold
+    assert timed == [(16, False), (32, False), (64, False), (128, False), (128, True), (256, True), (300, True),
+                     ("copy", False)]
+    assert heater.heats == [HEAT_MS]  # once; the head starts are the timer's to queue
+    assert m.forward_ms == (1.0, 1.0, 1.1, *(1.2 * cold[n] for n in (128, 256, 300)))
+
+
 def test_the_runner_keeps_its_measurement_on_disk(tiny_models, tmp_path, monkeypatch):
     """A second start with the same conditions reads the curve instead of timing it; other
     conditions (here another configuration), or a damaged file, measure afresh."""
