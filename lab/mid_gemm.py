@@ -5,7 +5,9 @@ For Llama-3-8B at TP=1 and Llama-3-70B at TP=2 (one rank's weights, lab/tp_linea
 each projection at each row count: cuBLAS as torch calls it, cuBLASLt (torch's preferred BLAS
 library switched), and with --triton lab/splitk_gemm.py's split-K TMA kernel at each of its plans
 (the best kept, each checked against cuBLAS); each against max(FLOPs / matmul rate, bytes / copy
-bandwidth), both measured in the same call (bench/hardware.py). Each time is per layer of one CUDA
+bandwidth), both measured in the same call (bench/hardware.py; the matmul rate is the sustained
+one since 2026-11-27, the figures of that day's first table are against the cold burst's, ~1.17x
+it). Each time is per layer of one CUDA
 graph that runs the matmul over --layers copies of the weight in turn, as a step does: the weights
 come from memory, not L2, and the host's launches are out of the time (the do_bench figures of
 2026-11-27 carried ~5 us of launch gap at small shapes). Writes one JSON with the GPU and the date.
