@@ -594,10 +594,9 @@ class ModelRunner:
             forward_ms.append(ms)
         del pool, heater
         nbytes = 256 << 20
-        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dst = torch.empty_like(src)
-        copy_ms = timer(lambda: dst.copy_(src))
-        del src, dst
+        buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        copy_ms = timer(lambda: buffers[1].copy_(buffers[0]))
+        buffers.clear()
         bandwidth = 2 * nbytes / (copy_ms / 1e3)  # bytes read + written per second
         model = StepCostModel(tuple(sizes), tuple(forward_ms), self.kv_spec.bytes_per_token / bandwidth * 1e3,
                               self.cfg.max_num_batched_tokens, self.cfg.max_step_ms)
