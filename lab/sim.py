@@ -9,7 +9,9 @@ does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy befo
 (`serve run` logs it); --kv-ns: ns per context token of decode attention. A step takes
 forward(decodes + prompt tokens) + kv * context + --overhead-ms. A model, not the GPU: on an H200
 (2026-11-25) real mixed steps of 64 decodes and ~270 prompt tokens took ~30% longer than it says,
-and decode steps ~10% less (bench/NOTES.md).
+and decode steps ~10% less; a curve timed on a cold GPU is short by what the power limit takes
+(bench/NOTES.md, 2026-11-27). With the engine's curve timed at the power limit and --overhead-ms 0
+it came within 5% of a served Llama-3-8B run's throughput and median TPOT (H100, 2026-11-27).
 """
 from __future__ import annotations
 
