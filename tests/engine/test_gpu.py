@@ -345,3 +345,17 @@ def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
     finally:
         knobs.runtime.jit_cache_hook = None
     assert compiled == []
+
+
+def test_the_heater_fills_the_head_start():
+    """The cost model's hot timing (engine/runner.py): the heater's matmuls stand in for the sleep
+    kernel's head start, and the timed work still comes out of the events alone."""
+    from engine.parallel.comm import Comm
+    from engine.runner import _device_ms, _Heater
+
+    heater = _Heater(torch.device("cuda"), Comm())
+    assert heater.us_each >= 1
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    hot = _device_ms(lambda: a @ a, repeats=3, head=heater.run)
+    # one product (~25 us); the head start is at least 1 ms of the heater's matmuls, outside the events
+    assert 0 < hot < 1.0
