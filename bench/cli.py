@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import CompletionTarget
+from bench.gpu_monitor import GpuMonitor
 from bench.hardware import Measurement, gpu_name, measure_in_subprocess
 from bench.load import (LoadError, LoadPlan, LoadResult, auto_client_processes, client_process_count,
                         discover_model, probe, run_conversations, run_load)
@@ -345,10 +346,11 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         _error(str(e))
         return 1
     load, metrics, roofline, info = run.load, run.metrics, run.roofline, run.info
-    print(format_report(info, metrics, roofline, no_roofline_reason(hw, setup.model)))
+    print(format_report(info, metrics, roofline, no_roofline_reason(hw, setup.model), gpu_power=run.gpu_power))
     busy = _warn_if_client_bound(load)
     if args.result_json:
         result = result_dict(info, metrics, load.results, roofline, setup.slo)
+        result["gpu_power"] = run.gpu_power
         result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
         result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
         result["client_processes"] = load.client_processes
@@ -367,7 +369,9 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
     """One run at one request rate (None: all at once). Raises LoadError."""
     arrivals = arrival_offsets(len(requests), rate, setup.workload.seed)
     plan = LoadPlan(arrivals=arrivals, concurrency=args.concurrency, processes=setup.client_processes)
-    load = asyncio.run(run_load(target, requests, plan))
+    # the clocks of this machine's GPUs, where they serve the run (a server this command started)
+    with GpuMonitor(active=hw.device is not None and setup.url is None) as monitor:
+        load = asyncio.run(run_load(target, requests, plan))
     metrics = compute_metrics(load.results, load.duration_s, setup.slo)
     rates = hw.rates()
     roofline = None
@@ -386,7 +390,7 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
         concurrency=args.concurrency, request_rate=rate, ignore_eos=args.ignore_eos,
         kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
         temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format)
-    return Measured(load, metrics, roofline, info)
+    return Measured(load, metrics, roofline, info, monitor.summary())
 
 
 def _multi_turn(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, hw: Measurement,

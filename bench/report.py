@@ -159,8 +159,10 @@ def _title(text: str, fill: str = "-") -> str:
 
 
 def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline | None,
-                  no_roofline_reason: str = "", split: TurnSplit | None = None) -> str:
-    """split: a multi-turn run's first and follow-up turns (TurnSplit.of), reported apart."""
+                  no_roofline_reason: str = "", split: TurnSplit | None = None,
+                  gpu_power: list[dict] | None = None) -> str:
+    """split: a multi-turn run's first and follow-up turns (TurnSplit.of), reported apart;
+    gpu_power: bench/gpu_monitor.py's summary of the run."""
     lines = [
         _title("Serving Benchmark Result", "="),
         _row("Successful requests:", metrics.completed),
@@ -229,6 +231,9 @@ def format_report(info: RunInfo, metrics: BenchmarkMetrics, roofline: Roofline |
             burst = roofline.rates.matmul_flops_burst / 1e12
             lines += [_row("Matmul rate, cold burst (TFLOP/s):", burst, 0 if burst >= 100 else 2),
                       _row("Fractions at the burst rate:", f"{cold[0]:.3f} / {cold[1]:.3f}")]
+    for gpu in gpu_power or []:
+        lines += [_row(f"GPU {gpu['index']} SM clock, median (MHz):", float(gpu["sm_mhz_median"]), 0),
+                  _row(f"GPU {gpu['index']} samples at the power cap:", gpu["power_capped_fraction"], 2)]
     if metrics.errors:
         lines.append(_title("Errors"))
         lines += [f"{n:>5} x {msg}" for msg, n in sorted(metrics.errors.items(), key=lambda kv: -kv[1])]

@@ -26,6 +26,7 @@ class Measured:
     metrics: BenchmarkMetrics
     roofline: Roofline | None
     info: RunInfo
+    gpu_power: list[dict] | None = None  # bench/gpu_monitor.py's summary of the run, where sampled
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ bench() {
     --model "$MODELS_DIR/$model" --load-format dummy --server-command "python3 -m serve.cli run" \
     --server-args="${SERVER_ARGS:-}" --concurrency "$c" --num-prompts "$n" \
     --input-len 512 --output-len 128 --ignore-eos --num-warmups "$c" --result-json "$R/$label.json" "$@" 2>&1 \
-    | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|Matmul|error|Error" | head -16)
+    | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|Matmul|SM clock|power cap|error|Error" | head -20)
   if [ -f "$R/$label.jsonl" ]; then
     PYTHONPATH=$PWD python3 -m bench.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \
       --model "$MODELS_DIR/$model" --bench-json "$R/$label.json" \
