@@ -271,6 +271,26 @@ class Admission:
             self.num_adding -= n
 
 
+class Front:
+    """What the engine fronts share (AsyncEngine; serve/replicas.py's and serve/disagg.py's sets):
+    a request's sequences are admitted together, after the same checks. A front has an Admission
+    (_admission), an observer, num_waiting, retry_after_s() and _check_accepting()."""
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> OutputStream:
+        return await self.add_requests([(prompt_token_ids, params)])
+
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> OutputStream:
+        raise NotImplementedError
+
+    def _check_admissible(self, n: int) -> None:
+        """Before n sequences of one request go on: ValueError for none, EngineUnavailable while
+        not accepting, QueueFull past the queue limit."""
+        if n == 0:
+            raise ValueError("no sequences to add")
+        self._check_accepting()
+        self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
+
+
 def add_all(core: EngineCore, seq_ids: Seq[int], requests: Seq[tuple[list[int], SamplingParams]]) -> None:
     """Add the sequences to the core, all or none (raises the core's RequestRejected)."""
     added = []
@@ -411,7 +431,7 @@ class ThreadCore:
         self._events.on_fault(seq_ids)
 
 
-class AsyncEngine:
+class AsyncEngine(Front):
     """Requests in, streams out, over a CoreClient: an EngineCore given directly runs on a
     ThreadCore; pass a ProcessCore (scheduler/engine_proc.py) to run it in a child process."""
 
@@ -478,17 +498,11 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        return await self.add_requests([(prompt_token_ids, params)])
-
     async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> RequestStream:
         """Admit sequences together (all or none). Raises QueueFull, EngineUnavailable, or the
         core's RequestRejected (a ValueError) when a sequence can never be served."""
         n = len(requests)
-        if n == 0:
-            raise ValueError("no sequences to add")
-        self._check_accepting()
-        self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
+        self._check_admissible(n)
         async with self._admission.adding(n):
             self._check_accepting()  # again: the rate limit may have held it while the engine stopped
             seq_ids = [next_seq_id() for _ in range(n)]

@@ -39,7 +39,7 @@ from scheduler.core import EngineCore
 from scheduler.disagg import (HANDOFF, DecodeCore, PrefillCore, Received, Sent, TransferStats, kv_copied, receive_kv,
                               release_kv, send_kv)
 from scheduler.engine_proc import ProcessCore
-from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, LoopConfig, QueueFull,
+from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, Front, LoopConfig, QueueFull,
                             OutputStream, RequestRecord, unavailable, wait_set)
 from scheduler.request import KVTransferParams, SamplingParams, StepOutput
 from serve.build import model_folder_config
@@ -223,7 +223,7 @@ class _Request:
     driver: asyncio.Task | None = None
 
 
-class DisaggregatedSet:
+class DisaggregatedSet(Front):
     """Requests in, streams out, over prefill and decode engines' AsyncEngines: what serve/api.py,
     serve/metrics.py and serve/run_cmd.py use of an AsyncEngine, plus per-role state."""
 
@@ -317,17 +317,11 @@ class DisaggregatedSet:
                      t.num_transfers, t.num_bytes / 1e9, t.timed_bytes / 1e9, t.seconds,
                      t.timed_bytes / 1e9 / max(t.seconds, 1e-9))
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> DisaggStream:
-        return await self.add_requests([(prompt_token_ids, params)])
-
     async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> DisaggStream:
         """Admit the sequences of one request (all or none) to one prefill engine. Raises what
         AsyncEngine.add_requests raises."""
         n = len(requests)
-        if n == 0:
-            raise ValueError("no sequences to add")
-        self._check_accepting()
-        self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
+        self._check_admissible(n)
         async with self._admission.adding(n):
             tokens = sum(len(ids) for ids, _ in requests)
             prefill_requests = [(ids, self._prefill_params(ids, params)) for ids, params in requests]

@@ -27,8 +27,8 @@ from typing import Any, Protocol, TypeVar
 from engine.config import EngineConfig
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
-from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, LoopConfig, RequestRecord,
-                            RequestStream, unavailable)
+from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, Front, LoopConfig,
+                            RequestRecord, RequestStream, unavailable)
 from scheduler.request import SamplingParams
 from serve.build import model_folder_config
 from serve.engine_process import EngineInfo, build_core
@@ -210,7 +210,7 @@ async def call_running(engines: Seq[AsyncEngine], fn: Callable[[EngineCore], T],
     return list(await asyncio.gather(*(e.call(fn) for e in running)))
 
 
-class ReplicaSet:
+class ReplicaSet(Front):
     """Requests in, streams out, over N replicas' AsyncEngines: what serve/api.py, serve/metrics.py
     and serve/run_cmd.py use of an AsyncEngine, plus per-replica state (replicas, failures, health)."""
 
@@ -269,17 +269,11 @@ class ReplicaSet:
         self._accepting = False
         await asyncio.gather(*(r.stop() for r in self.replicas))
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        return await self.add_requests([(prompt_token_ids, params)])
-
     async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> RequestStream:
         """Admit the sequences of one request (all or none) to one replica: the router's choice
         for the first prompt. Raises what AsyncEngine.add_requests raises."""
         n = len(requests)
-        if n == 0:
-            raise ValueError("no sequences to add")
-        self._check_accepting()
-        self._admission.check_room(n, self.num_waiting, self.observer, self.retry_after_s)
+        self._check_admissible(n)
         async with self._admission.adding(n):
             pass  # the replica counts them as its own from here
         # a cancelled add: the replica aborts what it added, and its records finish through _finished
