@@ -1,9 +1,11 @@
-"""@triton.jit helpers shared by the decode and prefill attention kernels."""
+"""@triton.jit helpers shared by the decode and prefill attention kernels, and their operands' checks."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kvcache.quant import v_page_shape
 
 LOG2E = 1.4426950408889634
 QUANT_CODE = {torch.float8_e4m3fn: 1, torch.int8: 2}  # 0: K/V stored in a float dtype
@@ -17,6 +19,23 @@ def check_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, sha
     assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32, "scales must be float32"
     assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1, \
         "k_scale and v_scale need the same strides, tokens contiguous"
+
+
+def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                batch: int) -> None:
+    """What the decode and prefill kernels ask of their operands: q [rows, q_heads, head_dim]
+    (head_dim contiguous), K and V pages of one dtype (kvcache/quant.py's layouts), a head_dim and
+    block size each a power of two, and a contiguous int32 block table of `batch` rows."""
+    D, (_, Hkv, bs, Dc) = q.shape[2], k_cache.shape
+    v_shape = v_page_shape(k_cache.shape, k_cache.dtype in QUANT_CODE)
+    assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
+    assert Dc == D and q.shape[1] % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
+    assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
+    assert bs & (bs - 1) == 0, "block_size must be a power of two"
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
 
 
 @triton.jit

@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
+from kernels.attn_common import LOG2E, QUANT_CODE, check_paged, check_scales, kv_to_dot, mma
 from kernels.fused import rotary_row, rotate_rows
 from kernels.launch import arrival_counters, bind, launch, next_pow2
 from kernels.pdl import wait_for_prior
-from kvcache.quant import v_page_shape
 
 
 @triton.jit
@@ -369,15 +368,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_sca
     B, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     quant = QUANT_CODE.get(k_cache.dtype, 0)
-    v_shape = v_page_shape(k_cache.shape, quant > 0)
-    assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
-    assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
-    assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
-    assert bs & (bs - 1) == 0, "block_size must be a power of two"
-    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.stride(2) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32
-    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    check_paged(q, k_cache, v_cache, block_tables, B)
     assert seq_lens.shape == (B,) and seq_lens.dtype == torch.int32
     if quant:
         check_scales(k_scale, v_scale, (nb, Hkv, bs))

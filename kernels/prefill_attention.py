@@ -33,9 +33,8 @@ import triton
 import triton.language as tl
 
 from kernels import prefill_ws
-from kernels.attn_common import LOG2E, QUANT_CODE, check_scales, kv_to_dot, mma
+from kernels.attn_common import LOG2E, QUANT_CODE, check_paged, check_scales, kv_to_dot, mma
 from kernels.launch import TensorDescriptor, bind, cdiv, launch, next_pow2
-from kvcache.quant import v_page_shape
 
 # where the new keys are read: the pages, k/v with strided loads, k/v through TMA descriptors
 SRC_PAGES, SRC_PTR, SRC_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -387,15 +386,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     T, Hq, D = q.shape
     nb, Hkv, bs, Dc = k_cache.shape
     B = seq_lens.shape[0]
-    v_shape = v_page_shape(k_cache.shape, k_cache.dtype in QUANT_CODE)
-    assert v_cache.shape == v_shape and v_cache.dtype == k_cache.dtype, "k/v caches differ"
-    assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
-    assert D & (D - 1) == 0 and 16 <= D <= 256, "head_dim must be a power of two in 16..256"
-    assert bs & (bs - 1) == 0, "block_size must be a power of two"
-    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.stride(2) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32
-    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    check_paged(q, k_cache, v_cache, block_tables, B)
     assert seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
     assert query_start_loc.shape == (B + 1,)
     assert (k is None) == (v is None), "pass both k and v or neither"
