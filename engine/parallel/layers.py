@@ -96,10 +96,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, segment.length))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous range of the vocabulary (padded to rows_per_rank); a token
-    outside it looks up zeros, and the all-reduce sums the one rank's row into every rank.
-    Also the weight of a vocabulary-parallel LM head (tied embeddings share it)."""
+class VocabRows(nn.Module):
+    """This rank's contiguous range of the vocabulary's rows (padded to rows_per_rank): what the
+    embedding and the LM head split alike."""
 
     def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
         super().__init__()
@@ -108,6 +107,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.num_valid = segment.start, segment.length
         self.shard = Shard(0, (segment,))
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+
+class VocabParallelEmbedding(VocabRows):
+    """Each rank holds a contiguous range of the vocabulary; a token outside it looks up zeros,
+    and the all-reduce sums the one rank's row into every rank. Also the weight of a
+    vocabulary-parallel LM head (tied embeddings share it)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's part of the embeddings, a sum over the ranks (the first layer's input norm
@@ -120,18 +125,10 @@ class VocabParallelEmbedding(nn.Module):
         return x.masked_fill_(outside.unsqueeze(-1), 0)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(VocabRows):
     """Logits over this rank's vocabulary rows, gathered into the full vocabulary on every rank,
     so every rank samples the same token from the same logits (greedy rows need only the keys of
     vocab_argmax)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
-        super().__init__()
-        segment, rows = vocab_split(vocab_size, comm.rank, comm.size)
-        self.vocab_size, self.comm = vocab_size, comm
-        self.start, self.num_valid = segment.start, segment.length
-        self.shard = Shard(0, (segment,))
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
 
 def vocab_logits(h: torch.Tensor, weight: torch.Tensor, comm: Comm, vocab_size: int,
