@@ -349,8 +349,7 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
     print(format_report(info, metrics, roofline, no_roofline_reason(hw, setup.model), gpu_power=run.gpu_power))
     busy = _warn_if_client_bound(load)
     if args.result_json:
-        result = result_dict(info, metrics, load.results, roofline, setup.slo)
-        result["gpu_power"] = run.gpu_power
+        result = result_dict(info, metrics, load.results, roofline, setup.slo, run.gpu_power)
         result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
         result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
         result["client_processes"] = load.client_processes

@@ -61,7 +61,8 @@ def _ms(x: float | None) -> float | None:
 
 
 def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestResult],
-                roofline: Roofline | None, slo: SLO | None) -> dict:
+                roofline: Roofline | None, slo: SLO | None, gpu_power: list[dict] | None = None) -> dict:
+    """gpu_power: bench/gpu_monitor.py's summary of the run, where its GPUs were sampled."""
     w = info.workload
     out = {
         "date": info.date,
@@ -122,6 +123,7 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         "roofline_fraction_at_burst_rate": cold[0] if cold else None,
         "serial_bound_fraction_at_burst_rate": cold[1] if cold else None,
     })
+    out["gpu_power"] = gpu_power
     out["requests"] = [
         {"start_s": r.start_s, "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
          "ttft_ms": _ms(r.ttft_s), "tpot_ms": _ms(r.tpot_s), "e2el_ms": _ms(r.e2el_s) if r.success else None,

@@ -99,7 +99,7 @@ def sweep_dict(runs: list[Measured], points: list[SweepPoint], slo: SLO | None) 
         "request_rates": [p.request_rate for p in points],
         "goodput_table": [asdict(p) for p in points],
         "best": asdict(best) if (best := best_rate(points)) else None,
-        "runs": [result_dict(r.info, r.metrics, r.load.results, r.roofline, slo) for r in runs],
+        "runs": [result_dict(r.info, r.metrics, r.load.results, r.roofline, slo, r.gpu_power) for r in runs],
     }
 
 
