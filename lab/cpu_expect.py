@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,13 +24,9 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.server import free_port
+
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 600.0):
@@ -120,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the first answer")
     a = p.parse_args(argv)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     result: dict = {"host": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     log = tempfile.NamedTemporaryFile(prefix="cpu-expect-server-", suffix=".log", delete=False)

@@ -14,6 +14,7 @@ with the GPU and the date.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import threading
 import time
@@ -52,14 +53,13 @@ def measure(rows: int, weights_gib: float, seconds: float, device) -> dict:
     copies = max(1, int(weights_gib * 2**30 / (INTER * HIDDEN * 2)))
     x_small, ws = randn(64, HIDDEN), [randn(INTER, HIDDEN) / HIDDEN ** 0.5 for _ in range(copies)]
     out_small = torch.empty(64, INTER, device=device, dtype=torch.bfloat16)
-    state = {"i": 0}
+    weights = itertools.cycle(ws)  # each product reads the next copy: from memory, not L2
 
     def compute():
         torch.matmul(x_big, w_big.t(), out=out_big)
 
     def memory():
-        torch.matmul(x_small, ws[state["i"] % copies].t(), out=out_small)
-        state["i"] += 1
+        torch.matmul(x_small, next(weights).t(), out=out_small)
 
     flops, nbytes = 2 * rows * INTER * HIDDEN, INTER * HIDDEN * 2
     a, b = torch.cuda.Stream(device), torch.cuda.Stream(device)
