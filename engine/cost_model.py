@@ -17,6 +17,18 @@ bucket within the latency target, which is the user's max_step_ms, or else a for
 STALL_FACTOR times the decodes' own (their attention comes on top either way). With no decode
 running the budget is the whole step (a lone prompt runs at full speed: nothing streams that it
 could stall).
+
+A pipeline stage (pipelined) runs each scheduling round as several micro-batches, each reading the
+stage's weights once. Prompt tokens within that read's time ride in a micro-batch for free; beyond
+it they cost their compute wherever they go. While the cache is what holds prompts back (the
+scheduler passes `demand`: it admits a prompt only as a sequence ends, and the workload needs about
+that many prompt tokens a step), a large budget takes the prompts of the sequences that ended
+together in a few micro-batches and leaves the rest with none, paying for their compute on top of
+every read, and the sequences stay in step with each other. There each step takes the larger of
+the ridge (`ridge_rows`: the largest bucket whose rows, at the largest bucket's compute-bound time
+per row, take no longer than reading the weights) and the demand: prompts then go in at the rate
+the sequences end, spread over the micro-batches. Where prompts wait for compute instead, the
+stall factor's larger steps admit them faster (lab/sim.py --stages; bench/NOTES.md, 2026-11-27).
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ class StepCostModel:
     max_tokens: int  # the most tokens a step may carry (max_num_batched_tokens)
     max_step_ms: float | None = None  # the user's target; None: stall_factor x the decodes' own forward
     stall_factor: float = STALL_FACTOR
+    pipelined: bool = False  # a pipeline stage's: steps to the ridge or the demand while the cache binds (above)
     buckets: tuple[int, ...] = field(init=False)  # the sizes no larger one beats, ascending
     bucket_ms: tuple[float, ...] = field(init=False)  # their times, strictly increasing
 
@@ -93,19 +106,32 @@ class StepCostModel:
         `prompt_tokens` prompt tokens."""
         return self.forward(decodes + prompt_tokens) + self.kv_ms_per_token * context_tokens
 
-    def forward_limit_ms(self, decodes: int, context_tokens: int) -> float:
+    def forward_limit_ms(self, decodes: int, context_tokens: int, demand: int | None = None) -> float:
         """How long the forward of a step with these decodes may take, prompt tokens included."""
-        if self.max_step_ms is None:
-            return self.stall_factor * self.forward(decodes)
-        return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
+        if self.max_step_ms is not None:
+            return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
+        own = self.forward(decodes)
+        if self.pipelined and demand is not None:
+            paced = max(self.forward(self.ridge_rows()), self.forward(decodes + demand))
+            return max(own, min(self.stall_factor * own, paced))
+        return self.stall_factor * own
 
-    def prompt_budget(self, decodes: int, context_tokens: int) -> int:
+    def ridge_rows(self) -> int:
+        """The largest bucket whose rows, at the largest bucket's time per row (compute bound), take
+        no longer than the smallest bucket's forward (the weights' read): up to it a step costs
+        about that read."""
+        rows = self.bucket_ms[0] / (self.bucket_ms[-1] / self.buckets[-1])
+        return self.buckets[max(bisect.bisect_right(self.buckets, rows) - 1, 0)]
+
+    def prompt_budget(self, decodes: int, context_tokens: int, demand: int | None = None) -> int:
         """The most prompt tokens a step of these decodes may carry: up to the largest bucket within
-        the target, so that no row of it is padding."""
+        the target, so that no row of it is padding. demand: where prompts wait for cache blocks,
+        not for compute, the prompt tokens a step needs to keep pace with the sequences that end
+        (the scheduler's estimate); None: prompts wait for compute, or none wait."""
         room = max(self.max_tokens - decodes, 0)
         if decodes == 0:
             return room
-        rows = self.rows_within(self.forward_limit_ms(decodes, context_tokens))
+        rows = self.rows_within(self.forward_limit_ms(decodes, context_tokens, demand))
         return min(room, max(MIN_PROMPT_TOKENS, rows - decodes))
 
     def rows_within(self, ms: float) -> int:

@@ -531,7 +531,7 @@ class ModelRunner:
             try:
                 model = StepCostModel(tuple(stored["rows"]), tuple(stored["forward_ms"]),
                                       float(stored["kv_ms_per_token"]), self.cfg.max_num_batched_tokens,
-                                      self.cfg.max_step_ms)
+                                      self.cfg.max_step_ms, pipelined=self.pipe is not None)
             except (KeyError, TypeError, ValueError):
                 model = None  # a damaged file: measure (every rank got the same file, so all do)
             if model is not None:
@@ -599,7 +599,7 @@ class ModelRunner:
         buffers.clear()
         bandwidth = 2 * nbytes / (copy_ms / 1e3)  # bytes read + written per second
         model = StepCostModel(tuple(sizes), tuple(forward_ms), self.kv_spec.bytes_per_token / bandwidth * 1e3,
-                              self.cfg.max_num_batched_tokens, self.cfg.max_step_ms)
+                              self.cfg.max_num_batched_tokens, self.cfg.max_step_ms, pipelined=self.pipe is not None)
         self._log_step_costs(model, bandwidth)
         return model
 

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
 log() { echo "== $* ($(date +%T))"; }
 
 # bench TREE LABEL MODEL CONCURRENCY PROMPTS [serve bench flags...]; SERVER_ARGS: `serve run` flags;
-# TRACE=1: a step trace, summarized into $R/LABEL-trace.json (bench/trace_summary.py); KEEP_TRACE=1 also
+# WARMUPS: warm-up requests (default: the concurrency); TRACE=1: a step trace, summarized into $R/LABEL-trace.json (bench/trace_summary.py); KEEP_TRACE=1 also
 # keeps the trace itself as $R/LABEL.jsonl.gz
 bench() {
   local tree=$1 label=$2 model=$3 c=$4 n=$5
@@ -26,7 +26,7 @@ bench() {
   (cd "$tree" && PYTHONPATH=/tmp/site:$PWD ${TRACE:+env PAGEDSERVE_STEP_TRACE=$R/$label.jsonl} python3 -m serve.cli bench \
     --model "$MODELS_DIR/$model" --load-format dummy --server-command "python3 -m serve.cli run" \
     --server-args="${SERVER_ARGS:-}" --concurrency "$c" --num-prompts "$n" \
-    --input-len 512 --output-len 128 --ignore-eos --num-warmups "$c" --result-json "$R/$label.json" "$@" 2>&1 \
+    --input-len 512 --output-len 128 --ignore-eos --num-warmups "${WARMUPS:-$c}" --result-json "$R/$label.json" "$@" 2>&1 \
     | grep -E "Output token|Median TPOT|Median TTFT|P99 ITL|chunk gap|bound|Fraction|Matmul|SM clock|power cap|error|Error" | head -20)
   if [ -f "$R/$label.jsonl" ]; then
     PYTHONPATH=$PWD python3 -m bench.trace_summary "$R/$label.jsonl" --after-idle 200 --json "$R/$label-trace.json" \

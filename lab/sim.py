@@ -12,18 +12,24 @@ forward(decodes + prompt tokens) + kv * context + --overhead-ms. A model, not th
 and decode steps ~10% less; a curve timed on a cold GPU is short by what the power limit takes
 (bench/NOTES.md, 2026-11-27). With the engine's curve timed at the power limit and --overhead-ms 0
 it came within 5% of a served Llama-3-8B run's throughput and median TPOT (H100, 2026-11-27).
+
+--stages N: a pipeline of N stages, --forward giving one stage's times, N micro-batches in flight
+as the engine's batch queue keeps them; --num-blocks: a KV cache of that many 16-token blocks, so
+that it can bind. With a stage curve shaped like the served steps it came within 2.4-3.5% of the
+Llama-3-70B's PP=2 runs at 256 clients (H100s, 2026-11-27).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+from collections import deque
 from dataclasses import dataclass
 
 from engine.cost_model import STALL_FACTOR, StepCostModel
 from kvcache.block_manager import BlockManager
 from scheduler.policy import Scheduler, SchedulerConfig
-from scheduler.request import SampleOutput, SamplingParams, Sequence
+from scheduler.request import Batch, SampleOutput, SamplingParams, Sequence
 
 
 @dataclass
@@ -37,8 +43,12 @@ class SimResult:
 
 
 def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int,
-             num_scheduler_steps: int = 1, overhead_ms: float = 0.3, use_budget: bool = True) -> SimResult:
-    bm = BlockManager(1 << 20, 16, False)
+             num_scheduler_steps: int = 1, overhead_ms: float = 0.3, use_budget: bool = True,
+             stages: int = 1, num_blocks: int = 1 << 20) -> SimResult:
+    """stages > 1: a pipeline of that many stages, each taking `model`'s time for a micro-batch (the
+    model is one stage's, pipelined for the stage's budget), with as many micro-batches in flight
+    (scheduler/core.py's batch queue)."""
+    bm = BlockManager(num_blocks, 16, False)
     cfg = SchedulerConfig(256, model.max_tokens, input_len + output_len + 1, False, 0.0, num_scheduler_steps,
                           model.prompt_budget if use_budget else None)
     s = Scheduler(cfg, bm)
@@ -59,16 +69,30 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
     for _ in range(min(concurrency, num_prompts)):
         send()
     step_ms = []
-    while s.num_unfinished:
-        b = s.schedule(now)
-        if b is None:
+    stage_free = [0.0] * stages  # when each stage is done with the micro-batches given to it
+    queue: deque[tuple[Batch, float]] = deque()  # launched micro-batches and when the last stage ends them
+    while s.num_unfinished or queue:
+        b = None
+        if len(queue) < stages:
+            if stages == 1:
+                b = s.schedule(now)
+            else:
+                b = s.schedule_micro_batch({it.seq.seq_id for q, _ in queue for it in q.items}, stages)
+            if b is not None:
+                decodes = b.num_decode
+                context = sum(it.end for it in b.items[:decodes])
+                ms = (model.step_ms(decodes, context, b.num_tokens - decodes) + overhead_ms) * b.num_steps
+                step_ms.append(ms / b.num_steps)
+                t = now
+                for k in range(stages):
+                    t = stage_free[k] = max(t, stage_free[k]) + ms / 1e3
+                queue.append((b, t))
+        if not queue:
             break
-        decodes = b.num_decode
-        context = sum(it.end for it in b.items[:decodes])
-        prompt = b.num_tokens - decodes
-        ms = (model.step_ms(decodes, context, prompt) + overhead_ms) * b.num_steps
-        now += ms / 1e3
-        step_ms.append(ms / b.num_steps)
+        if b is not None and len(queue) < stages:
+            continue  # room for another micro-batch
+        b, t = queue.popleft()
+        now = max(now, t)
         outs = s.update(b, [SampleOutput(7, None, [7] * (b.num_steps - 1) if b.num_steps > 1 else None)
                             if it.samples else None for it in b.items])
         for o in outs:
@@ -99,11 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1, help="num_scheduler_steps")
     p.add_argument("--no-budget", action="store_true", help="max_num_batched_tokens for every step")
     p.add_argument("--stall-factor", type=float, default=STALL_FACTOR)
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages (--forward: one stage's times)")
+    p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks of 16 tokens")
+    p.add_argument("--stall-rule", action="store_true", help="pipeline stages budget as one GPU does (not to the ridge)")
     a = p.parse_args(argv)
     rows, ms = zip(*[(int(r), float(m)) for r, m in (x.split(":") for x in a.forward.split(","))])
-    model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor)
+    model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor,
+                          pipelined=a.stages > 1 and not a.stall_rule)
     r = simulate(model, a.concurrency, a.num_prompts, a.input_len, a.output_len, a.steps, a.overhead_ms,
-                 not a.no_budget)
+                 not a.no_budget, a.stages, a.num_blocks)
     print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
           f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
     return 0

@@ -227,10 +227,8 @@ class EngineCore:
     def _schedule_micro_batch(self) -> Batch | None:
         """A batch queue's next batch: of sequences in no batch in flight, and at most its share of
         the unfinished ones (the rest go to the next batches), so every stage gets work."""
-        queue, sched = self._in_flight, self.scheduler
-        busy = {it.seq.seq_id for f in queue for it in f.batch.items}
-        share = -(-sched.num_unfinished // self._max_in_flight)
-        return sched.schedule(busy=busy, max_seqs=max(1, share))
+        busy = {it.seq.seq_id for f in self._in_flight for it in f.batch.items}
+        return self.scheduler.schedule_micro_batch(busy, self._max_in_flight)
 
     def _step_failed(self, batch: Batch, e: Exception) -> list[StepOutput]:
         """A fault in the model step fails this step's requests, not the engine (unless it is

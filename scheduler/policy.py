@@ -5,7 +5,9 @@ running sequences' unfinished prompts (oldest first), then waiting sequences in 
 chunked prefills. Prompt tokens share a budget: max_num_batched_tokens with no decode in the step
 (a lone prompt runs at full speed), else what `prompt_budget` allows beside the decodes (measured
 on the GPU by engine/cost_model.py: the step stays near the latency target, so a burst of prompts
-never stalls the streams; stall-free batching as in SARATHI-Serve). When the cache runs out for a
+never stalls the streams; stall-free batching as in SARATHI-Serve). While the cache holds the waiting
+prompts back, the budget is also told the demand: the prompt tokens a step needs to admit them as
+fast as sequences end (a pipeline's stages pace their prompts by it). When the cache runs out for a
 decode, the newest running sequence is preempted (its blocks freed, recomputed later) and
 re-queued at the front; a prompt chunk that finds no blocks waits instead.
 
@@ -27,6 +29,8 @@ num_pending); update() later appends the sampled tokens. Torch-free.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +40,7 @@ from kvcache.block_manager import BlockManager
 from scheduler.request import Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, StepOutput
 
 HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
+ENDED_DECAY = 0.95  # the weight of the last ended sequence's lengths against those before (_demand)
 
 
 class RequestRejected(ValueError):
@@ -50,9 +55,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     prefill_hold_s: float = 0.0  # the quiet time that ends a burst of new prompts (see above)
     num_scheduler_steps: int = 1  # decode steps per schedule() when only greedy decodes run (_steps)
-    # prompt tokens a step may carry beside its decodes: (decodes, their context tokens) -> tokens;
-    # None: max_num_batched_tokens less the decodes (see the module's docstring)
-    prompt_budget: Callable[[int, int], int] | None = None
+    # prompt tokens a step may carry beside its decodes: (decodes, their context tokens, demand) ->
+    # tokens, where demand (None unless the cache holds waiting prompts back) is the prompt tokens
+    # a step needs to keep pace with the sequences that end (_demand); None: max_num_batched_tokens
+    # less the decodes (see the module's docstring)
+    prompt_budget: Callable[[int, int, int | None], int] | None = None
 
 
 class Scheduler:
@@ -69,6 +76,8 @@ class Scheduler:
         self.num_held_steps = 0  # schedules that left new prompts waiting for the rest of their burst
         self.hold_release: float | None = None  # when the prompts held by the last schedule() start anyway
         self._prompted = False  # the last step carried prompt tokens (multi-step: a decode round is next)
+        # prompt and output tokens of the sequences that ended, the older ones decayed (_demand)
+        self._ended_prompt = self._ended_output = 0.0
 
     @property
     def num_unfinished(self) -> int:
@@ -98,7 +107,7 @@ class Scheduler:
     def schedule(self, now: float | None = None, busy: set[int] | None = None,
                  max_seqs: int | None = None) -> Batch | None:
         """The next step's batch; `now` (time.monotonic()) only matters for the prefill hold. A
-        batch queue's micro-batch (scheduler/core.py): busy, the ids of sequences in batches still
+        batch queue's micro-batch (schedule_micro_batch): busy, the ids of sequences in batches still
         in flight, which no other batch may carry (they may still be preempted), and max_seqs, the
         most sequences this batch takes, so that the queue's batches share the work."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
@@ -114,7 +123,8 @@ class Scheduler:
             budget = 0
         elif decodes and budgeted:
             # it.end: the decode's context, its new token included
-            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes)))
+            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes),
+                                                           self._demand(len(decodes))))
         room = None if max_seqs is None else max_seqs - len(decodes)
         budget, preempted_for_prompt = self._schedule_prefills(budget, others, not decodes, busy, room)
         preempted = preempted or preempted_for_prompt
@@ -135,6 +145,12 @@ class Scheduler:
             seq.num_computed_tokens = it.end + steps - 1
             seq.num_pending += it.samples * steps
         return Batch(items, len(decodes), steps)
+
+    def schedule_micro_batch(self, busy: set[int], parts: int) -> Batch | None:
+        """The next batch of a queue of `parts` in flight at once (pipeline stages): of sequences
+        not in busy (those in flight), and at most its share of the unfinished ones, so that every
+        stage gets work."""
+        return self.schedule(busy=busy, max_seqs=max(1, -(-self.num_unfinished // parts)))
 
     def _steps(self, decodes: list[ScheduledSeq], prompts_wait: bool) -> int:
         """How many decode steps a decode-only batch runs at once (multi-step scheduling). The
@@ -236,6 +252,22 @@ class Scheduler:
             budget -= n
             i += 1
         return budget, preempted
+
+    def _demand(self, decodes: int) -> int | None:
+        """Where the waiting prompts need more tokens than the free blocks hold (they then start only
+        as running sequences end, whatever the steps' budget): the prompt tokens a step of these
+        decodes needs to admit them as fast as the sequences end, from the prompt and output
+        lengths of the sequences that ended last. Else None."""
+        if self._ended_output <= 0:
+            return None
+        room = self.bm.num_free_blocks * self.bm.block_size
+        need = 0
+        # as many as could start (the rest wait for max_num_seqs, not for blocks)
+        for seq in itertools.islice(self.waiting, max(self.config.max_num_seqs - len(self.running), 0)):
+            need += len(seq.token_ids)
+            if need > room:
+                return math.ceil(decodes * self._ended_prompt / self._ended_output)
+        return None
 
     def _hold(self, budget: int, now: float | None) -> bool:
         """Whether the new prompts wait for the rest of their burst (the module's docstring)."""
@@ -368,6 +400,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
+        if reason in ("stop", "length"):
+            self._ended_prompt = ENDED_DECAY * self._ended_prompt + seq.num_prompt_tokens
+            self._ended_output = ENDED_DECAY * self._ended_output + seq.num_output_tokens
 
     def abort(self, seq_id: int) -> bool:
         seq = self.seqs.get(seq_id)

@@ -54,6 +54,27 @@ def test_no_decodes_means_the_whole_step_and_a_target_is_honoured():
     assert StepCostModel(ROWS, MS, 0.0, 300).prompt_budget(64, 0) == 300 - 64
 
 
+def test_a_pipeline_stage_paces_its_prompts_while_the_cache_binds():
+    # 20 us a row at 2,048 rows: the weights' 5 ms read is the compute of 250 rows, so the ridge is 128
+    stage = model(pipelined=True)
+    assert stage.ridge_rows() == 128
+    # the cache holds prompts back: the step takes the ridge's rows or the demand, the larger
+    assert stage.prompt_budget(64, 0, demand=10) == 128 - 64
+    assert stage.prompt_budget(64, 0, demand=100) == 256 - 64  # a whole bucket: 164 rows pad to 256
+    # never past the stall factor's limit
+    assert stage.prompt_budget(64, 0, demand=5000) == model().prompt_budget(64, 0) == 512 - 64
+    # prompts that wait for compute, not for blocks: the stall factor's larger steps admit them faster
+    assert stage.prompt_budget(64, 0) == 512 - 64
+    # one GPU's steps are one a round: the rule is a stage's only
+    assert model().prompt_budget(64, 0, demand=10) == 512 - 64
+    # decodes past the ridge: the demand, in whole buckets (the rows to the bucket's end are free)
+    assert stage.prompt_budget(1000, 0, demand=10) == 24
+    # a user's target overrides the rule
+    assert model(pipelined=True, max_step_ms=10.5).prompt_budget(64, 0, demand=10) == 512 - 64
+    # the graphs are sized by the largest budget
+    assert stage.largest_mixed_step(64) == model().largest_mixed_step(64)
+
+
 def test_largest_mixed_step_and_multi_step_choice():
     m = model()
     assert m.largest_mixed_step(64) == max(d + m.prompt_budget(d, 0) for d in range(1, 65))

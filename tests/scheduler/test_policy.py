@@ -272,8 +272,8 @@ def make_budgeted(prompt_budget, num_blocks=256, block_size=4, max_num_seqs=8, b
 def test_prompt_tokens_beside_decodes_stay_within_the_budget():
     asked = []
 
-    def prompt_budget(decodes, context):
-        asked.append((decodes, context))
+    def prompt_budget(decodes, context, demand):
+        asked.append((decodes, context, demand))
         return 5
 
     s = make_budgeted(prompt_budget)
@@ -286,13 +286,14 @@ def test_prompt_tokens_beside_decodes_stay_within_the_budget():
     # then the two decodes, and at most 5 prompt tokens beside them
     assert steps[1] == [(0, 3, 1), (1, 30, 1), (2, 31, 5)]
     assert all(sum(n for _, _, n in st if n > 1) <= 5 for st in steps[1:] if any(n == 1 for _, _, n in st))
-    # the policy was asked with the decodes' count and their contexts (the new token included)
-    assert asked[0] == (2, 4 + 31)
+    # the policy was asked with the decodes' count and their contexts (the new token included);
+    # nothing waits, so the cache holds no prompt back
+    assert asked[0] == (2, 4 + 31, None)
     assert a.finish_reason == b.finish_reason == c.finish_reason == "length"
 
 
 def test_every_running_decode_is_scheduled_before_any_prompt_chunk():
-    s = make_budgeted(lambda d, ctx: 3, budget=16, max_num_seqs=8)
+    s = make_budgeted(lambda d, ctx, demand: 3, budget=16, max_num_seqs=8)
     # five short prompts become decodes; then a long prompt arrives
     for i in range(5):
         s.add(seq(i, 2, max_tokens=20))
@@ -305,10 +306,33 @@ def test_every_running_decode_is_scheduled_before_any_prompt_chunk():
     assert ids[5] == (9, 3)  # the prompt budget beside five decodes
 
 
+def test_the_budget_is_told_the_demand_while_the_cache_holds_prompts_back():
+    # 10 blocks of 4 tokens
+    asked = []
+    s = make_budgeted(lambda d, ctx, demand: asked.append(demand) or 8, num_blocks=10, budget=64)
+    first = seq(0, 6, max_tokens=2)  # ends first: 6 prompt tokens for 2 output tokens
+    s.add(first)
+    run_all(s)
+    a = seq(1, 20, max_tokens=16)  # holds 6 blocks while it decodes
+    s.add(a)
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    s.add(seq(2, 12, max_tokens=2))  # 12 tokens fit the 16 free
+    b = s.schedule()
+    assert asked[-1] is None
+    s.update(b, fake_execute(b))
+    # 8 of the 12 went in; 8 tokens are free (2 blocks): two more prompts of 8 tokens do not fit, so
+    # a step of one decode (a) needs 6 / 2 prompt tokens to keep pace with the sequences that end
+    s.add(seq(3, 8, max_tokens=2))
+    s.add(seq(4, 8, max_tokens=2))
+    s.schedule()
+    assert asked[-1] == 3
+
+
 def test_a_prompt_chunk_waits_for_blocks_while_decodes_run():
     # 10 blocks of 4 tokens: a decoding sequence of 20+ tokens holds 6, a 24-token prompt advances 8
     # tokens a step until no block is left for its next chunk; then it waits, keeping its blocks
-    s = make_budgeted(lambda d, ctx: 8, num_blocks=10, budget=64)
+    s = make_budgeted(lambda d, ctx, demand: 8, num_blocks=10, budget=64)
     a = seq(0, 20, max_tokens=16)
     s.add(a)
     b = s.schedule()
