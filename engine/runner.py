@@ -578,17 +578,19 @@ class ModelRunner:
         timer = timer or (lambda fn, head=None: _device_ms(fn, repeats=5, comm=self.comm, head=head))
         sizes = self._cost_sizes()
         pool = KVPool(self.kv_spec, 1, self.device, self.dtype)
-        if heater is None and self.device.type == "cuda":
-            heater = _Heater(self.device, self.comm)
+        can_heat = heater is not None or self.device.type == "cuda"
         forward_ms: list[float] = []
         hot = False  # sizes ascend: from the first compute-bound one on, each is timed at the power limit
         for n in sizes:
             fn = self._forward_fn(n, pool)
             ms = timer(fn, heater.run) if hot else timer(fn)
-            # every rank switches at the same size (their forwards' collectives pair up by count)
-            if (not hot and heater is not None and forward_ms
+            # every rank switches at the same size (their forwards' collectives pair up by count); the
+            # heater is built there, so a model with no compute-bound size never holds its buffers
+            if (not hot and can_heat and forward_ms
                     and self.comm.max_int(int(ms > HOT_ABOVE * forward_ms[0]))):
                 hot = True
+                if heater is None:
+                    heater = _Heater(self.device, self.comm)
                 heater.run(HEAT_MS)
                 ms = timer(fn, heater.run)
             forward_ms.append(ms)
