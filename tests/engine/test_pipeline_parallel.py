@@ -1,7 +1,7 @@
 """LLM(pipeline_parallel_size=2), and x tensor_parallel_size=2: ranks with gloo on the CPU give
 transformers' greedy output in float32 (roomy, and with chunked prefill and preemption) with two
 micro-batches in flight; each stage holds only its layers' weights and KV; dummy weights give the
-one-GPU model; sampled rows equal PP=1's; a size larger than the layers, or more ranks than GPUs, is
+one-GPU model, also over three stages; sampled rows equal PP=1's; a size larger than the layers, or more ranks than GPUs, is
 a ValueError; a stage rank killed mid-run fails every request and stops the engine."""
 from __future__ import annotations
 
@@ -106,6 +106,27 @@ def test_dummy_weights_equal_pp1_with_an_uneven_split(tmp_path, tiny_models):
         assert [o.token_ids for o in two] == [o.token_ids for o in one]
         for a, b in zip(one, two):
             assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
+
+
+def test_three_stages_equal_one_process(tmp_path, tiny_models):
+    """A stage between two others (it receives the carry and sends it on) and three micro-batches in
+    flight: 4 layers over 3 stages (2 + 1 + 1), prompt chunks of 16 tokens and a cache too small for
+    every sequence, against one process on the same seeded dummy weights."""
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    path = tmp_path / "llama4" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    ps = make_prompts(2)
+    kwargs = dict(load_format="dummy", num_kv_blocks=8, max_num_batched_tokens=16, seed=7, **CPU)
+    one = LLM(str(path), **kwargs).generate(ps, GREEDY)
+    with LLM(str(path), pipeline_parallel_size=3, **kwargs) as llm:
+        assert len(llm.engine.runner.model.layers) == 2
+        three = llm.generate(ps, GREEDY)
+        core = llm.engine.core
+        assert core.stats.max_in_flight == 3 and core.stats.num_preemptions > 0
+        check_done(llm)
+    assert [o.token_ids for o in three] == [o.token_ids for o in one]
 
 
 def test_stage_layers_split_evenly():

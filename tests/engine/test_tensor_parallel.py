@@ -1,5 +1,5 @@
 """LLM(tensor_parallel_size=2): two ranks with gloo on the CPU give transformers' greedy output in
-float32 (roomy, and with chunked prefill and preemption), dummy weights give TP=1's model, a size
+float32 (roomy, and with chunked prefill and preemption; four ranks too), dummy weights give TP=1's model, a size
 that does not split the model is a ValueError, and a rank killed mid-run fails every request
 with the reason and stops the engine instead of hanging it."""
 from __future__ import annotations
@@ -48,6 +48,20 @@ def test_tp2_greedy_equals_transformers(tiny_models, expected, arch, setting):
         # a second round on the same ranks: mirrored sequences of the first were dropped, new ones arrive
         again = llm.generate(prompts[:2], GREEDY)
         assert [o.token_ids for o in again] == want[arch][:2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp4_greedy_equals_transformers(tiny_models, expected, arch):
+    """Four ranks: llama's 2 KV heads and qwen2's 1 are each held by several ranks."""
+    prompts, want = expected
+    with LLM(str(tiny_models[arch]), tensor_parallel_size=4, num_kv_blocks=8, max_num_batched_tokens=16,
+             **CPU) as llm:
+        assert llm.engine.runner.kv_spec.num_kv_heads == 1
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want[arch]
+        core = llm.engine.core
+        assert core.stats.num_preemptions > 0
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
 def test_dummy_weights_tp2_equals_tp1(tmp_path, tiny_models):
