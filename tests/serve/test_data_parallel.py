@@ -1,5 +1,5 @@
 """Data-parallel replicas (`serve run --data-parallel-size 2`) on the CPU: greedy output equals one
-engine's, streamed and whole; requests spread over both replicas; a repeated prompt goes to the
+engine's, streamed and whole, also with each replica a tensor-parallel group; requests spread over both replicas; a repeated prompt goes to the
 replica holding its prefix; an abort frees the blocks of its replica; a killed replica fails its own
 requests while the other serves on, and the server exits non-zero once none is left; placement
 errors are one line."""
@@ -81,6 +81,18 @@ def test_greedy_output_equals_one_engines_and_requests_spread(dp, server):
     assert all(a > b for a, b in zip(after, before)), (before, after)  # both replicas served some
     assert all(t > 0 for t in per_replica(dp, "pagedserve:generation_tokens_total"))
     wait_idle(dp)
+
+
+def test_replicas_of_tensor_parallel_groups_equal_one_engine(model_dir, server):
+    """`--data-parallel-size 2 --tensor-parallel-size 2`: two replicas of two ranks each (four
+    engine processes), the layout of several TP groups behind the router."""
+    want = [complete(server.base_url, p, stream=False) for p in PROMPTS]
+    with client_of(*start_server(model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2")) as srv:
+        with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
+            got = list(pool.map(lambda a: complete(srv.url, *a), [(p, s) for s in (False, True) for p in PROMPTS]))
+        assert got == want + want
+        assert all(t > 0 for t in per_replica(srv, "pagedserve:generation_tokens_total"))  # both replicas served
+        wait_idle(srv)
 
 
 def test_a_repeated_prompt_goes_to_the_replica_with_its_prefix(dp):
