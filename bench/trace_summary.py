@@ -15,6 +15,11 @@ fit of their device time against their prompt tokens (fixed ms per step + us per
 each step's max(FLOPs / matmul rate, bytes / copy bandwidth) (bench/roofline.py's costs: every
 weight once a model step, the KV the step reads and writes, 2 FLOPs a parameter a token and
 attention over the positions it attends).
+Over all steps, the device time against the sum of the steps' bounds (gpu_over_bound); with
+--bench-json also the physical bound's time of that run (its output tokens at serve bench's
+roofline_output_throughput) against the same sum (schedule_fraction): how much of the physical
+bound the schedule leaves before any step runs slow, so that roofline_fraction is about
+schedule_fraction / gpu_over_bound (less the device's idle time).
 --token-gaps: how long a decoding row waits from one step to the next, as its client would see
 the engine's side of the inter-token gap: each step's interval to the next, once per row it
 carried; median, p90, p99. A disaggregated server's engines write one trace between them: with
@@ -127,6 +132,11 @@ def summarize(rows: list[dict], after_idle_ms: float | None = None, cost=None, r
                 s["bound_ms"] = _stats([b for _, b in pairs])
                 s["gpu_over_bound"] = sum(g for g, _ in pairs) / sum(b for _, b in pairs)
         out[k] = s
+    if cost is not None:
+        pairs = [(r["gpu_ms"], b) for r in rows if "gpu_ms" in r and (b := step_bound_ms(r, cost, rates))]
+        if pairs:
+            out["bound_ms"] = sum(b for _, b in pairs)
+            out["gpu_over_bound"] = sum(g for g, _ in pairs) / out["bound_ms"]
     nxt = {id(r): n for r, n in zip(rows, rows[1:])}
     for k in ("decode", "mixed", "prefill"):
         iv = [nxt[id(r)]["t0"] - r["t0"] for r in rows if kind(r) == k and id(r) in nxt]
@@ -172,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.trace} is not a step trace (one JSON object a line): {e}")
     cost, rates = _bound_inputs(p, args) if args.model else (None, None)
     res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle, cost, rates)
+    if res.get("bound_ms") and args.bench_json:
+        bench = json.loads(Path(args.bench_json).read_text())  # read by _bound_inputs already
+        if bench.get("roofline_output_throughput") and bench.get("total_output_tokens"):
+            res["physical_bound_ms"] = bench["total_output_tokens"] / bench["roofline_output_throughput"] * 1e3
+            res["schedule_fraction"] = res["physical_bound_ms"] / res["bound_ms"]
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

@@ -124,7 +124,18 @@ def test_each_kind_of_step_against_its_bound(tiny_models, tmp_path, capsys):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"copy_bandwidth_tbs": 2.0, "matmul_tflops": 100.0, "kv_cache_dtype": "auto"}))
     assert trace_summary.main([str(path), "--model", str(tiny_models["llama"]), "--bench-json", str(bench)]) == 0
-    assert json.loads(capsys.readouterr().out)["decode"]["gpu_over_bound"] == res["decode"]["gpu_over_bound"]
+    out = json.loads(capsys.readouterr().out)
+    assert out["decode"]["gpu_over_bound"] == res["decode"]["gpu_over_bound"]
+    # the whole run: its device time against the sum of its steps' bounds
+    total = res["prefill"]["bound_ms"]["sum"] + res["decode"]["bound_ms"]["sum"]
+    assert res["bound_ms"] == pytest.approx(total) and res["gpu_over_bound"] == pytest.approx(0.75 / total)
+    assert "schedule_fraction" not in out  # a result without the physical bound
+    # with it: the physical bound's time of the run against the sum of the steps' bounds
+    bench.write_text(json.dumps({"copy_bandwidth_tbs": 2.0, "matmul_tflops": 100.0, "kv_cache_dtype": "auto",
+                                 "total_output_tokens": 2, "roofline_output_throughput": 4000.0}))
+    assert trace_summary.main([str(path), "--model", str(tiny_models["llama"]), "--bench-json", str(bench)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["physical_bound_ms"] == pytest.approx(0.5) and out["schedule_fraction"] == pytest.approx(0.5 / total)
     with pytest.raises(SystemExit):  # a model without rates
         trace_summary.main([str(path), "--model", str(tiny_models["llama"])])
 
