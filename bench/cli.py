@@ -302,13 +302,14 @@ def _run(args: argparse.Namespace) -> int:
                                extra_args=setup.server_args, startup_timeout_s=args.server_timeout)
         print(f"{PROG}: starting {shlex.join(server.argv())} (log: {server.log_path})", file=sys.stderr)
         with server:
-            return _bench(args, setup, server.base_url, hw)
+            return _bench(args, setup, server.base_url, hw, server)
     except ServerError as e:
         _error(str(e))
         return 1
 
 
-def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measurement) -> int:
+def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measurement,
+           server: ManagedServer | None = None) -> int:
     name = args.served_model_name or asyncio.run(discover_model(base_url, args.api_key))
     if name is None:
         _error(f"no model name from GET {base_url}/v1/models (is the server up?); pass --served-model-name")
@@ -353,6 +354,8 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
         result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
         result["client_processes"] = load.client_processes
+        if server is not None:  # what the engine budgeted its steps by (lab/sim.py --forward-from)
+            result["engine_cost_model"] = server.step_cost_model()
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         title = (f"{info.model or name} on {info.gpu or 'unknown GPU'}: {setup.workload.num_prompts} x "

@@ -2,11 +2,13 @@
 
 The command line is `<command> --model DIR [--load-format F] [--served-model-name N]
 --host 127.0.0.1 --port P <extra args>`, with command `serve run` by default. Its output goes to
-a log file, whose tail is shown when it fails to come up.
+a log file, whose tail is shown when it fails to come up, and from which the engine's start-up
+cost model is read (the forward sizes and times it budgets its steps by, engine/runner.py).
 """
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST = "127.0.0.1"
+# engine/runner.py's log line of its step cost model (rank 0's: a pipeline's first stage)
+COST_MODEL_LINE = re.compile(r"step cost model.*?: a forward of ([0-9/]+) rows ([0-9./]+) ms")
 
 
 class ServerError(RuntimeError):
@@ -121,6 +125,17 @@ class ManagedServer:
         except OSError:
             return "(no log)"
         return " | ".join(text[-lines:]) or "(empty log)"
+
+    def step_cost_model(self) -> dict | None:
+        """The engine's start-up cost model as its log gives it: {"rows": [...], "forward_ms": [...]};
+        None where the log has none (a CPU engine, another server)."""
+        try:
+            m = COST_MODEL_LINE.search(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        if m is None:
+            return None
+        return {"rows": [int(r) for r in m[1].split("/")], "forward_ms": [float(t) for t in m[2].split("/")]}
 
     def stop(self, grace_s: float = 30.0) -> None:
         proc, self._proc = self._proc, None

@@ -6,7 +6,7 @@ does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy befo
         --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4]
 
 --forward: the forward's device time (ms) at row counts, as the engine's cost model measures it
-(`serve run` logs it); --kv-ns: ns per context token of decode attention. A step takes
+(`serve run` logs it; --forward-from takes it from a serve bench result that started its server); --kv-ns: ns per context token of decode attention. A step takes
 forward(decodes + prompt tokens) + kv * context + --overhead-ms. A model, not the GPU: on an H200
 (2026-11-25) real mixed steps of 64 decodes and ~270 prompt tokens took ~30% longer than it says,
 and decode steps ~10% less; a curve timed on a cold GPU is short by what the power limit takes
@@ -21,10 +21,12 @@ Llama-3-70B's PP=2 runs at 256 clients (H100s, 2026-11-27).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.cost_model import STALL_FACTOR, StepCostModel
 from kvcache.block_manager import BlockManager
@@ -111,7 +113,10 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.sim", description=__doc__.splitlines()[0])
-    p.add_argument("--forward", required=True, help="ROWS:MS,... the measured forward times")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--forward", help="ROWS:MS,... the measured forward times")
+    src.add_argument("--forward-from", metavar="RESULT_JSON",
+                     help="a serve bench result's engine_cost_model (the forward times its server logged)")
     p.add_argument("--kv-ns", type=float, default=43.7)
     p.add_argument("--overhead-ms", type=float, default=0.3)
     p.add_argument("--concurrency", type=int, default=64)
@@ -127,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks of 16 tokens")
     p.add_argument("--stall-rule", action="store_true", help="pipeline stages budget as one GPU does (not to the ridge)")
     a = p.parse_args(argv)
-    rows, ms = zip(*[(int(r), float(m)) for r, m in (x.split(":") for x in a.forward.split(","))])
+    if a.forward_from:
+        try:
+            cm = json.loads(Path(a.forward_from).read_text())["engine_cost_model"]
+            rows, ms = tuple(cm["rows"]), tuple(cm["forward_ms"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"no engine_cost_model in {a.forward_from} ({type(e).__name__}: {e})")
+    else:
+        rows, ms = zip(*[(int(r), float(m)) for r, m in (x.split(":") for x in a.forward.split(","))])
     model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor,
                           pipelined=a.stages > 1 and not a.stall_rule)
     r = simulate(model, a.concurrency, a.num_prompts, a.input_len, a.output_len, a.steps, a.overhead_ms,

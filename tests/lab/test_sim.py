@@ -1,6 +1,10 @@
 """lab/sim.py: the real scheduler against a step-time model, one GPU and a pipeline of stages."""
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from engine.cost_model import StepCostModel
 from lab.sim import main, simulate
 
@@ -32,7 +36,18 @@ def test_pacing_prompts_while_the_cache_binds_beats_the_stall_rule():
     assert simulate(stage(True), 64, 192, 512, 128, **roomy) == simulate(stage(False), 64, 192, 512, 128, **roomy)
 
 
-def test_the_command_line(capsys):
-    assert main(["--forward", "16:26,256:35,2048:190", "--concurrency", "8", "--num-prompts", "16",
-                 "--input-len", "64", "--output-len", "8", "--stages", "2", "--num-blocks", "64"]) == 0
-    assert "tok/s" in capsys.readouterr().out
+def test_the_command_line(capsys, tmp_path):
+    args = ["--concurrency", "8", "--num-prompts", "16", "--input-len", "64", "--output-len", "8", "--stages", "2",
+            "--num-blocks", "64"]
+    assert main(["--forward", "16:26,256:35,2048:190", *args]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out
+    # the same curve from a serve bench result (bench/server.py reads it from the server's log)
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"engine_cost_model": {"rows": [16, 256, 2048], "forward_ms": [26, 35, 190]}}))
+    assert main(["--forward-from", str(result), *args]) == 0
+    assert capsys.readouterr().out == out
+    result.write_text(json.dumps({"engine_cost_model": None}))
+    with pytest.raises(SystemExit):
+        main(["--forward-from", str(result), *args])
+    assert "no engine_cost_model" in capsys.readouterr().err
