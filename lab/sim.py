@@ -6,8 +6,9 @@ does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy befo
         --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4]
 
 --forward: the forward's device time (ms) at row counts, as the engine's cost model measures it
-(`serve run` logs it; --forward-from takes it from a serve bench result that started its server); --kv-ns: ns per context token of decode attention. A step takes
-forward(decodes + prompt tokens) + kv * context + --overhead-ms. A model, not the GPU: on an H200
+(`serve run` logs it; --forward-from reads it from a serve bench result whose server it started);
+--kv-ns: ns per context token of decode attention. A step takes forward(decodes + prompt tokens) +
+kv * context + --overhead-ms. A model, not the GPU: on an H200
 (2026-11-25) real mixed steps of 64 decodes and ~270 prompt tokens took ~30% longer than it says,
 and decode steps ~10% less; a curve timed on a cold GPU is short by what the power limit takes
 (bench/NOTES.md, 2026-11-27). With the engine's curve timed at the power limit and --overhead-ms 0
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-factor", type=float, default=STALL_FACTOR)
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (--forward: one stage's times)")
     p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks of 16 tokens")
-    p.add_argument("--stall-rule", action="store_true", help="pipeline stages budget as one GPU does (not to the ridge)")
+    p.add_argument("--stall-rule", action="store_true",
+                   help="pipeline stages budget as one GPU does (no pacing while the cache binds)")
     a = p.parse_args(argv)
     if a.forward_from:
         try:
