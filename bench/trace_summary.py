@@ -180,13 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"can't read the trace {args.trace}: {e.strerror or e}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         p.error(f"{args.trace} is not a step trace (one JSON object a line): {e}")
-    cost, rates = _bound_inputs(p, args) if args.model else (None, None)
+    cost, rates, bench = _bound_inputs(p, args) if args.model else (None, None, None)
     res = token_gaps(rows, args.decoding_engine) if args.token_gaps else summarize(rows, args.after_idle, cost, rates)
-    if res.get("bound_ms") and args.bench_json:
-        bench = json.loads(Path(args.bench_json).read_text())  # read by _bound_inputs already
-        if bench.get("roofline_output_throughput") and bench.get("total_output_tokens"):
-            res["physical_bound_ms"] = bench["total_output_tokens"] / bench["roofline_output_throughput"] * 1e3
-            res["schedule_fraction"] = res["physical_bound_ms"] / res["bound_ms"]
+    if res.get("bound_ms") and bench and bench.get("roofline_output_throughput") and bench.get("total_output_tokens"):
+        res["physical_bound_ms"] = bench["total_output_tokens"] / bench["roofline_output_throughput"] * 1e3
+        res["schedule_fraction"] = res["physical_bound_ms"] / res["bound_ms"]
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
@@ -194,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bound_inputs(p: argparse.ArgumentParser, args: argparse.Namespace):
-    """(ModelCost, HardwareRates) for --model, from --bench-json or the two rates given."""
+    """(ModelCost, HardwareRates, serve bench's result or None) for --model, from --bench-json or
+    the two rates given."""
     from bench.presets import resolve_model
     from bench.roofline import HardwareRates, ModelCost
     from engine.config import ModelConfig, ModelConfigError
 
     kv_dtype = "auto"
+    res = None
     if args.bench_json:
         try:
             res = json.loads(Path(args.bench_json).read_text())
@@ -217,7 +217,7 @@ def _bound_inputs(p: argparse.ArgumentParser, args: argparse.Namespace):
         cfg = ModelConfig.from_path(resolve_model(args.model))
     except (ValueError, ModelConfigError) as e:
         p.error(str(e))
-    return ModelCost.of(cfg, kv_dtype), HardwareRates(bw * 1e12, tflops * 1e12)
+    return ModelCost.of(cfg, kv_dtype), HardwareRates(bw * 1e12, tflops * 1e12), res
 
 
 if __name__ == "__main__":
