@@ -155,7 +155,7 @@ def allocate(device: torch.device, group, ranks: int, programs: int, max_bytes: 
     if fused_max_bytes:
         flags = flag_bytes(programs, ranks)
         rows = symm_mem.empty(flags + row_bytes(fused_max_bytes, ranks), dtype=torch.uint8, device=device)
-        rows[:flags].zero_()
+        rows.zero_()  # flags, and the pushed halves' "not arrived"
         torch.cuda.synchronize(device)  # zeros before any rank can map them (rendezvous comes after)
     return PeerAllReduce(buffer, name, max_bytes, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"),
                          rows, fused_max_bytes, group.rank(), programs)

@@ -63,4 +63,4 @@ def test_kv_calc_sets_nccls_memory_aside_under_tensor_parallelism_only():
         assert cmd.plan_request(req).graph_bytes == (
             calc.estimate_graph_bytes(m, "bfloat16", 256, 8192, 16, tp)
             + calc.estimate_piecewise_graph_bytes(m, "bfloat16", tokens.piecewise, tp) + step + expected
-            + (32 << 20 if tp == 2 else 0))
+            + ((2 * 16 + 2 * 2) << 20 if tp == 2 else 0))  # two halves of 16 MiB read, two of 2 MiB pushed

@@ -58,9 +58,11 @@ def _play_rank(rank: int, bufs: list, flags: int, slot: int, programs: int, xs, 
         res_outs[call, rank, :n].copy_(res)
 
 
-def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_max_bytes: int | None) -> None:
-    """The ranks' calls, forked from this process, checked against torch (raises if they differ)."""
-    hidden, dtype, calls = 64, torch.bfloat16, 4
+def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_max_bytes: int | None,
+              hidden: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The ranks' calls, forked from this process, checked against torch (raises if they differ):
+    float32 exactly (the interpreter runs the norm kernel the same way), bf16 within an ulp."""
+    calls = 4
     if push_max_bytes is None:  # calls of 1 row or `rows` rows by turns: the second over the limit
         push_max_bytes = hidden * dtype.itemsize
     arn.PUSH_MAX_BYTES = push_max_bytes  # this process's own module: it is a test's helper
@@ -68,6 +70,9 @@ def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_ma
     flags, slot = flag_bytes(programs, world), rows * hidden * dtype.itemsize
     bufs = [torch.zeros(flags + row_bytes(slot, world), dtype=torch.uint8).share_memory_() for _ in range(world)]
     xs = (torch.randn(calls, world, rows, hidden, generator=g) * 4).to(dtype)
+    # zeros of both signs: a pushed +0.0 must not pass for a row not yet arrived (the readers would hang)
+    xs[..., ::7] = 0.0
+    xs[..., 3::11] = -0.0
     # the residual stream is the same on every rank
     rs = torch.randn(calls, rows, hidden, generator=g).to(dtype) if with_residual else None
     w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
@@ -82,8 +87,10 @@ def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_ma
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, "a rank waited forever for a peer's flag"
+    assert not alive, "a rank waited forever for a peer's flag or rows"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for buf in bufs:  # every pushed row was zeroed again after it was read
+        assert not buf[flags + 2 * arn.slots(world) * slot:].any()
     for call in range(calls):
         n = 1 if call % 2 else rows
         total = sum(xs[call, s, :n].float() for s in range(world)).to(dtype)  # rank order, rounded once
@@ -93,6 +100,8 @@ def _exchange(world: int, rows: int, programs: int, with_residual: bool, push_ma
         else:
             want, want_res = fused.rms_norm(total, w, 1e-6), total
         for rank in range(world):
+            if dtype == torch.float32:
+                assert torch.equal(res_outs[call, rank, :n], want_res) and torch.equal(outs[call, rank, :n], want)
             torch.testing.assert_close(res_outs[call, rank, :n], want_res, atol=0.1, rtol=1.6e-2)
             torch.testing.assert_close(outs[call, rank, :n], want, atol=0.1, rtol=1.6e-2)
             assert torch.equal(outs[call, rank], outs[call, 0])
@@ -111,9 +120,10 @@ def _exchange_reporting(queue, *args) -> None:
 @pytest.mark.parametrize("world,rows,programs", [(2, 5, 2), (3, 3, 4)])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("push_max_bytes", [0, 1 << 20, None], ids=["read", "push", "both"])
-def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, push_max_bytes):
+def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, push_max_bytes, extra=()):
     """Every rank gets the norm of the sum in rank order, bit for bit the same, over calls that
-    reuse both halves; a rank that waited on a flag never set would hang (joined with a timeout).
+    reuse both halves; a rank that waited on a flag never set, or on pushed rows it took for not yet
+    arrived, would hang (joined with a timeout).
     The interpreter rounds float32 to bf16 toward zero (the GPU to nearest): one ulp's tolerance
     against torch. Rows are read from the peers' memory, pushed into it, or (both) pushed for the
     small calls and read for the large, one after the other.
@@ -124,7 +134,7 @@ def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, pus
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
-    helper = ctx.Process(target=_exchange_reporting, args=(queue, world, rows, programs, with_residual, push_max_bytes))
+    helper = ctx.Process(target=_exchange_reporting, args=(queue, world, rows, programs, with_residual, push_max_bytes, *extra))
     helper.start()
     try:
         failure = queue.get(timeout=300)
@@ -133,3 +143,12 @@ def test_ranks_exchange_rows_and_agree(world, rows, programs, with_residual, pus
         if helper.is_alive():
             helper.kill()
     assert failure is None, failure
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors run under the interpreter only; GPUs: test_peer_allreduce")
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("push_max_bytes", [0, 1 << 20], ids=["read", "push"])
+def test_float32_rows_narrower_than_the_block_exchange_exactly(with_residual, push_max_bytes):
+    """48 columns in a 64-wide block: the masked columns add nothing to the norm's sum of squares,
+    whichever way the rows came (the norm kernel's float32 result, bit for bit)."""
+    test_ranks_exchange_rows_and_agree(2, 3, 2, with_residual, push_max_bytes, extra=(48, torch.float32))
