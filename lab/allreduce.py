@@ -9,6 +9,8 @@ residual add + RMSNorm kernel, torch's one-shot kernel and the same norm, or the
 
 The report gives, per size, microseconds of each and the largest size below which the one-shot
 kernel wins at every size: the limit engine/parallel/peer_allreduce.py's ONE_SHOT_MAX_BYTES holds.
+`--fused-only` times only the fused kernel's rows; `--push-max-mib M` makes it push messages up to
+M MiB into the peers (kernels/allreduce_norm.py's PUSH_MAX_BYTES) instead of reading larger ones.
 """
 from __future__ import annotations
 
@@ -57,10 +59,15 @@ def _time_graph(fn, x, chain: int, repeats: int, comm) -> float:
     return times[len(times) // 2]
 
 
-def _rank(rank: int, port: int, n: int, chain: int, repeats: int) -> tuple[dict, object]:
+def _rank(rank: int, port: int, n: int, chain: int, repeats: int, fused_only: bool = False,
+          push_max_mib: float | None = None) -> tuple[dict, object]:
     import torch.distributed as dist
 
     from engine.parallel import peer_allreduce
+    from kernels import allreduce_norm
+
+    if push_max_mib is not None:  # before allocate(): the pushed halves are sized by it
+        allreduce_norm.PUSH_MAX_BYTES = int(push_max_mib * (1 << 20))
     from engine.parallel.comm import Comm
     from engine.parallel.group import connect_store, init_group, rank_env
 
@@ -82,7 +89,7 @@ def _rank(rank: int, port: int, n: int, chain: int, repeats: int) -> tuple[dict,
         return y
 
     rows = []
-    for size in SIZES:
+    for size in [] if fused_only else SIZES:
         x = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
         row = {"bytes": size, "nccl_us": _time_graph(nccl, x.clone(), chain, repeats, comm)}
         if peer is not None:
@@ -97,6 +104,7 @@ def _rank(rank: int, port: int, n: int, chain: int, repeats: int) -> tuple[dict,
 def _fused_rows(comm, peer, nccl, device: torch.device, chain: int, repeats: int) -> list[dict]:
     """Per hidden size and row count: microseconds from a rank's part of a row-parallel output to
     the normed sum and the new residual, three ways, and whether the fused one equals NCCL's."""
+    from kernels import allreduce_norm
     from kernels.fused import rms_norm
 
     out = []
@@ -124,7 +132,13 @@ def _fused_rows(comm, peer, nccl, device: torch.device, chain: int, repeats: int
             want = rms_norm(nccl(x.clone()), w, 1e-5, r)
             got = _captured_once(fused, (x, r), device)
             row["fused_equal"] = all(bool(torch.equal(a, b)) for a, b in zip(got, want))
+            row["pushed"] = rows * hidden * 2 <= allreduce_norm.push_slot_bytes(peer.fused_max_bytes)
             out.append(row)
+            if comm.rank == 0:  # as it goes: a run cut short still tells
+                print(f"hidden {hidden:>5} rows {rows:>5}  nccl+norm {row['nccl_norm_us']:7.1f} us  one-shot+norm "
+                      f"{row['one_shot_norm_us']:7.1f} us  fused "
+                      f"{row['fused_us']:7.1f} us ({'pushed' if row['pushed'] else 'read'})  equal {row['fused_equal']}",
+                      flush=True)
     return out
 
 
@@ -153,23 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--chain", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--fused-only", action="store_true", help="only the fused kernel's rows (no size sweep)")
+    p.add_argument("--push-max-mib", type=float, default=None,
+                   help="the fused kernel pushes messages up to this size (default: kernels/allreduce_norm.py's)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.gpus:
         print(f"lab.allreduce: needs {a.gpus} GPUs", file=sys.stderr)
         return 1
-    got = rank0_result(_rank, a.gpus, (a.gpus, a.chain, a.repeats), timeout_s=300)
+    got = rank0_result(_rank, a.gpus, (a.gpus, a.chain, a.repeats, a.fused_only, a.push_max_mib), timeout_s=300)
     if "error" in got:
         print(got["error"], file=sys.stderr)
         return 1
     result = {"gpu": torch.cuda.get_device_name(0), "gpus": a.gpus, "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "chain": a.chain, **got, "one_shot_faster_up_to_bytes": crossover(got["rows"])}
+              "torch": torch.__version__, "chain": a.chain, "push_max_mib": a.push_max_mib, **got,
+              "one_shot_faster_up_to_bytes": crossover(got["rows"])}
     for r in got["rows"]:
         print(f"{r['bytes'] >> 10:>8} KiB  nccl {r['nccl_us']:7.1f} us  one-shot {r.get('one_shot_us', float('nan')):7.1f} us")
-    print(f"one-shot faster up to {result['one_shot_faster_up_to_bytes'] >> 10} KiB")
-    for r in got["fused"]:
-        print(f"hidden {r['hidden']:>5} rows {r['rows']:>5}  nccl+norm {r['nccl_norm_us']:7.1f} us  "
-              f"one-shot+norm {r['one_shot_norm_us']:7.1f} us  fused {r['fused_us']:7.1f} us  equal {r['fused_equal']}")
+    if got["rows"]:
+        print(f"one-shot faster up to {result['one_shot_faster_up_to_bytes'] >> 10} KiB")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
