@@ -64,12 +64,12 @@ def _rank(rank: int, port: int, n: int, chain: int, repeats: int, fused_only: bo
     import torch.distributed as dist
 
     from engine.parallel import peer_allreduce
+    from engine.parallel.comm import Comm
+    from engine.parallel.group import connect_store, init_group, rank_env
     from kernels import allreduce_norm
 
     if push_max_mib is not None:  # before allocate(): the pushed halves are sized by it
         allreduce_norm.PUSH_MAX_BYTES = int(push_max_mib * (1 << 20))
-    from engine.parallel.comm import Comm
-    from engine.parallel.group import connect_store, init_group, rank_env
 
     env = rank_env("127.0.0.1", port, rank, n)
     group = init_group(env, "cuda", store=connect_store(env))
