@@ -5,7 +5,7 @@ every rank holds a part of; the parts are summed over the ranks (an all-reduce) 
 into the residual add and RMSNorm of what follows. A decode step of Llama-3-8B at TP=2 did that
 64 times, as NCCL's all-reduce (~10 us inside a CUDA graph) and then the norm's kernel. Here one
 kernel does both, over NVLink peer memory: the ranks exchange their rows through buffers that every
-rank maps (torch's symmetric memory, engine/parallel/peer_allreduce.py) and flag each other, each
+rank maps (torch's symmetric memory, engine/parallel/peer_allreduce.py) and signal each other, each
 adds the ranks' rows in rank order (every rank computes the same bits), rounds the sum to the
 model's dtype as the all-reduce would, and then adds the residual and normalizes as
 kernels/fused.py's rms_norm does.
@@ -15,7 +15,8 @@ need no answer) and then reads every rank's from its own; above it each rank wri
 its own memory and reads the others' over NVLink, which moves large messages faster. On two H100s
 (lab/allreduce.py, 2026-11-27, bench/results/allreduce-push-h100-2026-11-27.json) pushing took
 7.7 against 9.7 us at 64 x 4,096 bf16 and 10.9 against 11.3 at 64 x 8,192, and lost from 4 MiB
-(48 against 37 us at 1,024 x 4,096).
+(48 against 37 us at 1,024 x 4,096), both ways then in 2-byte accesses (16-byte vectors since; the
+limit not measured again: `python -m lab.allreduce --fused-only --push-max-mib M`).
 
 Each rank's buffer holds flags, then two halves for the rows read by the peers, then two halves for
 the rows pushed by them, each half used by turns with a slot for every other rank (or, read, one
