@@ -67,6 +67,11 @@ def push_slot_bytes(slot_bytes: int) -> int:
     return min(slot_bytes, PUSH_MAX_BYTES)
 
 
+def pushes(nbytes: int, slot_bytes: int) -> bool:
+    """Whether a message of nbytes goes into the peers' memory (else they read it from this rank's)."""
+    return nbytes <= push_slot_bytes(slot_bytes)
+
+
 def row_bytes(slot_bytes: int, world: int) -> int:
     """Bytes of rows after the flags in each rank's buffer: two halves of slots(world) slots of
     slot_bytes read by the peers, then two of push_slot_bytes pushed by them. All zero bits at
@@ -105,6 +110,13 @@ def _pushed(v):
         v.dtype, bitcast=True)
 
 
+@triton.jit
+def _rows_of(data_ptrs, s, like):
+    """Rank s's rows, as pointers of like's type. They start 256-byte aligned (flag_bytes): said
+    so, the rows move as 16-byte vectors, not as 2-byte NVLink writes and reads."""
+    return tl.multiple_of(tl.load(data_ptrs + s).to(like.dtype), 16)
+
+
 @triton.jit(do_not_specialize=["rank", "rows"])  # one compile for every row count (compiled before captures)
 def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_ptrs, flag_ptrs, rank, rows, N,
                                eps, stride_x, stride_r, stride_o, stride_ro, SLOT, PSLOT,
@@ -121,12 +133,11 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     epoch = tl.load(flags + G * WORLD + b, volatile=True) + 1  # int32: wraps, compared only for equality
     parity = (epoch & 1).to(tl.int64)
-    # every rank's rows start 256-byte aligned (flag_bytes): 16-byte vectors, not 2-byte NVLink writes
-    base = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(dt)), 16)
-    if PUSH:  # the pushed halves, after the read ones (elements)
-        mine = base + 2 * SLOTS * SLOT + parity * (SLOTS * PSLOT)
+    if PUSH:  # this call's pushed half, after the read ones (elements from a rank's rows)
+        half = 2 * SLOTS * SLOT + parity * (SLOTS * PSLOT)
     else:
-        mine = base + parity * (SLOTS * SLOT)
+        half = parity * (SLOTS * SLOT)
+    mine = _rows_of(data_ptrs, rank, x_ptr) + half
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r_next = tl.load(r_ptr + b * stride_r + cols, mask=mask & (b + 0 * cols < rows), other=0.0)
@@ -137,8 +148,7 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
             for s in tl.static_range(WORLD):
                 if s != rank:
                     slot = rank - (rank > s).to(tl.int32)  # the peers' slots skip their own rank
-                    dst = (tl.multiple_of(tl.load(data_ptrs + s).to(tl.pointer_type(dt)), 16) + 2 * SLOTS * SLOT
-                           + parity * (SLOTS * PSLOT) + slot.to(tl.int64) * PSLOT)
+                    dst = _rows_of(data_ptrs, s, x_ptr) + half + slot.to(tl.int64) * PSLOT
                     tl.store(dst + i * N + cols, v, mask=mask)
     else:  # into the first slot of this rank's own half, for the peers to read, then READY
         for i in range(b, rows, G):
@@ -164,7 +174,7 @@ def _allreduce_add_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, data_p
                     v = tl.load(src, mask=mask, other=0.0, volatile=True)
                 tl.store(src, tl.zeros([BLOCK], dtype=dt), mask=mask)  # zero again for its next use
             else:  # every other rank's first slot, over NVLink
-                src = tl.multiple_of(tl.load(data_ptrs + s).to(tl.pointer_type(dt)), 16) + parity * (SLOTS * SLOT)
+                src = _rows_of(data_ptrs, s, x_ptr) + half
                 v = tl.load(src + i * N + cols, mask=mask, other=0.0, cache_modifier=".cv")
             acc += v.to(tl.float32)
         h = acc.to(dt)  # the all-reduce's result, as the unfused path has it
@@ -198,15 +208,14 @@ def allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     res_out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     r = residual if residual is not None else x
     assert T * N * x.element_size() <= slot_bytes and slot_bytes % x.element_size() == 0
-    push_slot = push_slot_bytes(slot_bytes)
     assert r.shape == x.shape and r.dtype == x.dtype and r.stride(-1) == 1
     if T:
         block = next_pow2(N)
         launch(_allreduce_add_norm_kernel, (min(T, programs),),
                x, r, weight, out, res_out, data_ptrs, flag_ptrs, rank, T, N, eps,
                x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), slot_bytes // x.element_size(),
-               push_slot // x.element_size(),
+               push_slot_bytes(slot_bytes) // x.element_size(),
                G=programs, WORLD=world, SLOTS=slots(world), BLOCK=block, HAS_RES=residual is not None,
-               PUSH=T * N * x.element_size() <= push_slot, PDL=pdl,
+               PUSH=pushes(T * N * x.element_size(), slot_bytes), PDL=pdl,
                num_warps=min(16, max(1, block // 512)), launch_pdl=pdl)  # as rms_norm: the same sums
     return out, res_out

@@ -132,7 +132,7 @@ def _fused_rows(comm, peer, nccl, device: torch.device, chain: int, repeats: int
             want = rms_norm(nccl(x.clone()), w, 1e-5, r)
             got = _captured_once(fused, (x, r), device)
             row["fused_equal"] = all(bool(torch.equal(a, b)) for a, b in zip(got, want))
-            row["pushed"] = rows * hidden * 2 <= allreduce_norm.push_slot_bytes(peer.fused_max_bytes)
+            row["pushed"] = allreduce_norm.pushes(rows * hidden * 2, peer.fused_max_bytes)
             out.append(row)
             if comm.rank == 0:  # as it goes: a run cut short still tells
                 print(f"hidden {hidden:>5} rows {rows:>5}  nccl+norm {row['nccl_norm_us']:7.1f} us  one-shot+norm "
