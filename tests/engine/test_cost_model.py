@@ -192,3 +192,55 @@ def test_host_bound_rows_is_the_largest_bucket_under_four_host_rounds():
     m = StepCostModel((16, 64, 256, 512, 1024), (2.0, 2.1, 2.5, 4.0, 7.9), 0.0, 8192)
     assert m.host_bound_rows() == 256  # 512 rows take 4 ms: the GPU paces them
     assert model().host_bound_rows() == 0  # the 8B-like GPU: 5 ms at 16 rows already
+
+
+class FakeTimedRuns:
+    """once(lead_ms) for device_median: a forward of `device` ms whose launches take `host` ms of
+    the host's time (`slow` for the first calls: the host busy with something else); where the
+    launches outlast the head start the device waits for them, and so does the measurement. With
+    sync, fn waits for the device itself, so its queueing always outlasts the head start."""
+
+    def __init__(self, device: float, host: float, slow: float = 0.0, slow_calls: int = 0, sync: bool = False):
+        self.device, self.host, self.slow, self.slow_calls, self.sync = device, host, slow, slow_calls, sync
+        self.leads: list[float] = []
+
+    def __call__(self, lead_ms: float) -> tuple[float, float]:
+        self.leads.append(lead_ms)
+        host = self.slow if len(self.leads) <= self.slow_calls else self.host
+        if self.sync:
+            return self.device, lead_ms + self.device
+        return max(self.device, host - lead_ms), host
+
+
+def test_a_host_slowed_for_a_while_gets_a_longer_head_start():
+    from engine.runner import LEAD_GROWTH, device_median
+
+    runs = FakeTimedRuns(device=8.4, host=5.0, slow=29.6, slow_calls=3)
+    assert device_median(runs, 8.5, 5) == 8.4
+    # the first sample's launches used up 8.5 ms: again at 68 ms, which the rest keep
+    assert runs.leads == [8.5] + [8.5 * LEAD_GROWTH] * 5
+    quiet = FakeTimedRuns(device=8.4, host=5.0)
+    assert device_median(quiet, 8.5, 5) == 8.4 and quiet.leads == [8.5] * 5
+
+
+def test_a_run_that_waits_for_the_device_is_timed_as_it_runs():
+    from engine.runner import device_median
+
+    runs = FakeTimedRuns(device=3.0, host=1.0, sync=True)
+    assert device_median(runs, 2.0, 3) == 3.0
+    assert runs.leads[:3] == [2.0, 16.0, 0.0] and set(runs.leads[3:]) == {0.0} and len(runs.leads) == 5
+
+
+def test_the_ranks_agree_on_the_head_start():
+    from engine.runner import device_median
+
+    # another rank's host fell behind (anywhere: the ranks' max): this rank retries with it
+    calls = []
+
+    def anywhere(flag: bool) -> bool:
+        calls.append(flag)
+        return len(calls) == 1 or flag
+
+    runs = FakeTimedRuns(device=4.0, host=1.0)
+    assert device_median(runs, 2.0, 3, anywhere) == 4.0
+    assert runs.leads == [2.0, 16.0, 16.0, 16.0]
