@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="SLOs for goodput, KEY one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50")
     out.add_argument("--result-json", metavar="PATH", help="write the results as JSON")
     out.add_argument("--plot", metavar="PATH", help="draw latency distributions and throughput vs bound (PNG)")
+    out.add_argument("--chunk-times", action="store_true",
+                     help="the result JSON also lists when each token-carrying chunk arrived (chunk_s, seconds "
+                          "after the request was sent) and the run's start on the monotonic clock (clock_start_s), "
+                          "to line the client's view up with the server's (PAGEDSERVE_STEP_TRACE)")
     out.add_argument("--kv-cache-dtype", default="auto",
                      help="KV storage dtype the roofline assumes: auto, bfloat16, fp8, int8 (default: %(default)s)")
     out.add_argument("--copy-bandwidth", type=float, metavar="TB/s",
@@ -354,6 +358,10 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         result["client_cpu_fraction"] = round(busy, 4)  # the busiest client process's
         result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
         result["client_processes"] = load.client_processes
+        if args.chunk_times:
+            result["clock_start_s"] = load.clock_start
+            for r, row in zip(load.results, result["requests"]):
+                row["chunk_s"] = [round(t, 6) for t, _ in r.chunks]
         if server is not None:  # what the engine budgeted its steps by (lab/sim.py --forward-from)
             result["engine_cost_model"] = server.step_cost_model()
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")

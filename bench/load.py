@@ -66,6 +66,9 @@ class LoadResult:
     results: list[RequestResult]  # in request order
     duration_s: float  # first request sent -> last response finished
     usage: list[ProcessUsage] = field(default_factory=list)  # one per client process
+    # time.perf_counter() when the run started (a result's start_s counts from it): the system's
+    # monotonic clock on Linux, which the engine's step trace (scheduler/trace.py) also reads
+    clock_start: float = 0.0
 
     @property
     def client_processes(self) -> int:
@@ -158,7 +161,8 @@ async def _run_here(target: CompletionTarget, requests: list[BenchRequest], plan
         duration = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
     bar.close()
-    return LoadResult(results=list(results), duration_s=duration, usage=[ProcessUsage(cpu, duration)])
+    return LoadResult(results=list(results), duration_s=duration, usage=[ProcessUsage(cpu, duration)],
+                      clock_start=start)
 
 
 # --- several client processes -------------------------------------------------------------------
@@ -341,7 +345,8 @@ async def _run_in_processes(target: CompletionTarget, requests: list[BenchReques
     if missing:
         raise LoadError(f"{missing} results did not come back from the client processes")
     usage = [collector.usage[w] for w in range(len(processes))]
-    return LoadResult(results=collector.results, duration_s=max(u.span_s for u in usage), usage=usage)
+    return LoadResult(results=collector.results, duration_s=max(u.span_s for u in usage), usage=usage,
+                      clock_start=start)
 
 
 def _start_with_sigint_blocked(processes: list[BaseProcess]) -> None:
@@ -442,4 +447,4 @@ async def run_conversations(target: CompletionTarget, conversations: list[Conver
         cpu = time.process_time() - cpu_start
     bar.close()
     return LoadResult(results=[r for rs in per_conv for r in rs], duration_s=duration,
-                      usage=[ProcessUsage(cpu, duration)])
+                      usage=[ProcessUsage(cpu, duration)], clock_start=start)

@@ -47,8 +47,9 @@ def kind(row: dict) -> str:
 
 def _device_times(rows: list[dict]) -> list[dict]:
     """Rows with gpu_ms / idle_ms: a row's prev_* fields belong to the row before it (the step it
-    collected, which that row launched)."""
-    rows = [dict(r) for r in rows]
+    collected, which that row launched). The engine process's rows of requests it took in (added)
+    are left out: they are not steps."""
+    rows = [dict(r) for r in rows if "added" not in r]
     for prev, row in zip(rows, rows[1:]):
         if "prev_gpu_ms" in row:
             prev["gpu_ms"], prev["idle_ms"] = row.pop("prev_gpu_ms"), row.pop("prev_idle_ms")

@@ -482,6 +482,7 @@ def measure(tree: str, streams: int, step_ms: float, args: argparse.Namespace, t
         engines = _children(server.pid)  # the engine process, and the tokenizing processes (idle here)
         client = subprocess.Popen([sys.executable, "-m", "lab.api_stream", "client", "--port", str(port),
                                    "--streams", str(streams), "--max-tokens", str(args.max_tokens),
+                                   "--prompt-len", str(args.prompt_len),
                                    "--warmup", str(args.warmup), "--seconds", str(args.seconds),
                                    "--out", str(client_out)], env=env, cwd=root, stdout=subprocess.PIPE, text=True)
         assert client.stdout is not None
@@ -553,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
                    "(a baseline: git archive REV | tar -x -C DIR, then copy this file to DIR/lab/)")
     r.add_argument("--repeat", type=int, default=1)
     r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--prompt-len", type=int, default=32, help="token ids a request's prompt holds")
     r.add_argument("--warmup", type=float, default=2.0)
     r.add_argument("--seconds", type=float, default=8.0)
     r.add_argument("--stack", default="auto", choices=("auto", "asyncio", "uvloop"),

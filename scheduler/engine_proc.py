@@ -144,6 +144,8 @@ def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
                     core.trace.flush()
                 return
             replies.append(_apply(core, *msg))
+            if core.trace is not None and msg[0] == "add":
+                core.trace.record({"added": msg[2][0], "t0": time.perf_counter() * 1e3})
         if replies:
             results.send(("replies", replies, EngineSnapshot.of(core)))
         if core.has_unfinished():

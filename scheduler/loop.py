@@ -31,6 +31,7 @@ from asyncio_throttle import Throttler
 
 from scheduler.core import EngineCore
 from scheduler.request import SamplingParams, StepOutput, next_seq_id
+from scheduler.trace import StepTrace
 
 log = logging.getLogger("pagedserve")
 T = TypeVar("T")
@@ -125,6 +126,7 @@ class RequestRecord:
     arrival: float
     num_prompt_tokens: int
     first_token: float | None = None
+    added: float | None = None  # the engine has taken it
     finish: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None
@@ -230,6 +232,10 @@ async def wait_set(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
+
+
+def _ms(t: float | None) -> float | None:
+    return None if t is None else t * 1e3
 
 
 def unavailable(failure: str | None, running: bool) -> EngineUnavailable:
@@ -450,6 +456,7 @@ class AsyncEngine(Front):
         self._records: dict[int, RequestRecord] = {}
         self._admission = Admission(self.config)  # its num_adding: sequences between admission and the core
         self._finish_times: deque[float] = deque(maxlen=512)
+        self._trace = StepTrace.from_env("PAGEDSERVE_API_TRACE")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -495,6 +502,8 @@ class AsyncEngine(Front):
         await self.client.close()
         for sid in list(self._streams):
             self._finish_stream(StepOutput(sid, [], True, "abort"))
+        if self._trace is not None:
+            self._trace.flush()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -515,6 +524,11 @@ class AsyncEngine(Front):
             self.client.notify()
             try:
                 await self.client.add(seq_ids, requests)
+                if self._trace is not None:
+                    added = time.monotonic()
+                    for sid in seq_ids:
+                        if (rec := self._records.get(sid)) is not None:
+                            rec.added = added
             except asyncio.CancelledError:
                 self.abort(seq_ids)  # runs after the add in the core: nothing is left behind
                 raise
@@ -550,6 +564,8 @@ class AsyncEngine(Front):
     # -- EngineEvents: the client's reports ---------------------------------------------------
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
+        if self._trace is not None:
+            self._trace.begin()
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.seq_id)
@@ -563,6 +579,9 @@ class AsyncEngine(Front):
                 self._finish_stream(out, now)
             else:
                 stream._push(out)
+        if self._trace is not None:
+            self._trace.mark("t_end", outputs=len(outputs))
+            self._trace.end()
 
     def on_fault(self, seq_ids: list[int]) -> None:
         self.num_loop_faults += 1
@@ -608,6 +627,9 @@ class AsyncEngine(Front):
             rec.finish_reason = out.finish_reason
             self._finish_times.append(rec.finish)
             self.observer.request_finished(rec)
+            if self._trace is not None:
+                self._trace.record({"request": rec.seq_id, "t0": _ms(rec.arrival), "added": _ms(rec.added),
+                                    "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
         if stream is not None:
             stream._push(out)
 

@@ -1,8 +1,13 @@
 """Per-step timeline of the engine loop, for benchmarks: PAGEDSERVE_STEP_TRACE=path makes the
 EngineCore append one JSON line per step (host timestamps in ms, the batch's shape; on a GPU also
 the device time of the step it collected, prev_gpu_ms / prev_idle_ms), in batches of 256 lines and
-when the trace is closed; `python -m bench.trace_summary` summarizes it. Off (no cost beyond one
-attribute test) otherwise."""
+when the trace is closed; `python -m bench.trace_summary` summarizes it. PAGEDSERVE_API_TRACE=path
+makes the API side (scheduler/loop.py's AsyncEngine) do the same for each step's outputs it takes
+in (t0: taken in, t_end: handed to the streams) and write a row per finished sequence (t0: its
+arrival, added: the engine took it, first: its first token taken in, t_end: its last), so that a stream's delay can be split between the
+engine, the API process and the client (`serve bench --chunk-times`; time.perf_counter is the
+system's monotonic clock on Linux, the same in every process). Off (no cost beyond one attribute
+test) otherwise."""
 from __future__ import annotations
 
 import atexit
@@ -18,8 +23,8 @@ class StepTrace:
         self.row: dict | None = None
 
     @classmethod
-    def from_env(cls) -> "StepTrace | None":
-        path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+    def from_env(cls, var: str = "PAGEDSERVE_STEP_TRACE") -> "StepTrace | None":
+        path = os.environ.get(var)
         if not path:
             return None
         trace = cls(path)
@@ -41,6 +46,12 @@ class StepTrace:
             self.mark("t_end")
             self.rows.append(self.row)
             self.row = None
+
+    def record(self, row: dict) -> None:
+        """A row of its own (not a step's), e.g. one request's times."""
+        if len(self.rows) >= 256:
+            self.flush()
+        self.rows.append(row)
 
     def annotate_last(self, name: str) -> None:
         """Stamp the last finished step with the time now (e.g. when its outputs were sent)."""

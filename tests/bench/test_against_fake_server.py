@@ -6,6 +6,8 @@ a few ms, upper bounds are generous.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench.workload import arrival_offsets
@@ -44,6 +46,23 @@ def test_counts_and_latencies(fake_server, bench):
     body = srv.behaviour.seen[-1]
     assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0
     assert body["stream_options"] == {"include_usage": True} and len(body["prompt"]) == 12
+
+
+def test_chunk_times_on_the_monotonic_clock(fake_server, bench):
+    srv = fake_server(ttft_s=TTFT, chunk_interval_s=GAP, tokens_per_chunk=(1, 2))
+    before = time.perf_counter()
+    code, res = bench("--url", srv.base_url, "--num-prompts", "3", "--input-len", "4", "--output-len", str(OUT),
+                      "--concurrency", "3", "--ignore-eos", "--chunk-times")
+    after = time.perf_counter()
+    assert code == 0
+    assert before <= res["clock_start_s"] <= after
+    for r in res["requests"]:
+        chunks = r["chunk_s"]
+        assert len(chunks) == 6 and chunks == sorted(chunks)  # 9 tokens in chunks of 1, 2, 1, 2, ...
+        assert chunks[0] == pytest.approx(r["ttft_ms"] / 1e3, abs=1e-6)
+        assert res["clock_start_s"] + r["start_s"] + chunks[-1] <= after
+    code, plain = bench("--url", srv.base_url, "--num-prompts", "1", "--input-len", "4", "--output-len", "2")
+    assert code == 0 and "clock_start_s" not in plain and "chunk_s" not in plain["requests"][0]
 
 
 def test_concurrency_is_a_cap(fake_server, bench):

@@ -4,6 +4,7 @@ dying under a running server. (test_api and test_disconnect run against both loo
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import os
 import signal
@@ -15,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from bench import trace_summary
 from scheduler.engine_proc import EngineStartError
 from serve.server_config import ServerConfig
 from tests.serve.helpers import ServerThread, build_process, record_schedules, recorded_schedules
@@ -187,3 +189,31 @@ def test_prefill_hold_across_the_pipe(model_dir):
         started, empty = srv.call(recorded_schedules)
         assert [len(s) for s in started] == [4] and empty < 50
         srv.wait_idle()
+
+
+def test_api_and_engine_traces_line_a_request_up_across_the_pipe(model_dir, tmp_path, monkeypatch):
+    # PAGEDSERVE_API_TRACE: the API side's step and request rows; the engine process (spawned after
+    # the variables are set) writes its steps and the requests it took in to PAGEDSERVE_STEP_TRACE
+    api_path, engine_path = tmp_path / "api.jsonl", tmp_path / "engine.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_API_TRACE", str(api_path))
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(engine_path))
+    with ServerThread(build_process(model_dir)) as s:
+        for _ in range(2):
+            with s.http.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 5, "stream": True}) as r:
+                assert r.status_code == 200
+                r.read()
+    api = [json.loads(x) for x in api_path.read_text().splitlines()]  # the loop flushed it as it stopped
+    engine = [json.loads(x) for x in engine_path.read_text().splitlines()]
+    requests = [r for r in api if "request" in r]
+    assert len(requests) == 2
+    for r in requests:
+        assert r["t0"] <= r["added"] <= r["first"] <= r["t_end"]
+    took = {sid: r["t0"] for r in engine if "added" in r for sid in r["added"]}
+    assert set(took) == {r["request"] for r in requests}
+    for r in requests:  # one clock in both processes: the engine took each request while its add was pending
+        assert r["t0"] <= took[r["request"]] <= r["added"]
+    steps = [r for r in api if "outputs" in r]
+    assert sum(r["outputs"] for r in steps) >= 2 * 5 and all(r["t0"] <= r["t_end"] for r in steps)
+    # the step summary reads past the engine's request rows
+    res = trace_summary.summarize(engine)
+    assert res["steps"] == len(engine) - len([r for r in engine if "added" in r]) and res["decode"]["steps"] > 0
