@@ -112,6 +112,24 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
                      gaps[int(0.99 * (len(gaps) - 1))], statistics.mean(step_ms), len(step_ms))
 
 
+def ceiling(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int) -> tuple[float, int]:
+    """The most output tokens a second that any schedule of this cost model could serve, and the
+    bucket it fills: every step decodes `concurrency` rows (the fewest steps the outputs need),
+    the prompts' tokens ride in as few of them as fill one bucket each, the rest decode only. No
+    ramp, no drain, no waiting prompt: a closed loop of waves stays below it (bench/NOTES.md)."""
+    steps = -(-num_prompts * output_len // concurrency)
+    prompt = num_prompts * input_len
+    kv = model.kv_ms_per_token * concurrency * (input_len + output_len / 2)  # a step's mean context
+    best = (float("inf"), 0)
+    for b in model.buckets:
+        if b <= concurrency:
+            continue
+        mixed = -(-prompt // (b - concurrency))
+        ms = mixed * model.forward(b) + max(steps - mixed, 0) * model.forward(concurrency) + max(steps, mixed) * kv
+        best = min(best, (ms, b))
+    return num_prompts * output_len / best[0] * 1e3, best[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.sim", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -148,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                  not a.no_budget, a.stages, a.num_blocks)
     print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
           f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
+    top, rows = ceiling(model, a.concurrency, a.num_prompts, a.input_len, a.output_len)
+    print(f"ceiling of any schedule with these step times: {top:,.0f} tok/s (mixed steps of {rows} rows)")
     return 0
 
 

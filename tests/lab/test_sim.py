@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine.cost_model import StepCostModel
-from lab.sim import main, simulate
+from lab.sim import ceiling, main, simulate
 
 # one stage of a 70B at PP=2 on H100s, shaped like the served run's steps (2026-11-27): ~26 ms up
 # to the ridge, ~0.09 ms a row beyond
@@ -51,3 +51,18 @@ def test_the_command_line(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["--forward-from", str(result), *args])
     assert "no engine_cost_model" in capsys.readouterr().err
+
+
+def test_the_ceiling_fills_the_cheapest_bucket_and_bounds_every_schedule():
+    # 64 decodes read the weights in 6 ms; each bucket past it costs its rows' compute
+    model = StepCostModel((64, 128, 256, 512, 1024), (6.0, 6.5, 8.0, 14.0, 26.0), kv_ms_per_token=0.0,
+                          max_tokens=8192)
+    top, rows = ceiling(model, 64, 192, 512, 128)
+    # 384 steps, 98,304 prompt tokens. 512-row steps: 220 mixed + 164 decode-only = 4.06 s; 256 rows:
+    # 512 mixed steps, more than the outputs need, 4.10 s; 1,024 rows: 103 + 281 = 4.36 s; 128 rows: 9.98 s
+    assert rows == 512
+    mixed = -(-192 * 512 // (512 - 64))
+    assert top == pytest.approx(192 * 128 / ((mixed * 14.0 + (384 - mixed) * 6.0) / 1e3))
+    for cap in (None, 9.0, 15.0, 27.0):
+        capped = StepCostModel(model.rows, model.forward_ms, kv_ms_per_token=0.0, max_tokens=8192, max_step_ms=cap)
+        assert simulate(capped, 64, 192, 512, 128, overhead_ms=0.0).output_throughput <= top
