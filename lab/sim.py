@@ -47,10 +47,12 @@ class SimResult:
 
 def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int,
              num_scheduler_steps: int = 1, overhead_ms: float = 0.3, use_budget: bool = True,
-             stages: int = 1, num_blocks: int = 1 << 20) -> SimResult:
+             stages: int = 1, num_blocks: int = 1 << 20, admission_ms: float = 0.0) -> SimResult:
     """stages > 1: a pipeline of that many stages, each taking `model`'s time for a micro-batch (the
     model is one stage's, pipelined for the stage's budget), with as many micro-batches in flight
-    (scheduler/core.py's batch queue)."""
+    (scheduler/core.py's batch queue). admission_ms: how long a request takes from its client to
+    the scheduler (HTTP, the API process, the pipe to the engine, the engine's next read); the
+    first wave's too. TTFT counts from the client's send."""
     bm = BlockManager(num_blocks, 16, False)
     cfg = SchedulerConfig(256, model.max_tokens, input_len + output_len + 1, False, 0.0, num_scheduler_steps,
                           model.prompt_budget if use_budget else None)
@@ -61,20 +63,29 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
     chunks: dict[int, list[float]] = {}
     done: list[int] = []
 
+    coming: deque[tuple[float, Sequence]] = deque()  # sent, not yet at the scheduler (in send order)
+
     def send() -> None:
         nonlocal sent
         seq = Sequence(sent, [1] * input_len, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0),
                        max_model_len=cfg.max_model_len)
-        s.add(seq)
+        coming.append((now + admission_ms / 1e3, seq))
         arrival[sent], chunks[sent] = now, []
         sent += 1
+
+    def arrive() -> None:
+        while coming and coming[0][0] <= now:
+            s.add(coming.popleft()[1])
 
     for _ in range(min(concurrency, num_prompts)):
         send()
     step_ms = []
     stage_free = [0.0] * stages  # when each stage is done with the micro-batches given to it
     queue: deque[tuple[Batch, float]] = deque()  # launched micro-batches and when the last stage ends them
-    while s.num_unfinished or queue:
+    while s.num_unfinished or queue or coming:
+        if not s.num_unfinished and not queue:
+            now = max(now, coming[0][0])  # idle until the next request gets here
+        arrive()
         b = None
         if len(queue) < stages:
             if stages == 1:
@@ -149,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-factor", type=float, default=STALL_FACTOR)
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (--forward: one stage's times)")
     p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks of 16 tokens")
+    p.add_argument("--admission-ms", type=float, default=0.0,
+                   help="a request's way from its client to the scheduler (lab/chunk_delay.py measures it)")
     p.add_argument("--stall-rule", action="store_true",
                    help="pipeline stages budget as one GPU does (no pacing while the cache binds)")
     a = p.parse_args(argv)
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor,
                           pipelined=a.stages > 1 and not a.stall_rule)
     r = simulate(model, a.concurrency, a.num_prompts, a.input_len, a.output_len, a.steps, a.overhead_ms,
-                 not a.no_budget, a.stages, a.num_blocks)
+                 not a.no_budget, a.stages, a.num_blocks, a.admission_ms)
     print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
           f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
     top, rows = ceiling(model, a.concurrency, a.num_prompts, a.input_len, a.output_len)

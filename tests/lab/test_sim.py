@@ -66,3 +66,11 @@ def test_the_ceiling_fills_the_cheapest_bucket_and_bounds_every_schedule():
     for cap in (None, 9.0, 15.0, 27.0):
         capped = StepCostModel(model.rows, model.forward_ms, kv_ms_per_token=0.0, max_tokens=8192, max_step_ms=cap)
         assert simulate(capped, 64, 192, 512, 128, overhead_ms=0.0).output_throughput <= top
+
+
+def test_requests_reach_the_scheduler_after_the_admission_delay():
+    fast = simulate(stage(False), 8, 24, 64, 16, overhead_ms=0.0)
+    slow = simulate(stage(False), 8, 24, 64, 16, overhead_ms=0.0, admission_ms=40.0)
+    # every request's first token comes at least the delay later, and the loop of clients slows down
+    assert slow.median_ttft_ms >= fast.median_ttft_ms + 40.0 - 1e-9
+    assert slow.output_throughput < fast.output_throughput
