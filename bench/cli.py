@@ -187,6 +187,10 @@ def _validate(args: argparse.Namespace) -> _Setup:
             raise ValueError(f"{flag}: the folder of {path} does not exist")
     if args.plot:
         check_available()
+    if args.chunk_times and not args.result_json:
+        raise ValueError("--chunk-times adds to the result JSON: give --result-json PATH too")
+    if args.chunk_times and args.request_rate and len(args.request_rate) > 1:
+        raise ValueError("--chunk-times keeps one run's chunks: give one --request-rate")
     if args.multi_turn < 1:
         raise ValueError(f"--multi-turn must be >= 1 turns, got {args.multi_turn}")
     if args.turn_len is not None and args.turn_len < 1:
@@ -359,9 +363,7 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         result["client_cpu_fractions"] = [round(u.busy, 4) for u in load.usage]
         result["client_processes"] = load.client_processes
         if args.chunk_times:
-            result["clock_start_s"] = load.clock_start
-            for r, row in zip(load.results, result["requests"]):
-                row["chunk_s"] = [round(t, 6) for t, _ in r.chunks]
+            _add_chunk_times(result, load)
         if server is not None:  # what the engine budgeted its steps by (lab/sim.py --forward-from)
             result["engine_cost_model"] = server.step_cost_model()
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
@@ -426,8 +428,18 @@ def _multi_turn(args: argparse.Namespace, setup: _Setup, target: CompletionTarge
     if args.result_json:
         result = result_dict(info, metrics, load.results, None, setup.slo)
         result["client_cpu_fraction"] = round(busy, 4)
+        if args.chunk_times:
+            _add_chunk_times(result, load)
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if metrics.completed else 1
+
+
+def _add_chunk_times(result: dict, load: LoadResult) -> None:
+    """--chunk-times: each request's chunk arrivals (seconds after it was sent) and the run's start
+    on the monotonic clock that the server's traces read (bench/README.md)."""
+    result["clock_start_s"] = load.clock_start
+    for r, row in zip(load.results, result["requests"]):
+        row["chunk_s"] = [round(t, 6) for t, _ in r.chunks]
 
 
 def _warn_if_client_bound(load: LoadResult, when: str = "") -> float:

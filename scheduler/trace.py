@@ -1,13 +1,15 @@
 """Per-step timeline of the engine loop, for benchmarks: PAGEDSERVE_STEP_TRACE=path makes the
 EngineCore append one JSON line per step (host timestamps in ms, the batch's shape; on a GPU also
 the device time of the step it collected, prev_gpu_ms / prev_idle_ms), in batches of 256 lines and
-when the trace is closed; `python -m bench.trace_summary` summarizes it. PAGEDSERVE_API_TRACE=path
-makes the API side (scheduler/loop.py's AsyncEngine) do the same for each step's outputs it takes
-in (t0: taken in, t_end: handed to the streams) and write a row per finished sequence (t0: its
-arrival, added: the engine took it, first: its first token taken in, t_end: its last), so that a stream's delay can be split between the
-engine, the API process and the client (`serve bench --chunk-times`; time.perf_counter is the
-system's monotonic clock on Linux, the same in every process). Off (no cost beyond one attribute
-test) otherwise."""
+when the trace is closed; `python -m bench.trace_summary` summarizes it. In an engine process
+(`--engine-loop process`) the trace also has a line per request it took in (added: the sequence
+ids, t0). PAGEDSERVE_API_TRACE=path makes the API side (scheduler/loop.py's AsyncEngine) write a
+line per step's outputs it takes in (t0: taken in, t_end: handed to the streams) and one per
+finished sequence (t0: its arrival, added: the engine's acknowledgement, first: its first token
+taken in, t_end: its last). A stream's delay then splits between the engine, the API process and
+the client (`serve bench --chunk-times`, lab/chunk_delay.py): time.perf_counter and time.monotonic
+read the system's monotonic clock on Linux, the same in every process. Off (no cost beyond one
+attribute test) otherwise."""
 from __future__ import annotations
 
 import atexit

@@ -21,6 +21,8 @@ BAD = [
     ["--url", "http://127.0.0.1:9", "--server-args=--enforce-eager"],
     ["--url", "http://127.0.0.1:9", "--copy-bandwidth", "3"],
     ["--url", "http://127.0.0.1:9", "--result-json", "/no/such/folder/r.json"],
+    ["--url", "http://127.0.0.1:9", "--chunk-times"],  # nowhere to write them
+    ["--url", "http://127.0.0.1:9", "--chunk-times", "--result-json", "r.json", "--request-rate", "2,4"],
     ["--url", "http://127.0.0.1:9", "--model", "no-such-model"],
     ["--url", "http://127.0.0.1:9", "--model", "llama3-8b", "--kv-cache-dtype", "fp4"],
     ["--model", "llama3-8b", "--server-command", "no-such-program-xyz run"],

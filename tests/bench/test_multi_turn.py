@@ -41,9 +41,10 @@ def test_turn_split_and_report():
 def test_multi_turn_against_fake_server(fake_server, bench):
     srv = fake_server(ttft_s=0.01, chunk_interval_s=0.001, tokens_per_chunk=(2,))
     code, res = bench("--url", srv.base_url, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-                      "--multi-turn", "3", "--turn-len", "5", "--ignore-eos", "--concurrency", "2")
+                      "--multi-turn", "3", "--turn-len", "5", "--ignore-eos", "--concurrency", "2", "--chunk-times")
     assert code == 0
     assert res["multi_turn"] and res["num_turns"] == 3 and res["num_conversations"] == 3
+    assert res["clock_start_s"] > 0 and all(len(r["chunk_s"]) == 2 for r in res["requests"])  # 4 tokens, 2 a chunk
     assert (res["completed"], res["failed"]) == (9, 0)
     assert res["median_follow_up_ttft_ms"] is not None and res["median_first_turn_ttft_ms"] is not None
     assert sorted(r["turn"] for r in res["requests"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
