@@ -47,10 +47,8 @@ def analyse(bench: dict, engine: list[dict], api: list[dict]) -> dict:
         if i >= 0:
             hop_engine_api.append(t0 - sent[i])
     client_gaps, hop_api_client, big = [], [], []
-    arrivals: list[float] = []
     for req in bench["requests"]:
         times = [start_ms + (req["start_s"] + t) * 1e3 for t in req.get("chunk_s") or []]
-        arrivals += times
         for a, b in zip(times, times[1:]):
             client_gaps.append((b - a, a, b))
         for t in times:
@@ -63,8 +61,9 @@ def analyse(bench: dict, engine: list[dict], api: list[dict]) -> dict:
     api_ack = {r["request"]: r["added"] for r in reqs if r.get("added") is not None}
     api_to_engine = [took[s] - api_arrival[s] for s in api_arrival if s in took]
     engine_to_ack = [api_ack[s] - took[s] for s in api_ack if s in took]
-    api_gaps = [b[0] - a[0] for a, b in zip(taken, taken[1:])]
-    engine_gaps = [b - a for a, b in zip(sent, sent[1:])]
+    # gaps within the measured run (the traces also hold the warm-up and the idle time before it)
+    api_gaps = [b[0] - a[0] for a, b in zip(taken, taken[1:]) if a[0] >= start_ms]
+    engine_gaps = [b - a for a, b in zip(sent, sent[1:]) if a >= start_ms]
     client_gaps.sort()
     cut = client_gaps[int(0.99 * len(client_gaps))][0] if client_gaps else 0.0
     for gap, a, b in client_gaps:
