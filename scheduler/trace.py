@@ -5,11 +5,11 @@ when the trace is closed; `python -m bench.trace_summary` summarizes it. In an e
 (`--engine-loop process`) the trace also has a line per request it took in (added: the sequence
 ids, t0). PAGEDSERVE_API_TRACE=path makes the API side (scheduler/loop.py's AsyncEngine) write a
 line per step's outputs it takes in (t0: taken in, t_end: handed to the streams) and one per
-finished sequence (t0: its arrival, added: the engine's acknowledgement, first: its first token
-taken in, t_end: its last). A stream's delay then splits between the engine, the API process and
-the client (`serve bench --chunk-times`, lab/chunk_delay.py): time.perf_counter and time.monotonic
-read the system's monotonic clock on Linux, the same in every process. Off (no cost beyond one
-attribute test) otherwise."""
+finished sequence (t0: its arrival, added: its add returned, after the engine's acknowledgement,
+first: its first token taken in, t_end: its last). A stream's delay then splits between the
+engine, the API process and the client (`serve bench --chunk-times`, lab/chunk_delay.py):
+time.perf_counter and time.monotonic read the system's monotonic clock on Linux, the same in every
+process. Off (no cost beyond one attribute test) otherwise."""
 from __future__ import annotations
 
 import atexit
