@@ -55,7 +55,7 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
     first wave's too. TTFT counts from the client's send."""
     bm = BlockManager(num_blocks, 16, False)
     cfg = SchedulerConfig(256, model.max_tokens, input_len + output_len + 1, False, 0.0, num_scheduler_steps,
-                          model.prompt_budget if use_budget else None)
+                          model.prompt_budget if use_budget else None, use_budget and model.pipelined)
     s = Scheduler(cfg, bm)
     now = 0.0
     sent = 0

@@ -5,11 +5,11 @@ running sequences' unfinished prompts (oldest first), then waiting sequences in 
 chunked prefills. Prompt tokens share a budget: max_num_batched_tokens with no decode in the step
 (a lone prompt runs at full speed), else what `prompt_budget` allows beside the decodes (measured
 on the GPU by engine/cost_model.py: the step stays near the latency target, so a burst of prompts
-never stalls the streams; stall-free batching as in SARATHI-Serve). While the cache holds the waiting
-prompts back, the budget is also told the demand: the prompt tokens a step needs to admit them as
-fast as sequences end (a pipeline's stages pace their prompts by it). When the cache runs out for a
-decode, the newest running sequence is preempted (its blocks freed, recomputed later) and
-re-queued at the front; a prompt chunk that finds no blocks waits instead.
+never stalls the streams; stall-free batching as in SARATHI-Serve). While the cache holds the
+waiting prompts back, a budget that paces by it (a pipeline's stages: SchedulerConfig.paced) is also
+told the demand: the prompt tokens a step needs to admit them as fast as sequences end. When the
+cache runs out for a decode, the newest running sequence is preempted (its blocks freed, recomputed
+later) and re-queued at the front; a prompt chunk that finds no blocks waits instead.
 
 Prefill hold (prefill_hold_s > 0, off by default): new prompts that arrive as a burst wait for
 the rest of it and start as one prefill. They wait until no new prompt has arrived for
@@ -60,6 +60,9 @@ class SchedulerConfig:
     # a step needs to keep pace with the sequences that end (_demand); None: max_num_batched_tokens
     # less the decodes (see the module's docstring)
     prompt_budget: Callable[[int, int, int | None], int] | None = None
+    # the budget paces prompts by the demand (a pipeline stage's cost model): only then is it computed,
+    # so that other engines' steps don't pay for a look at the waiting prompts they would ignore
+    paced: bool = False
 
 
 class Scheduler:
@@ -123,8 +126,8 @@ class Scheduler:
             budget = 0
         elif decodes and budgeted:
             # it.end: the decode's context, its new token included
-            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes),
-                                                           self._demand(len(decodes))))
+            demand = self._demand(len(decodes)) if self.config.paced else None
+            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes), demand))
         room = None if max_seqs is None else max_seqs - len(decodes)
         budget, preempted_for_prompt = self._schedule_prefills(budget, others, not decodes, busy, room)
         preempted = preempted or preempted_for_prompt

@@ -264,9 +264,9 @@ def test_prefill_hold_never_holds_preempted_sequences():
 # ---------------------------------------------------------------- stall-free batching: the prompt budget
 
 
-def make_budgeted(prompt_budget, num_blocks=256, block_size=4, max_num_seqs=8, budget=64):
+def make_budgeted(prompt_budget, num_blocks=256, block_size=4, max_num_seqs=8, budget=64, paced=False):
     bm = BlockManager(num_blocks, block_size, False)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256, False, prompt_budget=prompt_budget), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256, False, prompt_budget=prompt_budget, paced=paced), bm)
 
 
 def test_prompt_tokens_beside_decodes_stay_within_the_budget():
@@ -309,7 +309,7 @@ def test_every_running_decode_is_scheduled_before_any_prompt_chunk():
 def test_the_budget_is_told_the_demand_while_the_cache_holds_prompts_back():
     # 10 blocks of 4 tokens
     asked = []
-    s = make_budgeted(lambda d, ctx, demand: asked.append(demand) or 8, num_blocks=10, budget=64)
+    s = make_budgeted(lambda d, ctx, demand: asked.append(demand) or 8, num_blocks=10, budget=64, paced=True)
     first = seq(0, 6, max_tokens=2)  # ends first: 6 prompt tokens for 2 output tokens
     s.add(first)
     run_all(s)
