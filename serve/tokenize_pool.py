@@ -80,8 +80,10 @@ class TokenizePool:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for _ in range(self.size):
+            # a process group of its own: a Ctrl-C in the terminal reaches the servers, not a worker that
+            # may still be importing (a KeyboardInterrupt traceback); the server closes its stdin to stop it
             proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    close_fds=True)
+                                    close_fds=True, process_group=0)
             w = _Worker(proc)
             w.reader, _ = await loop.connect_read_pipe(
                 lambda w=w: FrameReader(lambda msg, w=w: self._on_result(w, msg), lambda w=w: self._on_lost(w)),

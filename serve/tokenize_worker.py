@@ -3,7 +3,8 @@ imports nothing of the project, so it starts in a fraction of a second.
 
 Over stdin and stdout, in multiprocessing Connection frames of pickles: first the Rust tokenizer's
 JSON, then (id, texts, add_special_tokens) in and (id, ok, token ids or the error) out, until stdin
-closes. Ctrl-C reaches the whole process group: the server decides, and closes stdin when it stops.
+closes. It runs in a process group of its own, which a terminal's Ctrl-C does not reach: the server
+decides, and closes stdin when it stops.
 """
 from __future__ import annotations
 
