@@ -16,8 +16,16 @@ Child -> parent: ("ready", info, snapshot) or ("error", message) once, then
     ("fault", aborted seq_ids, snapshot): a step raised outside the model
     ("lost", message, snapshot): the executor is gone (scheduler/core.py's ExecutorLost), the
     step before failed every request; the child then exits with EXIT_LOST
+    ("snapshot", snapshot): another API process's commands changed the engine (several of them)
 A step's StepOutputs travel as tuples of their fields (pack_outputs/unpack_outputs): pickling
 dataclasses one by one costs several times more, on both sides, after every step.
+
+More API processes (`serve run --api-processes N`): the child is spawned with a pair of pipes for
+each (spawn(api_channels=N - 1) keeps the parent's ends for them, ProcessCore.attach() drives one
+from the API process it is handed to). Each sequence belongs to the channel that added it: a
+step's outputs and faults go to their owners, each step message (possibly without outputs, for
+the snapshot) to every channel that has said ("hello", id, None). A channel whose API process
+closes it or dies loses its sequences (aborted); the first channel's loss ends the child as before.
 
 Torch-free: the child builds the core with a `build` function it is given by reference.
 """
@@ -37,8 +45,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import fields
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, fields
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -60,6 +68,7 @@ EXIT_LOST = 3  # the child's exit status after its executor was lost (a tensor-p
 
 
 _output_fields = attrgetter(*(f.name for f in fields(StepOutput)))
+_FINISHED = [f.name for f in fields(StepOutput)].index("finished")  # in a packed output (seq_id first)
 
 
 def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
@@ -77,7 +86,9 @@ class EngineStartError(RuntimeError):
 
 # -- the child ---------------------------------------------------------------------------------
 
-def child_main(commands: Connection, results: Connection, build: Build, args: tuple, log_level: int) -> None:
+def child_main(commands: Connection, results: Connection, build: Build, args: tuple, log_level: int,
+               more: Seq[tuple[Connection, Connection]] = ()) -> None:
+    """more: the (commands, results) pipes of further API processes (ProcessCore.attach)."""
     # Ctrl-C (and a service manager's SIGTERM) reach the whole process group. Once the engine
     # serves, the parent owns shutdown: the child must keep stepping while the parent drains; it
     # exits on "stop", or when the parent's end of the pipe closes. While the engine builds, a
@@ -114,7 +125,7 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
     log.debug("start-up: engine ready")
     try:
         results.send(("ready", info, EngineSnapshot.of(core)))
-        _serve(core, commands, results)
+        _serve(core, [Channel(commands, results, attached=True), *(Channel(c, r) for c, r in more)])
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone
     finally:
@@ -127,34 +138,164 @@ def child_main(commands: Connection, results: Connection, build: Build, args: tu
         gc.unfreeze()
 
 
-def _serve(core: EngineCore, commands: Connection, results: Connection) -> None:
-    while True:
-        if not core.has_unfinished():
-            pending = [commands.recv()]  # idle: block until there is work
-        else:
-            wait = core.hold_wait()  # new prompts held for their burst: sleep until more come or it ends
-            pending = [commands.recv()] if wait > 0 and commands.poll(wait) else []
+@dataclass
+class Channel:
+    """One API process's pipes, as the child sees them. attached: it reads the step messages
+    (the first channel from the start, the others once they say hello)."""
+
+    commands: Connection
+    results: Connection
+    attached: bool = False
+    closed: bool = False
+
+
+class ChannelGone(Exception):
+    """The first channel (the process that spawned the child) is gone: the child exits."""
+
+
+class _Channels:
+    """The child's channels and which one owns each sequence."""
+
+    def __init__(self, core: EngineCore, channels: list[Channel]) -> None:
+        self.core = core
+        self.all = channels
+        self.owner: dict[int, int] = {}  # seq id -> channel index (absent: the first channel's)
+
+    def read(self, timeout: float | None) -> list[tuple[int, tuple]]:
+        """The commands that arrive within `timeout` (None: block until one does), then whatever
+        keeps arriving for DRAIN_S, as (channel index, message) in arrival order per channel."""
+        pending: list[tuple[int, tuple]] = []
+        ready = self._ready(timeout)
         deadline = time.perf_counter() + DRAIN_S
-        while commands.poll() and time.perf_counter() < deadline:
-            pending.append(commands.recv())
-        replies = []
-        for msg in pending:
-            if msg[0] == "stop":
+        while ready:
+            for i in ready:
+                try:
+                    pending.append((i, self.all[i].commands.recv()))
+                except (EOFError, OSError):
+                    self.close(i)
+            if time.perf_counter() >= deadline:
+                break
+            ready = self._ready(0)
+        return pending
+
+    def _ready(self, timeout: float | None) -> list[int]:
+        chans = [(i, c) for i, c in enumerate(self.all) if not c.closed]
+        if len(chans) == 1:  # one API process: no selector
+            i, c = chans[0]
+            return [i] if c.commands.poll(timeout) else []
+        ready = wait([c.commands for _, c in chans], timeout)
+        return [i for i, c in chans if c.commands in ready]
+
+    def send(self, i: int, msg: tuple) -> None:
+        c = self.all[i]
+        if c.closed:
+            return
+        try:
+            c.results.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self.close(i)
+
+    def close(self, i: int) -> None:
+        """Channel i's API process is gone or done: its sequences are aborted (the first
+        channel's loss ends the child)."""
+        if i == 0:
+            raise ChannelGone
+        c = self.all[i]
+        if c.closed:
+            return
+        c.closed = True
+        for conn in (c.commands, c.results):
+            conn.close()
+        orphans = [sid for sid, owner in self.owner.items() if owner == i]
+        for sid in orphans:
+            del self.owner[sid]
+            self.core.abort(sid)
+        if orphans:
+            log.warning("an API process left; aborted its %d sequences", len(orphans))
+
+    def split(self, seq_ids: Seq[int], items: Seq[T]) -> dict[int, list[T]]:
+        """items (one per seq id) by the channel that owns their sequence."""
+        if len(self.all) == 1:
+            return {0: list(items)}
+        by: dict[int, list[T]] = {}
+        get = self.owner.get
+        for sid, item in zip(seq_ids, items):
+            by.setdefault(get(sid, 0), []).append(item)
+        return by
+
+
+def _serve(core: EngineCore, channels: list[Channel]) -> None:
+    chans = _Channels(core, channels)
+    try:
+        while True:
+            if not core.has_unfinished():
+                pending = chans.read(None)  # idle: block until there is work
+            else:
+                wait_s = core.hold_wait()  # new prompts held for their burst: sleep until more come or it ends
+                pending = chans.read(wait_s if wait_s > 0 else 0)
+            replies: dict[int, list] = {}
+            for i, msg in pending:
+                if msg[0] == "stop":
+                    if i == 0:
+                        if core.trace is not None:
+                            core.trace.flush()
+                        return
+                    chans.close(i)
+                    continue
+                if msg[0] == "hello":
+                    chans.all[i].attached = True
+                    replies.setdefault(i, []).append((msg[1], True, None))
+                    continue
+                if i and msg[0] == "add":
+                    for sid in msg[2][0]:
+                        chans.owner[sid] = i
+                reply = _apply(core, *msg)
+                if msg[0] == "abort" or (msg[0] == "add" and not reply[1]):
+                    for sid in msg[2] if msg[0] == "abort" else msg[2][0]:
+                        chans.owner.pop(sid, None)
+                replies.setdefault(i, []).append(reply)
+                if core.trace is not None and msg[0] == "add":
+                    core.trace.record({"added": msg[2][0], "t0": time.perf_counter() * 1e3})
+            if replies:
+                snapshot = EngineSnapshot.of(core)
+                for i, c in enumerate(chans.all):
+                    if i in replies:
+                        chans.send(i, ("replies", replies[i], snapshot))
+                    elif c.attached:  # what another process's commands changed (gauges, admission)
+                        chans.send(i, ("snapshot", snapshot))
+            if core.has_unfinished():
+                _send_step(chans, _step(core))
                 if core.trace is not None:
-                    core.trace.flush()
-                return
-            replies.append(_apply(core, *msg))
-            if core.trace is not None and msg[0] == "add":
-                core.trace.record({"added": msg[2][0], "t0": time.perf_counter() * 1e3})
-        if replies:
-            results.send(("replies", replies, EngineSnapshot.of(core)))
-        if core.has_unfinished():
-            results.send(_step(core))
-            if core.trace is not None:
-                core.trace.annotate_last("t_sent")
-            if core.lost is not None:
-                results.send(("lost", core.lost, EngineSnapshot.of(core)))
-                raise SystemExit(EXIT_LOST)
+                    core.trace.annotate_last("t_sent")
+                if core.lost is not None:
+                    snapshot = EngineSnapshot.of(core)
+                    for i in range(len(chans.all)):
+                        chans.send(i, ("lost", core.lost, snapshot))
+                    raise SystemExit(EXIT_LOST)
+    except ChannelGone:
+        raise EOFError from None
+
+
+def _send_step(chans: _Channels, msg: tuple) -> None:
+    """A step's outputs (or fault) to the channels that own them; every attached channel gets the
+    step's snapshot."""
+    kind, payload, snapshot = msg
+    if len(chans.all) == 1:
+        chans.send(0, msg)
+        return
+    if kind == "step":
+        by = chans.split([row[0] for row in payload], payload)
+        for row in payload:
+            if row[_FINISHED]:
+                chans.owner.pop(row[0], None)
+    else:  # "fault": the aborted sequences; the first channel counts the fault even without any
+        by = chans.split(payload, payload)
+        by.setdefault(0, [])
+        for sid in payload:
+            chans.owner.pop(sid, None)
+    for i, c in enumerate(chans.all):
+        if i in by or (kind == "step" and c.attached):
+            chans.send(i, (kind, by.get(i, []), snapshot))
 
 
 def _apply(core: EngineCore, kind: str, req_id: int, payload: Any) -> tuple[int, bool, Any]:
@@ -275,6 +416,8 @@ class ProcessCore:
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._lost: str | None = None  # why the child's executor was lost, if it said so before exiting
+        self.channels: list[tuple[Connection, Connection]] = []  # spawn(api_channels=...)'s, to hand over
+        self._attached = False  # attach()'s: another process spawned the child
 
     @property
     def pid(self) -> int | None:
@@ -284,12 +427,31 @@ class ProcessCore:
     def alive(self) -> bool:
         return self._state == "running"
 
-    def spawn(self) -> None:
+    @classmethod
+    def attach(cls, commands: Connection, results: Connection, snapshot: EngineSnapshot) -> "ProcessCore":
+        """A client for one of the channels that spawn(api_channels=...) kept, in the API process it
+        was handed to: it drives the child as the spawning process does, but neither starts nor
+        joins it."""
+        core = cls(lambda: None)
+        core._commands, core._results, core.snapshot = commands, results, snapshot
+        core._state, core._attached = "ready", True
+        return core
+
+    def spawn(self, api_channels: int = 0) -> None:
+        """Start the child; api_channels: pipes for that many more API processes, whose ends are
+        then in self.channels (for ProcessCore.attach) until handed over."""
         ctx = mp.get_context("spawn")
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._results, child_results = ctx.Pipe(duplex=False)
+        more, child_ends = [], []
+        for _ in range(api_channels):
+            c_child, c_parent = ctx.Pipe(duplex=False)
+            r_parent, r_child = ctx.Pipe(duplex=False)
+            more.append((c_child, r_child))
+            child_ends += [c_child, r_child]
+            self.channels.append((c_parent, r_parent))
         proc = ctx.Process(target=child_main, name=self._name, args=(
-            child_commands, child_results, self._build, self._args, logging.getLogger().getEffectiveLevel()))
+            child_commands, child_results, self._build, self._args, logging.getLogger().getEffectiveLevel(), more))
         # The child inherits an ignored SIGINT: a Ctrl-C while spawn's bootstrap imports our modules
         # (~0.5-1 s) printed a KeyboardInterrupt traceback from it; child_main then decides what
         # SIGINT means there. The price: a Ctrl-C within start() itself (~1-10 ms) is lost to this
@@ -305,8 +467,8 @@ class ProcessCore:
         self._proc = proc
         self._state = "spawned"
         atexit.register(self.kill)
-        child_commands.close()  # the child has its own copies; ours would hide its death (no EOF)
-        child_results.close()
+        for conn in (child_commands, child_results, *child_ends):
+            conn.close()  # the child has its own copies; ours would hide its death (no EOF)
 
     def wait_ready(self) -> Any:
         """Block until the child has built the engine; returns what its build function reported."""
@@ -340,6 +502,8 @@ class ProcessCore:
         self._reader, _ = await loop.connect_read_pipe(lambda: FrameReader(self._on_message, self._on_lost),
                                                        self._results)
         self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, self._commands)
+        if self._attached:
+            await self._request("hello", None)  # from now on the child sends this channel every step
 
     def notify(self) -> None:
         pass  # the child steps on its own
@@ -375,7 +539,7 @@ class ProcessCore:
         atexit.unregister(self.kill)
         starting = self._state == "spawned"
         self._state = "closed"
-        for conn in (self._commands, self._results):
+        for conn in (self._commands, self._results, *(c for pair in self.channels for c in pair)):
             if conn is not None and not conn.closed:
                 conn.close()
         if starting and self._proc is not None and self._proc.is_alive():
@@ -432,11 +596,12 @@ class ProcessCore:
             asyncio.ensure_future(self._report_death())
 
     async def _report_death(self) -> None:
-        assert self._proc is not None and self._events is not None
-        await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
+        assert self._events is not None
+        if self._proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
+        how = "" if self._proc is None else f" ({describe_exit(self._proc.exitcode)})"
         self.failure = (f"the engine stopped: {self._lost}; restart the server" if self._lost is not None else
-                        f"the engine process exited unexpectedly ({describe_exit(self._proc.exitcode)}); "
-                        "restart the server")
+                        f"the engine process exited unexpectedly{how}; restart the server")
         log.error("%s", self.failure)
         self._close_pipes()
         self._fail_replies(self.failure)

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
@@ -442,8 +442,11 @@ class AsyncEngine(Front):
     ThreadCore; pass a ProcessCore (scheduler/engine_proc.py) to run it in a child process."""
 
     def __init__(self, core: EngineCore | CoreClient, config: LoopConfig | None = None,
-                 observer: LoopObserver | None = None) -> None:
+                 observer: LoopObserver | None = None, seq_ids: Iterator[int] | None = None) -> None:
+        """seq_ids: where this loop's sequence ids come from (default: the process's counter); API
+        processes that share one engine take disjoint ones."""
         self.client: CoreClient = ThreadCore(core) if isinstance(core, EngineCore) else core
+        self._next_id: Callable[[], int] = next_seq_id if seq_ids is None else seq_ids.__next__
         self.core = core if isinstance(core, EngineCore) else None  # thread mode only (tests patch it)
         self.config = config or LoopConfig()
         self.observer = observer or _NullObserver()
@@ -514,7 +517,7 @@ class AsyncEngine(Front):
         self._check_admissible(n)
         async with self._admission.adding(n):
             self._check_accepting()  # again: the rate limit may have held it while the engine stopped
-            seq_ids = [next_seq_id() for _ in range(n)]
+            seq_ids = [self._next_id() for _ in range(n)]
             stream = RequestStream(self, seq_ids)
             now = time.monotonic()
             for sid, (ids, _) in zip(seq_ids, requests):

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -64,16 +64,25 @@ class ServerState:
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
 
 
+class Companion(Protocol):
+    """Processes that serve beside this app (serve/api_processes.py): started() once the engine
+    loop runs, stopping() after the drain and before the engine stops."""
+
+    def started(self) -> None: ...
+    async def stopping(self) -> None: ...
+
+
 def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | DisaggregatedEngine",
-               config: ServerConfig | None = None) -> FastAPI:
+               config: ServerConfig | None = None, companion: Companion | None = None) -> FastAPI:
     config = config or ServerConfig()
     loop_config = LoopConfig(config.max_waiting_requests, config.max_request_rate)
     several = isinstance(engine, (ReplicatedEngine, DisaggregatedEngine))
-    loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config)
+    loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config,
+                                                                seq_ids=getattr(engine, "seq_ids", None))
     name = config.served_model_name or engine.model_name
     planner = RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config)
     pool = TokenizePool.for_tokenizer(engine.tokenizer) if planner.thread_safe else None
-    state = ServerState(engine, loop, Metrics(name, loop), config, planner,
+    state = ServerState(engine, loop, Metrics(name, loop, getattr(engine, "api_process", None)), config, planner,
                         TokenStrings(engine.tokenizer), name, time.time(), pool,
                         ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
                         GrammarChecker(engine, config.grammar_timeout_s))
@@ -84,10 +93,14 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
             await pool.start()
         await loop.start()
         state.grammars.warm()
+        if companion is not None:
+            companion.started()
         try:
             yield
         finally:
             await loop.drain(config.shutdown_timeout_s)
+            if companion is not None:
+                await companion.stopping()
             await loop.stop()
             if pool is not None:
                 pool.close()

@@ -6,9 +6,10 @@ figures the server prints and serves. See scheduler/engine_proc.py for the loop 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class EngineInfo:
     num_blocks: int
     device: str
     dtype_name: str
+    num_scheduler_steps: int = 1  # decode steps per scheduling round: > 1 for a host-bound (small) model
 
 
 def build_core(cfg: EngineConfig, show_progress: bool,
@@ -64,7 +66,8 @@ def build_core(cfg: EngineConfig, show_progress: bool,
         # 14.7 cores busy under serve bench), taking the cores of the server and tokenizer.
         torch.set_num_threads(1)
     return engine.core, EngineInfo(engine.model_name, engine.max_model_len, engine.runner.num_blocks,
-                                   str(engine.runner.device), engine.runner.dtype_name)
+                                   str(engine.runner.device), engine.runner.dtype_name,
+                                   engine.runner.num_scheduler_steps)
 
 
 def _exit_lost(why: str) -> None:
@@ -86,6 +89,8 @@ class ProcessEngine:
     model_config: ModelConfig
     config: EngineConfig
     runner: EngineInfo
+    seq_ids: Iterator[int] | None = None  # this API process's sequence ids (serve/api_processes.py)
+    api_process: int | None = None  # its index among several (0: the server process)
 
     @property
     def model_name(self) -> str:
@@ -105,14 +110,16 @@ class ProcessEngine:
 
 
 def start_engine_process(cfg: EngineConfig, show_progress: bool = True,
-                         meanwhile: Callable[[], None] = lambda: None) -> ProcessEngine:
+                         meanwhile: Callable[[], None] = lambda: None, api_processes: int = 1) -> ProcessEngine:
     """Start the engine process and wait until it has built the engine, running meanwhile() (and
     loading the tokenizer) in this process while it builds. A bad model folder fails here before
-    any process starts; a failed build raises EngineStartError (a RuntimeError)."""
+    any process starts; a failed build raises EngineStartError (a RuntimeError). api_processes > 1:
+    the engine process also gets channels for the other API processes (core.channels), and this
+    process's sequence ids are every api_processes-th."""
     path, model_cfg = model_folder_config(cfg, show_progress)
     core = ProcessCore(build_core, (cfg, show_progress))
     try:
-        core.spawn()
+        core.spawn(api_channels=api_processes - 1)
         tokenizer = load_tokenizer(path)
         log.debug("start-up: the server's tokenizer loaded")
         meanwhile()
@@ -120,4 +127,6 @@ def start_engine_process(cfg: EngineConfig, show_progress: bool = True,
     except BaseException:
         core.kill()
         raise
-    return ProcessEngine(core, tokenizer, model_cfg, cfg, info)
+    if api_processes == 1:
+        return ProcessEngine(core, tokenizer, model_cfg, cfg, info)
+    return ProcessEngine(core, tokenizer, model_cfg, cfg, info, itertools.count(0, api_processes), 0)

@@ -2,20 +2,24 @@
 
 Gauges and engine counters are read from the AsyncEngine's latest snapshot at scrape time;
 per-request latencies are observed as requests finish (Metrics is the loop's observer). Each app
-has its own registry: nothing global.
+has its own registry: nothing global; with several API processes (serve/api_processes.py) the
+counters and histograms are summed over them from prometheus_client's multiprocess files.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.disagg import Received
 from scheduler.loop import AsyncEngine, EngineSnapshot, RequestRecord
+from serve.api_processes import METRICS_DIR_ENV
 from serve.disagg import ROLES, DisaggregatedSet
 from serve.replicas import ReplicaSet, total_snapshot
 
@@ -152,11 +156,13 @@ class Metrics:
     With replicas every series comes per replica (label replica="0", "1", ...) and for the whole
     server (replica="", which Prometheus stores without the label: select it with {replica=""})."""
 
-    def __init__(self, model: str, engine: "AsyncEngine | ReplicaSet") -> None:
+    def __init__(self, model: str, engine: "AsyncEngine | ReplicaSet", api_process: int | None = None) -> None:
+        """api_process: this process's index among several API processes (serve/api_processes.py)."""
         self.model = model
         self.replicated = isinstance(engine, ReplicaSet)
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model, engine))
+        collector = _EngineCollector(model, engine)
+        self.registry.register(collector)
         engine.observer = self
         r, m = self.registry, ["model_name", "replica"] if self.replicated else ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", m,
@@ -184,6 +190,18 @@ class Metrics:
 
             engine.on_transfer = observe
         self.http = Counter(PREFIX + "http_requests", "HTTP responses by path and status.", ["path", "status"], registry=r)
+        # several API processes (serve/api_processes.py): the counters and histograms of all of them,
+        # summed from their files, beside this process's view of the engine
+        self.shared: CollectorRegistry | None = None
+        self.by_process: Counter | None = None
+        shared_dir = os.environ.get(METRICS_DIR_ENV)
+        if shared_dir:
+            self.shared = CollectorRegistry()
+            MultiProcessCollector(self.shared, shared_dir)
+            self.shared.register(collector)
+            if api_process is not None:
+                self.by_process = Counter(PREFIX + "api_process_http_requests", "HTTP responses by the API process "
+                                          "that served them.", ["api_process"], registry=r).labels(str(api_process))
 
     # LoopObserver
     def request_finished(self, rec: RequestRecord, replica: int | None = None) -> None:
@@ -209,7 +227,7 @@ class Metrics:
         self.rejected.labels(self.model, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(_WithoutCreated(self.registry if self.shared is None else self.shared))
 
 
 class _WithoutCreated:
@@ -241,6 +259,8 @@ class HttpMetricsMiddleware:
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.http.labels(path, str(message["status"])).inc()
+                if self.metrics.by_process is not None:
+                    self.metrics.by_process.inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

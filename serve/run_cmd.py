@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GPUs i*T .. i*T+T-1 of those visible, T = tensor x pipeline parallel size), or sharing the CPU, "
                         "behind this one server: each request goes to the replica that holds the longest cached "
                         "prefix of its prompt, else to the least loaded one")
+    g.add_argument("--api-processes", type=int, default=None, metavar="N",
+                   help="N processes serve HTTP on the port, each streaming its own requests, over one engine "
+                        "process: a small model's many streamed chunks a second are more than one event loop writes "
+                        "without delaying new requests. Default: 2 where the engine runs multi-step decode rounds "
+                        "(a host-bound model) on a host of 8 or more cores, else 1")
     g.add_argument("--disaggregate", default=None, metavar="P:D",
                    help="P prefill engines and D decode engines, each in a process of its own on a GPU of its own "
                         "(or sharing the CPU): a prefill engine computes the prompt and the first token, then the "
@@ -102,14 +107,15 @@ def sigint_deferred() -> Iterator[None]:
 
 
 def build(engine_loop: str, cfg: EngineConfig, data_parallel_size: int = 1,
-          disaggregate: tuple[int, int] | None = None, meanwhile: Callable[[], None] = lambda: None) -> Any:
+          disaggregate: tuple[int, int] | None = None, meanwhile: Callable[[], None] = lambda: None,
+          api_processes: int = 1) -> Any:
     """serve.build.Engine, or for --engine-loop process a ProcessEngine (the same fields), or for
     --data-parallel-size N > 1 a serve.replicas.ReplicatedEngine, or for --disaggregate P:D a
     serve.disagg.DisaggregatedEngine. meanwhile: run while the engine process builds (one engine
-    process), else before the engines start."""
+    process), else before the engines start. api_processes: as --api-processes (one engine process)."""
     if engine_loop == "process" and disaggregate is None and data_parallel_size == 1:
         from serve.engine_process import start_engine_process
-        return start_engine_process(cfg, meanwhile=meanwhile)
+        return start_engine_process(cfg, meanwhile=meanwhile, api_processes=api_processes)
     meanwhile()
     if disaggregate is not None:
         if engine_loop != "process":
@@ -162,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregate is not None:
         from serve.disagg import parse_disaggregate
         disaggregate = parse_disaggregate(args.disaggregate)
+    from serve import api_processes as apis
+    n_api = apis.check_api_processes(args.api_processes, args.engine_loop, args.data_parallel_size,
+                                     disaggregate is not None)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from serve.build import is_follower_rank, run_follower
 
@@ -182,17 +191,26 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pagedserve").debug("start-up: server imports done")
 
     listener = bind_listener(args.host, args.port)
+    metrics_dir = apis.shared_metrics_dir() if n_api > 1 else None  # before prometheus_client is imported
+    workers = apis.ApiProcesses(server_cfg.shutdown_timeout_s)
     try:
-        engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate, import_server)
+        engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate, import_server, n_api)
     except BaseException as e:
         listener.close()
+        apis.remove_metrics_dir(metrics_dir)
         if isinstance(e, KeyboardInterrupt):
             # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
             logging.getLogger().setLevel(logging.WARNING)
         raise
     try:
+        n_api = apis.settle(args.api_processes, n_api, engine)
+        server_cfg = apis.per_process(server_cfg, n_api)
         uvicorn, create_app, DrainingServer = imported[0]
-        app = create_app(engine, server_cfg)
+        app = create_app(engine, server_cfg, workers if n_api > 1 else None)
+        if n_api > 1:  # the others serve before this one does (and before the banner)
+            workers.start(listener, engine.core.channels, apis.WorkerSpec(
+                0, n_api, args.host, args.port, args.log_level, server_cfg, engine_cfg, engine.model_config,
+                engine.runner, engine.core.snapshot))
         name = server_cfg.served_model_name or engine.model_name
         url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{listener.getsockname()[1]}"
         print(f"pagedserve: model {name} ({engine.model_config.architecture}, {engine.runner.device}, "
@@ -203,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"pagedserve: {args.data_parallel_size} data-parallel replicas: {engine.describe()}", flush=True)
         if disaggregate is not None:
             print(f"pagedserve: disaggregated prefill/decode: {engine.describe()}", flush=True)
+        if n_api > 1:
+            print(f"pagedserve: {n_api} API processes", flush=True)
         print(f"pagedserve: OpenAI API at {url}/v1{' (API key required)' if server_cfg.api_key else ''}", flush=True)
         if not is_loopback(args.host) and not server_cfg.api_key:
             print(f"pagedserve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
@@ -211,16 +231,24 @@ def run(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
         loop = app.state.server.loop
-        server = DrainingServer(config, on_exit=lambda: loop.drain(server_cfg.shutdown_timeout_s))
-        # the engine died (its process, a tensor-parallel rank): its requests have failed; stop, and
-        # exit non-zero, so that whatever supervises the server restarts it
-        loop.on_failure = lambda message: setattr(server, "should_exit", True)
+
+        async def on_exit() -> None:
+            workers.terminate()  # the other API processes drain meanwhile
+            await loop.drain(server_cfg.shutdown_timeout_s)
+
+        server = DrainingServer(config, on_exit=on_exit)
+        # the engine died (its process, a tensor-parallel rank) or another API process did: their
+        # requests have failed; stop, and exit non-zero, so that whatever supervises the server restarts it
+        loop.on_failure = workers.on_death = lambda message: setattr(server, "should_exit", True)
         freeze_startup_objects()
         server.run(sockets=[listener])
-        if loop.failure is not None:
-            print(f"pagedserve: error: {loop.failure}", file=sys.stderr, flush=True)
+        failure = loop.failure or workers.failure
+        if failure is not None:
+            print(f"pagedserve: error: {failure}", file=sys.stderr, flush=True)
             return 1
     finally:
         listener.close()
+        workers.kill()  # a no-op once the app's shutdown has waited for them
         engine.shutdown()  # a no-op once the app's shutdown has stopped the engine (process, ranks)
+        apis.remove_metrics_dir(metrics_dir)
     return 0

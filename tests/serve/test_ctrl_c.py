@@ -1,5 +1,5 @@
-"""Ctrl-C of `serve run` in a terminal: SIGINT to the whole foreground process group (the server and
-its engine process alike). The server stops, exits 0, and prints nothing alarming on the way out.
+"""Ctrl-C of `serve run` in a terminal: SIGINT to the whole foreground process group (the server,
+its engine process and any other API process alike). The server stops, exits 0, and prints nothing alarming on the way out.
 
 What it used to print: ~27 lines of "nanobind: leaked 4 instances ... triton" from the engine
 process, wherever Triton was installed (torch._dynamo imports it, on the CPU too), because the
@@ -35,12 +35,12 @@ def get(url: str, body: dict | None = None) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-@pytest.mark.parametrize("engine_loop", ["process", "thread"])
-def test_ctrl_c_exits_0_quietly(model_dir, engine_loop, tmp_path):
+@pytest.mark.parametrize("engine_loop, extra", [("process", []), ("thread", []), ("process", ["--api-processes", "2"])])
+def test_ctrl_c_exits_0_quietly(model_dir, engine_loop, extra, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--device", "cpu",
-           "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port), "--engine-loop", engine_loop]
+           "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port), "--engine-loop", engine_loop, *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as fo, err.open("w") as fe:
