@@ -66,9 +66,10 @@ class ServerState:
 
 class Companion(Protocol):
     """Processes that serve beside this app (serve/api_processes.py): started() once the engine
-    loop runs, stopping() after the drain and before the engine stops."""
+    loop runs (the app accepts connections after it), stopping() after the drain and before the
+    engine stops."""
 
-    def started(self) -> None: ...
+    async def started(self) -> None: ...
     async def stopping(self) -> None: ...
 
 
@@ -94,7 +95,7 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
         await loop.start()
         state.grammars.warm()
         if companion is not None:
-            companion.started()
+            await companion.started()
         try:
             yield
         finally:

@@ -12,9 +12,10 @@ where the engine runs multi-step decode rounds (a host-bound model) on a host of
 cores or more, else one. Measured on an H100 host (16 cores, 2026-11-27, Qwen2.5-0.5B, 64 clients,
 four runs a side in two calls): 39.9k against 36.6k output tok/s, text prompts 37.5k against 33.5k.
 
-Lifecycle: the server process starts them once the engine is built (and waits until they serve,
-so that a client's first connections, which it keeps, reach all of them), and on SIGTERM tells them to
-drain and waits for them before it stops the engine; a Ctrl-C reaches them all at once. An API
+Lifecycle: the server process starts them as its app starts (when it handles SIGTERM already, and
+before it accepts connections: it waits until they serve, so that a client's first connections,
+which it keeps, reach all of them), and on SIGTERM tells them to drain and waits for them before
+it stops the engine; a Ctrl-C reaches them all at once. An API
 process that dies loses its own requests (the engine process aborts its sequences); the server
 process then stops the others and exits 1, as it does when the engine dies. Counters and
 histograms on /metrics are the sum over the processes (prometheus_client's multiprocess mode,
@@ -122,7 +123,8 @@ class WorkerSpec:
 
 class ApiProcesses:
     """The server process's handle on the other API processes; also the app's companion
-    (serve/api.py create_app): started() once the app serves, stopping() before it stops the engine."""
+    (serve/api.py create_app): started() spawns them once the app's engine loop runs, stopping()
+    waits for them before the engine stops."""
 
     def __init__(self, shutdown_timeout_s: float) -> None:
         self.procs: list[BaseProcess] = []
@@ -130,13 +132,51 @@ class ApiProcesses:
         self.stopping_now = False
         self.failure: str | None = None
         self.on_death: Callable[[str], None] = lambda message: None
+        self._plan: tuple[socket.socket, list[tuple[Connection, Connection]], WorkerSpec] | None = None
 
-    def start(self, listener: socket.socket, channels: list[tuple[Connection, Connection]], spec: WorkerSpec,
-              timeout_s: float = START_TIMEOUT_S) -> None:
-        """Spawn one API process per channel and wait until each serves: a client's first
-        connections (which it keeps) would otherwise all go to the process that was up first.
-        This process's ends of the channels are closed once the processes have theirs. Raises
-        RuntimeError if one exits or hangs while it starts."""
+    def prepare(self, listener: socket.socket, channels: list[tuple[Connection, Connection]], spec: WorkerSpec) -> None:
+        """What started() spawns: one API process per channel on this listening socket."""
+        self._plan = (listener, channels, spec)
+
+    async def started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Spawn the API processes and wait until each serves; then watch them. Inside the server's
+        start-up: it handles SIGTERM by then (a stop meanwhile drains them too), and it accepts
+        connections only after, so a client's first connections, which it keeps, do not all go to
+        the server process. One that exits (or hangs) meanwhile, or later while the server is not
+        stopping, calls on_death(why)."""
+        assert self._plan is not None, "prepare() first"
+        ready = self._spawn(*self._plan)
+        deadline = time.monotonic() + timeout_s
+        for proc, event in zip(self.procs, ready):
+            while not event.is_set():
+                if self.stopping_now:
+                    return
+                if not proc.is_alive():
+                    proc.join()
+                    return self._died(f"API process {proc.name} exited while it started ({describe_exit(proc.exitcode)})")
+                if time.monotonic() > deadline:
+                    return self._died(f"API process {proc.name} did not start within {timeout_s:.0f} s")
+                await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+
+        def exited(proc: BaseProcess) -> None:
+            loop.remove_reader(proc.sentinel)
+            if not self.stopping_now:
+                proc.join(1.0)
+                self._died(f"API process {proc.name} exited unexpectedly ({describe_exit(proc.exitcode)})")
+
+        for proc in self.procs:
+            loop.add_reader(proc.sentinel, exited, proc)
+
+    def _died(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+            self.on_death(why)
+
+    def _spawn(self, listener: socket.socket, channels: list[tuple[Connection, Connection]],
+               spec: WorkerSpec) -> list[EventType]:
+        """Start the processes (on the main thread: see the SIGINT swap); this process's ends of
+        the channels are closed once the processes have theirs. -> their ready events."""
         ctx = mp.get_context("spawn")
         ready = []
         # as for the engine process: an ignored SIGINT while spawn's bootstrap imports our modules
@@ -156,30 +196,7 @@ class ApiProcesses:
                 for conn in pair:
                     conn.close()
             channels.clear()
-        deadline = time.monotonic() + timeout_s
-        for proc, event in zip(self.procs, ready):
-            while not event.wait(0.05):
-                if not proc.is_alive():
-                    proc.join()
-                    raise RuntimeError(f"API process {proc.name} exited while it started ({describe_exit(proc.exitcode)})")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"API process {proc.name} did not start within {timeout_s:.0f} s")
-
-    def started(self) -> None:
-        """Watch the API processes from the running loop: one that exits while the server is not
-        stopping calls on_death(why)."""
-        loop = asyncio.get_running_loop()
-
-        def exited(proc: BaseProcess) -> None:
-            loop.remove_reader(proc.sentinel)
-            if self.stopping_now or self.failure is not None:
-                return
-            proc.join(1.0)
-            self.failure = f"API process {proc.name} exited unexpectedly ({describe_exit(proc.exitcode)})"
-            self.on_death(self.failure)
-
-        for proc in self.procs:
-            loop.add_reader(proc.sentinel, exited, proc)
+        return ready
 
     def terminate(self) -> None:
         """Ask every API process to drain (SIGTERM); they stop within their shutdown timeout."""
@@ -221,7 +238,7 @@ class _Ready:
     def __init__(self, event: EventType) -> None:
         self.event = event
 
-    def started(self) -> None:
+    async def started(self) -> None:
         self.event.set()
 
     async def stopping(self) -> None:

@@ -207,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
         server_cfg = apis.per_process(server_cfg, n_api)
         uvicorn, create_app, DrainingServer = imported[0]
         app = create_app(engine, server_cfg, workers if n_api > 1 else None)
-        if n_api > 1:  # the others serve before this one does (and before the banner)
-            workers.start(listener, engine.core.channels, apis.WorkerSpec(
+        if n_api > 1:  # spawned as the app starts
+            workers.prepare(listener, engine.core.channels, apis.WorkerSpec(
                 0, n_api, args.host, args.port, args.log_level, server_cfg, engine_cfg, engine.model_config,
                 engine.runner, engine.core.snapshot))
         name = server_cfg.served_model_name or engine.model_name

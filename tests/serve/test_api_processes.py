@@ -1,7 +1,8 @@
 """`serve run --api-processes 2` on the CPU: two API processes on one port over one engine process.
 Both serve (the load spreads), greedy output equals one process's, /metrics sums both, an abort in
-either frees its blocks, SIGTERM drains both, a killed API process stops the server with exit 1
-and leaves no process behind; bad flags are one line."""
+either frees its blocks, a killed API process stops the server with exit 1 and leaves no process
+behind; bad flags are one line; the default's choice. SIGTERM and Ctrl-C: test_shutdown.py,
+test_ctrl_c.py."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from serve.api_processes import check_api_processes, per_process, settle
 from serve.server_config import ServerConfig
 from tests.serve.helpers import client_of, metric_samples, serve_run_usage_error, wait_gauges
 from tests.serve.test_data_parallel import PROMPTS, complete
-from tests.serve.test_shutdown import child_pids, is_running, read_stream, start_server
+from tests.serve.test_shutdown import child_pids, is_running, start_server
 
 
 def summed(srv, name: str, **labels: str) -> float:
@@ -124,35 +125,6 @@ def _is_api(pid: int) -> bool:
     with open("/proc/net/tcp") as f:
         listening = {f"socket:[{line.split()[9]}]" for line in f.readlines()[1:] if line.split()[3] == "0A"}
     return bool(inodes & listening)
-
-
-def test_sigterm_drains_both_processes(model_dir):
-    proc, port = start_server(model_dir, "--api-processes", "2", "--shutdown-timeout", "0.3")
-    children = child_pids(proc.pid)
-    try:
-        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
-        results: list = []
-        events = [threading.Event() for _ in range(4)]
-        threads = [threading.Thread(target=read_stream, args=(port, body, results, e)) for e in events]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in events)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-        for t in threads:
-            t.join(timeout=10)
-        output = proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 0, output
-    assert results == [("ok", ["abort"])] * 4, results
-    assert "pagedserve: 2 API processes" in output
-    deadline = time.monotonic() + 5
-    while any(is_running(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(is_running(pid) for pid in children), "orphaned child processes"
-    assert "Traceback" not in output, output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -112,9 +112,23 @@ def is_running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("engine_loop", ["thread", "process"])
-def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir, engine_loop):
-    proc, port = start_server(model_dir, "--shutdown-timeout", "0.2", "--engine-loop", engine_loop)
+def refused_soon(port: int, body: dict, timeout_s: float) -> bool:
+    """Whether new requests are refused (503 or no connection) within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5).status_code == 503:
+                return True
+        except httpx.HTTPError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("engine_loop, extra", [("thread", []), ("process", []), ("process", ["--api-processes", "2"])])
+def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir, engine_loop, extra):
+    """With two API processes both drain: streams on either end with "abort", and neither listens."""
+    proc, port = start_server(model_dir, "--shutdown-timeout", "0.2", "--engine-loop", engine_loop, *extra)
     children = child_pids(proc.pid)
     if engine_loop == "process":
         assert engine_children(proc.pid)  # the engine process
@@ -128,9 +142,8 @@ def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir, engine_
         assert all(e.wait(30) for e in events)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.HTTPError):  # admission has stopped: the listening socket is closed
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5)
+        # admission stops: each API process refuses once it has the signal, then closes its socket
+        assert refused_soon(port, {**body, "max_tokens": 1}, 10)
         code = proc.wait(timeout=20)
         elapsed = time.monotonic() - t0
         for t in threads:
@@ -150,6 +163,7 @@ def test_startup_banner_and_sigterm_aborts_in_flight_requests(model_dir, engine_
     assert f"http://127.0.0.1:{port}/v1" in output
     assert f"model {model_dir.name}" in output and "KV cache 1024 tokens" in output and "context 512 tokens" in output
     assert f"engine loop: {engine_loop}" in output
+    assert ("pagedserve: 2 API processes" in output) == bool(extra), output
     assert "Traceback" not in output, output
 
 
