@@ -9,8 +9,8 @@ new connection to one of them) and driving the engine process over pipes of its 
 (scheduler/engine_proc.py: ProcessCore.attach). Sequence ids are disjoint (process i takes i, i + N,
 ...); the engine process sends each one its sequences' outputs. By default (N not given) two serve
 where the engine runs multi-step decode rounds (a host-bound model) on a host of AUTO_MIN_CPUS
-cores or more, else one. Measured on an H100 host (16 cores, 2026-11-27, Qwen2.5-0.5B, 64 clients,
-four runs a side in two calls): 39.9k against 36.6k output tok/s, text prompts 37.5k against 33.5k.
+cores or more, else one. Measured on H100 hosts (16 cores, 2026-11-27, Qwen2.5-0.5B, 64 clients,
+six pairs in three calls): 40.3k against 37.0k output tok/s, text prompts 37.5k against 33.5k.
 
 Lifecycle: the server process starts them as its app starts (when it handles SIGTERM already, and
 before it accepts connections: it waits until they serve, so that a client's first connections,
