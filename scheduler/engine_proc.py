@@ -213,10 +213,12 @@ class _Channels:
         if orphans:
             log.warning("an API process left; aborted its %d sequences", len(orphans))
 
+    def alone(self) -> bool:
+        """Whether only the first channel is open: everything is its own."""
+        return all(c.closed for c in self.all[1:])
+
     def split(self, seq_ids: Seq[int], items: Seq[T]) -> dict[int, list[T]]:
         """items (one per seq id) by the channel that owns their sequence."""
-        if len(self.all) == 1:
-            return {0: list(items)}
         by: dict[int, list[T]] = {}
         get = self.owner.get
         for sid, item in zip(seq_ids, items):
@@ -280,7 +282,7 @@ def _send_step(chans: _Channels, msg: tuple) -> None:
     """A step's outputs (or fault) to the channels that own them; every attached channel gets the
     step's snapshot."""
     kind, payload, snapshot = msg
-    if len(chans.all) == 1:
+    if chans.alone():
         chans.send(0, msg)
         return
     if kind == "step":

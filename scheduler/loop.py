@@ -37,6 +37,9 @@ log = logging.getLogger("pagedserve")
 T = TypeVar("T")
 
 
+API_TRACE_ENV = "PAGEDSERVE_API_TRACE"  # a file for AsyncEngine's trace (bench/README.md)
+
+
 class QueueFull(Exception):
     """Too many requests are waiting; retry after retry_after_s seconds."""
 
@@ -459,7 +462,7 @@ class AsyncEngine(Front):
         self._records: dict[int, RequestRecord] = {}
         self._admission = Admission(self.config)  # its num_adding: sequences between admission and the core
         self._finish_times: deque[float] = deque(maxlen=512)
-        self._trace = StepTrace.from_env("PAGEDSERVE_API_TRACE")
+        self._trace = StepTrace.from_env(API_TRACE_ENV)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -43,7 +44,7 @@ from multiprocessing.synchronize import Event as EventType
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, ModelConfig
-from scheduler.loop import EngineSnapshot
+from scheduler.loop import API_TRACE_ENV, EngineSnapshot
 from scheduler.request import describe_exit
 from serve.server_config import ServerConfig
 
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve")
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when it is imported
-API_TRACE_ENV = "PAGEDSERVE_API_TRACE"
 JOIN_MARGIN_S = 10.0  # beyond the drain's time: uvicorn's own shutdown, the lifespan's
 START_TIMEOUT_S = 120.0  # importing the server and loading the tokenizer: ~1-3 s
 # --api-processes auto: two for a host-bound model on a host with this many cores or more (the engine
@@ -262,29 +262,18 @@ def worker_main(listener: socket.socket, commands: Connection, results: Connecti
 def _serve(listener: socket.socket, commands: Connection, results: Connection, spec: WorkerSpec,
            ready: EventType) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import sys
-
-    from serve.run_cmd import GIL_SWITCH_INTERVAL_S, freeze_startup_objects, sigint_deferred
+    from serve.run_cmd import serve_app, sigint_deferred
 
     with sigint_deferred():  # as the server process imports these (a Ctrl-C inside pydantic's schemas)
-        import uvicorn
-
+        importlib.import_module("serve.uvicorn_server")  # uvicorn, for serve_app
         from scheduler.engine_proc import ProcessCore
         from serve.api import create_app
         from serve.build import load_tokenizer, model_folder_config
         from serve.engine_process import ProcessEngine
-        from serve.uvicorn_server import DrainingServer
 
     path, _ = model_folder_config(spec.engine, show_progress=False)
     engine = ProcessEngine(ProcessCore.attach(commands, results, spec.snapshot), load_tokenizer(path), spec.model,
                            spec.engine, spec.info, itertools.count(spec.index, spec.count), spec.index)
     app = create_app(engine, spec.server, _Ready(ready))
-    loop = app.state.server.loop
-    config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level=spec.log_level,
-                            timeout_graceful_shutdown=int(spec.server.shutdown_timeout_s) + 5)
-    server = DrainingServer(config, on_exit=lambda: loop.drain(spec.server.shutdown_timeout_s))
-    loop.on_failure = lambda message: setattr(server, "should_exit", True)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    freeze_startup_objects()
-    server.run(sockets=[listener])
-    return 1 if loop.failure is not None else 0
+    failure = serve_app(app, listener, spec.host, spec.port, spec.log_level, spec.server.shutdown_timeout_s)
+    return 1 if failure is not None else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import ipaddress
 import logging
 import os
@@ -17,11 +18,14 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from serve.cli_args import add_engine_arguments, engine_config_from_args
 from serve.server_config import ServerConfig
+
+if TYPE_CHECKING:
+    from serve.api_processes import ApiProcesses
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # The engine steps on a worker thread while the event loop streams responses; both need the GIL.
@@ -143,6 +147,40 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def serve_app(app: Any, listener: socket.socket, host: str, port: int, log_level: str, shutdown_timeout_s: float,
+              others: "ApiProcesses | None" = None) -> str | None:
+    """Serve the app (serve/api.py) on the bound listener until SIGTERM or SIGINT has drained it, or
+    its engine died; others: the other API processes (this is the server process), told to drain
+    with it. -> why the server failed (the engine, or another API process, died), or None."""
+    import uvicorn
+
+    from serve.uvicorn_server import DrainingServer
+
+    loop = app.state.server.loop
+
+    async def on_exit() -> None:
+        if others is not None:
+            others.terminate()  # the other API processes drain meanwhile
+        await loop.drain(shutdown_timeout_s)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(shutdown_timeout_s) + 5)
+    server = DrainingServer(config, on_exit=on_exit)
+
+    def stop(message: str) -> None:
+        # their requests have failed: stop, and exit non-zero, so that whatever supervises the
+        # server restarts it
+        server.should_exit = True
+
+    loop.on_failure = stop
+    if others is not None:
+        others.on_death = stop
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    freeze_startup_objects()
+    server.run(sockets=[listener])
+    return loop.failure or (others.failure if others is not None else None)
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """The HTTP socket, bound before any engine starts: a port in use fails at once (not after the
     model has loaded), and the engines' processes, whose process groups pick free ports of their
@@ -177,17 +215,15 @@ def run(args: argparse.Namespace) -> int:
     if is_follower_rank(engine_cfg):  # under torchrun: rank 0 serves, this rank follows its steps
         run_follower(engine_cfg)
         return 0
-    imported: list[tuple[Any, Any, Any]] = []
+    imported: list[Any] = []
 
     def import_server() -> None:
         # imported late, like torch (`serve --help` stays fast), and while the engine process builds
         # (1-2 s that the first answer no longer waits for)
         with sigint_deferred():
-            import uvicorn
-
             from serve.api import create_app
-            from serve.uvicorn_server import DrainingServer
-        imported.append((uvicorn, create_app, DrainingServer))
+            importlib.import_module("serve.uvicorn_server")  # uvicorn, for serve_app
+        imported.append(create_app)
         logging.getLogger("pagedserve").debug("start-up: server imports done")
 
     listener = bind_listener(args.host, args.port)
@@ -205,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         n_api = apis.settle(args.api_processes, n_api, engine)
         server_cfg = apis.per_process(server_cfg, n_api)
-        uvicorn, create_app, DrainingServer = imported[0]
+        create_app = imported[0]
         app = create_app(engine, server_cfg, workers if n_api > 1 else None)
         if n_api > 1:  # spawned as the app starts
             workers.prepare(listener, engine.core.channels, apis.WorkerSpec(
@@ -227,22 +263,8 @@ def run(args: argparse.Namespace) -> int:
         if not is_loopback(args.host) and not server_cfg.api_key:
             print(f"pagedserve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
-        loop = app.state.server.loop
-
-        async def on_exit() -> None:
-            workers.terminate()  # the other API processes drain meanwhile
-            await loop.drain(server_cfg.shutdown_timeout_s)
-
-        server = DrainingServer(config, on_exit=on_exit)
-        # the engine died (its process, a tensor-parallel rank) or another API process did: their
-        # requests have failed; stop, and exit non-zero, so that whatever supervises the server restarts it
-        loop.on_failure = workers.on_death = lambda message: setattr(server, "should_exit", True)
-        freeze_startup_objects()
-        server.run(sockets=[listener])
-        failure = loop.failure or workers.failure
+        failure = serve_app(app, listener, args.host, args.port, args.log_level, server_cfg.shutdown_timeout_s,
+                            workers)
         if failure is not None:
             print(f"pagedserve: error: {failure}", file=sys.stderr, flush=True)
             return 1
