@@ -76,12 +76,17 @@ def analyse(bench: dict, engine: list[dict], api: list[dict]) -> dict:
                     "api_gap_ms": taken_end[jb] - taken_end[ja] if ja >= 0 else None,
                     "late_at_api_ms": b - taken_end[jb] if jb >= 0 else None,
                     "at_s": (a - start_ms) / 1e3})
-    # a request's way to its first token: client send -> the API's add (after HTTP and validation;
+    # a request's way to its first token: client send -> the API's intake -> its add (after HTTP and validation;
     # the i-th send matched to the i-th arrival, an approximation) -> the engine's ack -> first token
     sends = sorted(start_ms + r["start_s"] * 1e3 for r in bench["requests"])
     arrivals_api = sorted(r["t0"] for r in reqs)
+    received = sorted(r["received"] for r in reqs if r.get("received") is not None)
     ttft = {"client_ms": _pct([r["ttft_ms"] for r in bench["requests"] if r.get("ttft_ms") is not None]),
             "client_to_api_add_ms": _pct([a - c for c, a in zip(sends, arrivals_api)]),
+            # the API's add split where the HTTP request came in: before it the server's intake, after it
+            # reading the body, validating and planning it (text prompts: the tokenizing process's round trip)
+            "client_to_api_received_ms": _pct([a - c for c, a in zip(sends, received)]),
+            "api_received_to_add_ms": _pct([r["t0"] - r["received"] for r in reqs if r.get("received") is not None]),
             "api_add_to_engine_ack_ms": _pct([r["added"] - r["t0"] for r in reqs if r.get("added") is not None]),
             "api_add_to_engine_took_ms": _pct(api_to_engine), "engine_took_to_api_ack_ms": _pct(engine_to_ack),
             "engine_ack_to_first_token_ms": _pct([r["first"] - r["added"] for r in reqs if r.get("added") is not None]),

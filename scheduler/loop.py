@@ -133,6 +133,7 @@ class RequestRecord:
     finish: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    received: float | None = None  # the HTTP request came in (before its body was read and planned)
 
 
 class LoopObserver(Protocol):
@@ -288,7 +289,9 @@ class Front:
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> OutputStream:
         return await self.add_requests([(prompt_token_ids, params)])
 
-    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> OutputStream:
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]],
+                           received: float | None = None) -> OutputStream:
+        """received: when the request reached the server (time.monotonic()), for the API trace."""
         raise NotImplementedError
 
     def _check_admissible(self, n: int) -> None:
@@ -513,7 +516,8 @@ class AsyncEngine(Front):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> RequestStream:
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]],
+                           received: float | None = None) -> RequestStream:
         """Admit sequences together (all or none). Raises QueueFull, EngineUnavailable, or the
         core's RequestRejected (a ValueError) when a sequence can never be served."""
         n = len(requests)
@@ -525,7 +529,7 @@ class AsyncEngine(Front):
             now = time.monotonic()
             for sid, (ids, _) in zip(seq_ids, requests):
                 self._streams[sid] = stream
-                self._records[sid] = RequestRecord(sid, now, len(ids))
+                self._records[sid] = RequestRecord(sid, now, len(ids), received=received)
             self._idle.clear()
             self.client.notify()
             try:
@@ -634,7 +638,8 @@ class AsyncEngine(Front):
             self._finish_times.append(rec.finish)
             self.observer.request_finished(rec)
             if self._trace is not None:
-                self._trace.record({"request": rec.seq_id, "t0": _ms(rec.arrival), "added": _ms(rec.added),
+                self._trace.record({"request": rec.seq_id, "received": _ms(rec.received), "t0": _ms(rec.arrival),
+                                    "added": _ms(rec.added),
                                     "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
         if stream is not None:
             stream._push(out)

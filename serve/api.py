@@ -24,7 +24,7 @@ from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
 from serve.grammar_check import GrammarChecker
 from serve.guards import ApiKeyGuard, BodyLimit
-from serve.metrics import HttpMetricsMiddleware, Metrics
+from serve.metrics import RECEIVED, HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
 from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -181,7 +181,7 @@ def _check_model(st: ServerState, model: str | None) -> None:
 
 async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format) -> Any:
     try:
-        stream = await st.loop.add_requests(plan.sequences())
+        stream = await st.loop.add_requests(plan.sequences(), request.scope.get(RECEIVED))
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
     except EngineUnavailable as e:

@@ -317,7 +317,8 @@ class DisaggregatedSet(Front):
                      t.num_transfers, t.num_bytes / 1e9, t.timed_bytes / 1e9, t.seconds,
                      t.timed_bytes / 1e9 / max(t.seconds, 1e-9))
 
-    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> DisaggStream:
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]],
+                           received: float | None = None) -> DisaggStream:
         """Admit the sequences of one request (all or none) to one prefill engine. Raises what
         AsyncEngine.add_requests raises."""
         n = len(requests)
@@ -328,7 +329,8 @@ class DisaggregatedSet(Front):
             p, inner = await add_routed(self.router, self.prefill, self._prompt_tokens, prefill_requests, self.failure,
                                         self._check_accepting, keep_on_cancel=False)
         now = time.monotonic()
-        records = [RequestRecord(sid, now, len(ids)) for sid, (ids, _) in zip(inner.seq_ids, requests)]
+        records = [RequestRecord(sid, now, len(ids), received=received)
+                   for sid, (ids, _) in zip(inner.seq_ids, requests)]
         req = _Request(None, records, p)  # type: ignore[arg-type]
         req.stream = DisaggStream(list(inner.seq_ids), lambda: req.driver.cancel() if req.driver else None)
         self._requests.add(req)

@@ -8,6 +8,7 @@ counters and histograms are summed over them from prometheus_client's multiproce
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -243,8 +244,12 @@ class _WithoutCreated:
             yield metric
 
 
+RECEIVED = "pagedserve.received"  # scope key: when the request came in (time.monotonic()), for the API trace
+
+
 class HttpMetricsMiddleware:
-    """Counts responses by path and status (unknown paths share one label, to bound cardinality)."""
+    """Counts responses by path and status (unknown paths share one label, to bound cardinality), and
+    stamps each request's scope with the time it came in (RECEIVED)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -254,6 +259,7 @@ class HttpMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED] = time.monotonic()
         path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
 
         async def counting_send(message: Message) -> None:

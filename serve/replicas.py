@@ -174,7 +174,8 @@ def route_live(router: Router, engines: Seq[AsyncEngine], prompt_tokens: Seq[int
 
 async def add_routed(router: Router, engines: Seq[AsyncEngine], prompt_tokens: list[int],
                      requests: Seq[tuple[list[int], SamplingParams]], failure: str | None,
-                     check_accepting: Callable[[], None], keep_on_cancel: bool) -> tuple[int, RequestStream]:
+                     check_accepting: Callable[[], None], keep_on_cancel: bool,
+                     received: float | None = None) -> tuple[int, RequestStream]:
     """The sequences of one request added to the engine the router picks among the live ones
     (route_live, by the first prompt) -> (its index, its stream). Their prompt tokens count to it
     before the add: a sequence may finish, and be subtracted, before the add returns. An engine that
@@ -186,7 +187,7 @@ async def add_routed(router: Router, engines: Seq[AsyncEngine], prompt_tokens: l
         index = route_live(router, engines, prompt_tokens, requests[0][0], failure)
         prompt_tokens[index] += tokens
         try:
-            return index, await engines[index].add_requests(requests)
+            return index, await engines[index].add_requests(requests, received)
         except asyncio.CancelledError:
             if not keep_on_cancel:
                 prompt_tokens[index] -= tokens
@@ -269,7 +270,8 @@ class ReplicaSet(Front):
         self._accepting = False
         await asyncio.gather(*(r.stop() for r in self.replicas))
 
-    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]]) -> RequestStream:
+    async def add_requests(self, requests: Seq[tuple[list[int], SamplingParams]],
+                           received: float | None = None) -> RequestStream:
         """Admit the sequences of one request (all or none) to one replica: the router's choice
         for the first prompt. Raises what AsyncEngine.add_requests raises."""
         n = len(requests)
@@ -278,7 +280,7 @@ class ReplicaSet(Front):
             pass  # the replica counts them as its own from here
         # a cancelled add: the replica aborts what it added, and its records finish through _finished
         _, stream = await add_routed(self.router, self.replicas, self._prompt_tokens, requests, self.failure,
-                                     self._check_accepting, keep_on_cancel=True)
+                                     self._check_accepting, keep_on_cancel=True, received=received)
         return stream
 
     async def call(self, fn: Callable[[EngineCore], T]) -> list[T]:

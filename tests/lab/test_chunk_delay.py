@@ -11,10 +11,11 @@ def test_hops_and_the_largest_gap():
     # hands it to the streams in 0.5 ms, the client reads it 2 ms after that
     sent = [1000.0 + 10 * i for i in range(10)]
     sent[5:] = [s + 20 for s in sent[5:]]
-    # the request: sent at 990 ms, at the API's add 2 ms later, taken in by the engine 0.5 ms after that
+    # the request: sent at 990 ms, in the API 0.75 ms later, at its add 2 ms after the send, taken in by the
+    # engine 0.5 ms after that
     engine = [{"t0": s - 5, "t_sent": s, "decodes": 1} for s in sent] + [{"added": [7], "t0": 992.5}]
     api = [{"t0": s + 1, "t_end": s + 1.5, "outputs": 1} for s in sent]
-    api.append({"request": 7, "t0": 992.0, "added": 993.0, "first": 1001.0, "t_end": 1111.5})
+    api.append({"request": 7, "received": 990.75, "t0": 992.0, "added": 993.0, "first": 1001.0, "t_end": 1111.5})
     chunks = [(s + 3.5 - 990.0) / 1e3 for s in sent]  # seconds after the request was sent
     bench = {"clock_start_s": 0.99, "requests": [{"start_s": 0.0, "chunk_s": chunks, "ttft_ms": 13.5}]}
     res = analyse(bench, engine, api)
@@ -25,6 +26,8 @@ def test_hops_and_the_largest_gap():
     assert big["gap_ms"] == pytest.approx(30.0) and big["engine_gap_ms"] == pytest.approx(30.0)
     t = res["ttft"]
     assert t["client_to_api_add_ms"]["p50"] == pytest.approx(2.0)
+    assert t["client_to_api_received_ms"]["p50"] == pytest.approx(0.75)
+    assert t["api_received_to_add_ms"]["p50"] == pytest.approx(1.25)
     assert t["api_add_to_engine_took_ms"]["p50"] == pytest.approx(0.5)
     assert t["engine_took_to_api_ack_ms"]["p50"] == pytest.approx(0.5)
     assert t["api_add_to_first_token_ms"]["p50"] == pytest.approx(9.0)

@@ -207,7 +207,7 @@ def test_api_and_engine_traces_line_a_request_up_across_the_pipe(model_dir, tmp_
     requests = [r for r in api if "request" in r]
     assert len(requests) == 2
     for r in requests:  # (added, when the add returned, and first, when the token came in, need no order)
-        assert r["t0"] <= r["added"] and r["t0"] <= r["first"] <= r["t_end"]
+        assert r["received"] <= r["t0"] <= r["added"] and r["t0"] <= r["first"] <= r["t_end"]
     took = {sid: r["t0"] for r in engine if "added" in r for sid in r["added"]}
     assert set(took) == {r["request"] for r in requests}
     for r in requests:  # one clock in both processes: the engine took each request while its add was pending
