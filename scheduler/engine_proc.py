@@ -279,8 +279,9 @@ def _serve(core: EngineCore, channels: list[Channel]) -> None:
 
 
 def _send_step(chans: _Channels, msg: tuple) -> None:
-    """A step's outputs (or fault) to the channels that own them; every attached channel gets the
-    step's snapshot."""
+    """A step's outputs (or a fault's aborted sequences) to the channels that own them; every
+    attached channel gets the message with its share (maybe none) and the snapshot, so each API
+    process hears of every fault."""
     kind, payload, snapshot = msg
     if chans.alone():
         chans.send(0, msg)
@@ -290,13 +291,12 @@ def _send_step(chans: _Channels, msg: tuple) -> None:
         for row in payload:
             if row[_FINISHED]:
                 chans.owner.pop(row[0], None)
-    else:  # "fault": the aborted sequences; the first channel counts the fault even without any
+    else:  # "fault": the aborted sequences
         by = chans.split(payload, payload)
-        by.setdefault(0, [])
         for sid in payload:
             chans.owner.pop(sid, None)
     for i, c in enumerate(chans.all):
-        if i in by or (kind == "step" and c.attached):
+        if i in by or c.attached:
             chans.send(i, (kind, by.get(i, []), snapshot))
 
 
@@ -330,6 +330,7 @@ def _step(core: EngineCore) -> tuple:
         # state of the sequences in flight is unknown, so fail them all and keep serving.
         seq_ids = list(core.scheduler.seqs)
         log.exception("engine step failed; failing %d in-flight requests", len(seq_ids))
+        core.stats.num_step_failures += 1  # counted here, once, whichever API processes held them
         try:
             for sid in seq_ids:
                 core.abort(sid)

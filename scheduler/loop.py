@@ -403,6 +403,10 @@ class ThreadCore:
             self.core.abort(sid)
         return EngineSnapshot.of(self.core)
 
+    def _fault_on_worker(self, seq_ids: list[int]) -> EngineSnapshot:
+        self.core.stats.num_step_failures += 1  # the core counts every failed step, as the engine process does
+        return self._abort_on_worker(seq_ids)
+
     def _step_on_worker(self) -> tuple[list[StepOutput], EngineSnapshot]:
         outputs = self.core.step() if self.core.has_unfinished() else []
         return outputs, EngineSnapshot.of(self.core)
@@ -436,7 +440,7 @@ class ThreadCore:
         seq_ids = self._events.in_flight()
         log.exception("engine step failed; failing %d in-flight requests", len(seq_ids))
         try:
-            self.snapshot = await self._on_worker(self._abort_on_worker, seq_ids)
+            self.snapshot = await self._on_worker(self._fault_on_worker, seq_ids)
         except Exception:
             log.exception("cleaning up after the failed step failed too")
             self.snapshot = EngineSnapshot()

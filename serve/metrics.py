@@ -38,7 +38,6 @@ class _Source:
     labels: tuple[str, ...]
     snapshot: EngineSnapshot
     num_waiting: int
-    num_loop_faults: int
     up: bool = True
 
 
@@ -52,17 +51,16 @@ class _EngineCollector(Collector):
         label to Prometheus) and then one per replica."""
         e = self.engine
         if isinstance(e, DisaggregatedSet):  # a row per role (prefill, decode) beside the total (role="")
-            rows = [_Source((self.model, ""), e.snapshot, e.num_waiting, e.num_loop_faults)]
+            rows = [_Source((self.model, ""), e.snapshot, e.num_waiting)]
             rows += [_Source((self.model, role), total_snapshot(e.engine_snapshots(role)),
-                             sum(x.num_waiting for x in e.engines[role]),
-                             sum(x.num_loop_faults for x in e.engines[role]), any(e.engine_up(role)))
+                             sum(x.num_waiting for x in e.engines[role]), any(e.engine_up(role)))
                      for role in ROLES]
             return ["model_name", "role"], rows
         if not isinstance(e, ReplicaSet):
-            return ["model_name"], [_Source((self.model,), e.snapshot, e.num_waiting, e.num_loop_faults)]
+            return ["model_name"], [_Source((self.model,), e.snapshot, e.num_waiting)]
         up = e.replica_up()
-        rows = [_Source((self.model, ""), e.snapshot, e.num_waiting, e.num_loop_faults)]
-        rows += [_Source((self.model, str(i)), snap, r.num_waiting, r.num_loop_faults, up[i])
+        rows = [_Source((self.model, ""), e.snapshot, e.num_waiting)]
+        rows += [_Source((self.model, str(i)), snap, r.num_waiting, up[i])
                  for i, (r, snap) in enumerate(zip(e.replicas, e.replica_snapshots()))]
         return ["model_name", "replica"], rows
 
@@ -99,8 +97,8 @@ class _EngineCollector(Collector):
         yield metric(CounterMetricFamily, "generation_tokens", "Tokens generated.", snap("generation_tokens"))
         yield metric(CounterMetricFamily, "engine_steps", "Engine steps run.", snap("num_steps"))
         yield metric(CounterMetricFamily, "engine_step_failures",
-                     "Model steps that raised; their requests failed with an error.",
-                     lambda row: row.snapshot.num_step_failures + row.num_loop_faults)
+                     "Engine steps that raised (in the model or around it); their requests failed with an error.",
+                     snap("num_step_failures"))
         if any(row.snapshot.prefix_cache_queries is not None for row in rows):
             yield metric(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                          snap("prefix_cache_queries"))

@@ -4,6 +4,7 @@ dying under a running server. (test_api and test_disconnect run against both loo
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import operator
 import os
@@ -115,12 +116,16 @@ def test_model_fault_in_the_engine_process(srv):
 
 
 def test_fault_outside_the_model_in_the_engine_process(srv):
+    before = metric(srv, "pagedserve:engine_step_failures_total")
     srv.call(break_next_step)
     r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "ignore_eos": True})
     assert r.status_code == 500 and "internal error" in r.json()["error"]["message"]
     assert "invariant" not in r.text
     srv.wait_idle()
     assert srv.state.loop.num_loop_faults == 1
+    # counted once, in the engine process's snapshot: every API process reads the same count
+    assert metric(srv, "pagedserve:engine_step_failures_total") == before + 1
+    assert srv.state.loop.snapshot.num_step_failures == before + 1
     r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert r.status_code == 200
 
@@ -217,3 +222,33 @@ def test_api_and_engine_traces_line_a_request_up_across_the_pipe(model_dir, tmp_
     # the step summary reads past the engine's request rows
     res = trace_summary.summarize(engine)
     assert res["steps"] == len(engine) - len([r for r in engine if "added" in r]) and res["decode"]["steps"] > 0
+
+
+def test_a_fault_reaches_every_api_process_with_one_count(model_dir):
+    """Two API processes' fronts over one engine process (both in this process here, as
+    --api-processes runs them): a step that fails outside the model is counted once, in the engine
+    process, and both fronts read that count and hear of the fault, the one that held no request too."""
+    from serve.engine_process import ProcessEngine, start_engine_process
+    from scheduler.engine_proc import ProcessCore
+    from tests.serve.helpers import engine_config
+
+    cfg = engine_config(model_dir)
+    first = start_engine_process(cfg, show_progress=False, api_processes=2)
+    commands, results = first.core.channels.pop()
+    second = ProcessEngine(ProcessCore.attach(commands, results, first.core.snapshot), first.tokenizer,
+                           first.model_config, cfg, first.runner, itertools.count(1, 2), 1)
+    name = "pagedserve:engine_step_failures_total"
+    with ServerThread(first) as a, ServerThread(second) as b:
+        assert b.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3}).status_code == 200
+        before = metric(b, name)
+        a.call(break_next_step)
+        r = a.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "ignore_eos": True})
+        assert r.status_code == 500
+        a.wait_idle()
+        deadline = time.monotonic() + 10
+        while metric(b, name) != before + 1:  # the fault's message reaches b's loop on its own
+            assert time.monotonic() < deadline, (metric(a, name), metric(b, name), before)
+            time.sleep(0.02)
+        assert metric(a, name) == before + 1
+        assert a.state.loop.num_loop_faults == b.state.loop.num_loop_faults == 1
+        assert b.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3}).status_code == 200

@@ -75,6 +75,7 @@ def test_fault_mid_stream_reaches_the_streaming_client(srv):
 def test_fault_outside_the_model_fails_in_flight_requests_only(srv):
     """A step that raises in the scheduler (a bug): every in-flight request fails cleanly, the
     allocator is left consistent, and the next requests are served."""
+    before = failures(srv)
     core_step = srv.state.loop.core.step
     calls = {"n": 0}
 
@@ -93,5 +94,6 @@ def test_fault_outside_the_model_fails_in_flight_requests_only(srv):
     assert "invariant" not in r.text
     srv.wait_idle()
     assert srv.state.loop.num_loop_faults == 1
+    assert failures(srv) == before + 1  # counted by the core, once
     r = srv.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert r.status_code == 200

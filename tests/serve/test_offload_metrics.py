@@ -15,7 +15,6 @@ from serve.metrics import Metrics
 class StubEngine:
     snapshot: EngineSnapshot
     num_waiting: int = 0
-    num_loop_faults: int = 0
     observer: object = None
 
 

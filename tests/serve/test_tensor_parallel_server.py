@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.models import hf_greedy
 from tests.serve.helpers import free_port
