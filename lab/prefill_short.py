@@ -1,0 +1,50 @@
+"""Prefill attention for the short chunks of serving's mixed steps: kernels/prefill_ws.py's Hopper
+kernel (the default plan from prefill_attention.WS_MIN_QUERY_LEN tokens) against
+kernels/prefill_attention.py's Triton kernel ({"ws": False}), timed in CUDA graphs (8 calls a replay,
+no prefix, causal, this step's k/v passed as the engine does), for Qwen2.5-0.5B's and Llama-3-8B's heads.
+
+    python -m lab.prefill_short --out prefill-short.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+CASES = ((1, 128), (1, 256), (1, 448), (1, 512), (2, 512), (4, 512), (8, 512), (1, 2048))  # (chunks, tokens each)
+HEADS = (("qwen2.5-0.5b", 14, 2, 64), ("llama3-8b", 32, 8, 128))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.prefill_short", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    import torch
+
+    from kernels.prefill_attention import prefill_plan
+    from lab.kernels import graph_us, prefill_call, prefill_inputs
+
+    rows = []
+    for model, hq, hkv, d in HEADS:
+        for nseq, n in CASES:
+            x = prefill_inputs(nseq, n, 0, hq, hkv, d, 16)
+            row: dict = {"model": model, "chunks": nseq, "tokens": n}
+            for name, cfg in (("default", None), ("triton", {"ws": False})):
+                row[f"{name}_ws"] = prefill_plan(x["q"], x["kc"], n, cfg, x["k"], x["v"])["ws"]
+                calls = lambda cfg=cfg, x=x, n=n, d=d: [prefill_call(x, n, d, cfg) for _ in range(8)]  # noqa: E731
+                row[f"{name}_us"] = round(graph_us(calls, per=8), 2)
+            diff = prefill_call(x, n, d, None).float() - prefill_call(x, n, d, {"ws": False}).float()
+            row["max_abs_diff"] = float(diff.abs().max())
+            print(row, flush=True)
+            rows.append(row)
+            del x
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "rows": rows},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
