@@ -23,8 +23,9 @@ dataclasses one by one costs several times more, on both sides, after every step
 More API processes (`serve run --api-processes N`): the child is spawned with a pair of pipes for
 each (spawn(api_channels=N - 1) keeps the parent's ends for them, ProcessCore.attach() drives one
 from the API process it is handed to). Each sequence belongs to the channel that added it: a
-step's outputs and faults go to their owners, each step message (possibly without outputs, for
-the snapshot) to every channel that has said ("hello", id, None). A channel whose API process
+step's outputs and a fault's aborted sequences go to their owners, and each step or fault message
+(possibly without any, for the snapshot and the fault's count) to every channel that has said
+("hello", id, None). A channel whose API process
 closes it or dies loses its sequences (aborted); the first channel's loss ends the child as before.
 
 Torch-free: the child builds the core with a `build` function it is given by reference.

@@ -643,8 +643,7 @@ class AsyncEngine(Front):
             self.observer.request_finished(rec)
             if self._trace is not None:
                 self._trace.record({"request": rec.seq_id, "received": _ms(rec.received), "t0": _ms(rec.arrival),
-                                    "added": _ms(rec.added),
-                                    "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
+                                    "added": _ms(rec.added), "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
         if stream is not None:
             stream._push(out)
 
