@@ -1,7 +1,8 @@
 """Prefill attention for the short chunks of serving's mixed steps: kernels/prefill_ws.py's Hopper
 kernel (the default plan from prefill_attention.WS_MIN_QUERY_LEN tokens) against
 kernels/prefill_attention.py's Triton kernel ({"ws": False}), timed in CUDA graphs (8 calls a replay,
-no prefix, causal, this step's k/v passed as the engine does), for Qwen2.5-0.5B's and Llama-3-8B's heads.
+causal, this step's k/v passed as the engine does; some chunks after a cached prefix), for Qwen2.5-0.5B's
+and Llama-3-8B's heads.
 
     python -m lab.prefill_short --out prefill-short.json
 """
@@ -12,7 +13,10 @@ import datetime
 import json
 import sys
 
-CASES = ((1, 128), (1, 256), (1, 448), (1, 512), (2, 512), (4, 512), (8, 512), (1, 2048))  # (chunks, tokens each)
+# (chunks, tokens each, cached prefix tokens each)
+CASES = ((1, 128, 0), (1, 256, 0), (1, 448, 0), (1, 512, 0), (2, 512, 0), (4, 512, 0), (8, 512, 0), (1, 768, 0),
+         (1, 1024, 0), (2, 1024, 0), (1, 1536, 0), (1, 2048, 0), (1, 4096, 0), (1, 448, 64), (1, 512, 512),
+         (1, 256, 1024), (1, 1024, 1024), (1, 2048, 2048))
 HEADS = (("qwen2.5-0.5b", 14, 2, 64), ("llama3-8b", 32, 8, 128))
 
 
@@ -27,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for model, hq, hkv, d in HEADS:
-        for nseq, n in CASES:
-            x = prefill_inputs(nseq, n, 0, hq, hkv, d, 16)
-            row: dict = {"model": model, "chunks": nseq, "tokens": n}
+        for nseq, n, prefix in CASES:
+            x = prefill_inputs(nseq, n, prefix, hq, hkv, d, 16)
+            row: dict = {"model": model, "chunks": nseq, "tokens": n, "prefix": prefix}
             for name, cfg in (("default", None), ("triton", {"ws": False})):
                 row[f"{name}_ws"] = prefill_plan(x["q"], x["kc"], n, cfg, x["k"], x["v"])["ws"]
                 calls = lambda cfg=cfg, x=x, n=n, d=d: [prefill_call(x, n, d, cfg) for _ in range(8)]  # noqa: E731

@@ -193,8 +193,23 @@ def test_decode_gpu_cuda_graph_replay(kv):
         assert rel_err(out, expect) < REL_TOL[torch.bfloat16]
 
 
+def test_decode_plan_one_fat_program_per_pair_near_one_an_sm():
+    """bf16 pages with 64-wide heads: where the (sequence, KV head) pairs about fill the SMs once
+    (128-255 of them, the batch rounded up to a power of two), one 8-warp program of 128-token
+    tiles each, no split; fewer pairs split, more keep 4-warp programs of 64-token tiles."""
+    fat = pa.decode_config(64, 2, 32768, 64, False)
+    assert (fat["num_splits"], fat["num_warps"], fat["tile_n"]) == (1, 8, 128)
+    assert pa.decode_config(33, 2, 32768, 64, False) == fat  # the same variant for every batch that rounds to 64
+    assert pa.decode_config(64, 3, 8192, 64, False)["num_splits"] == 1
+    assert pa.decode_config(32, 2, 32768, 64, False)["num_splits"] > 1
+    many = pa.decode_config(128, 2, 32768, 64, False)
+    assert (many["num_warps"], many["tile_n"]) == (4, 64)
+    for args in ((64, 2, 8192, 128, False), (64, 2, 32768, 64, False, True), (64, 2, 32768, 64, True)):
+        assert pa.decode_config(*args)["num_warps"] == 4  # 128-wide heads, quantized pages, float32
+
+
 @gpu
-@pytest.mark.parametrize("B,Hq,Hkv,D,kv", [(64, 14, 2, 64, None), (8, 32, 8, 128, None), (4, 32, 8, 128, "fp8")])
+@pytest.mark.parametrize("B,Hq,Hkv,D,kv", [(32, 14, 2, 64, None), (8, 32, 8, 128, None), (4, 32, 8, 128, "fp8")])
 def test_decode_gpu_cuda_graph_replays_merge(B, Hq, Hkv, D, kv):
     """One captured graph replayed many times with several splits, the last program of each
     (sequence, KV head) merging: every row checked, and a replay of the same inputs must give the

@@ -94,10 +94,11 @@ def test_rotary_decode_gpu_real_shapes(Hq, Hkv, D, bs, dtype):
 
 
 @gpu
-def test_rotary_decode_gpu_cuda_graph_replays():
+@pytest.mark.parametrize("B", [32, 64])  # splits merged by the last to arrive; one program a (sequence, KV head)
+def test_rotary_decode_gpu_cuda_graph_replays(B):
     """Captured once, replayed with new lengths, tables, positions, slots and projections: each
     replay equals the reference, and its merge counters end at zero."""
-    B, Hq, Hkv, D, bs, max_blocks = 64, 14, 2, 64, 16, 48
+    Hq, Hkv, D, bs, max_blocks = 14, 2, 64, 16, 48
     g = torch.Generator().manual_seed(1)
     kc, vc, _, _ = make_cache(B * max_blocks + 1, Hkv, bs, D, torch.bfloat16, None, "cuda", gen=g)
     qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g).to(torch.bfloat16).cuda()
