@@ -263,6 +263,12 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     program of 128-token tiles each); fp8/int8 pages 128-token tiles with the lookup prefetched (fewer,
     fatter programs: the conversion to fp16 needs registers)."""
     stages, maxnreg = (2 if fp32 else 3), None
+    pairs = next_pow2(batch) * num_kv_heads  # (sequence, KV head) pairs, the batch rounded as below
+    # bf16 pages, 64-wide heads, about one pair an SM: one fat program each (128-token tiles, 8 warps)
+    # instead of two splits and their merge. Cold L2 (bench/NOTES.md, 2026-11-27): Qwen heads B64 x
+    # 512-640 12.6 -> 11.6 us a layer, x 4,096 the same; the 0.5B's decode step -3.8 to -5.1%. Fewer
+    # pairs keep the splits (B16: 7.8 against 10.4 us), more keep 64-token tiles (B256: 30.8 against 36.7 us).
+    fat = not fp32 and not quant and head_dim <= 64 and TARGET_PROGRAMS // 2 <= pairs < TARGET_PROGRAMS
     if fp32:  # float32 products run on the FMA units: 16-token tiles keep them out of local memory
         tile_n, prefetch = 16, quant
     elif quant:
@@ -272,30 +278,21 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
             # instead of 2-3 (Llama-3-8B heads, batch 64, 4,096 tokens, fp8 pages: 223 vs 261 us)
             stages, maxnreg = 2, 128
     else:
-        tile_n, prefetch = min(64, 8192 // head_dim), False
+        tile_n, prefetch = (128 if fat else min(64, 8192 // head_dim)), False
     tile_n = max(16, min(tile_n, next_pow2(max_context)))
     # Enough programs to fill the GPU; at most 32 splits and at least 4 tiles per split. The batch
     # is rounded up to a power of two: the split count is a compile-time constant, and eager mixed
     # steps (any number of decodes) then reuse the variants compiled for the decode graphs.
-    want = max(1, math.ceil(TARGET_PROGRAMS / (next_pow2(batch) * num_kv_heads)))
-    splits = max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
-    warps = 4
+    want = max(1, math.ceil(TARGET_PROGRAMS / pairs))
+    splits = 1 if fat else max(1, min(want, 32, math.ceil(max_context / (4 * tile_n))))
     if not fp32 and not quant:
-        pairs = next_pow2(batch) * num_kv_heads
-        if TARGET_PROGRAMS // 2 <= pairs < TARGET_PROGRAMS and head_dim <= 64:
-            # about one (sequence, KV head) an SM: one fat program each (128-token tiles, 8 warps)
-            # instead of two splits and their merge. Cold L2 (bench/NOTES.md, 2026-11-27): Qwen heads
-            # B64 x 512-640 12.6 -> 11.6 us a layer, x 4,096 the same; the 0.5B's decode step -3.8 to -5.1%.
-            # Fewer pairs keep the splits (B16: 7.8 against 10.4 us), more keep 64-token tiles
-            # (B256: 30.8 against 36.7 us).
-            tile_n, splits, warps = max(16, min(128, next_pow2(max_context))), 1, 8
         # bf16 pages: the lookup one tile ahead pays where programs are few (<= 256, about two
         # an SM) and costs where they are many. Cold L2, 2-24 layers in a CUDA graph (bench/NOTES.md,
         # 2026-11-23): Qwen heads B64 x 512-640 14.2 -> 12.6 us, B64 x 4,096 60.0 -> 51.5,
         # B16 1.03x, Llama heads B8 x 4,096 1.03x; at 512 programs Llama B64 0.91-0.94x, Qwen B256 0.99x.
         prefetch = pairs * splits <= TARGET_PROGRAMS
-    return {"tile_n": tile_n, "num_splits": splits, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg,
-            "prefetch": prefetch, "min_tiles": MIN_TILES_PER_SPLIT}
+    return {"tile_n": tile_n, "num_splits": splits, "num_warps": 8 if fat else 4, "num_stages": stages,
+            "maxnreg": maxnreg, "prefetch": prefetch, "min_tiles": MIN_TILES_PER_SPLIT}
 
 
 def _q_out_key(q: torch.Tensor, out: torch.Tensor | None) -> tuple:
