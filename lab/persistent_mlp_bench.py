@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"model": model, "rows": M, "layers": layers, "floor_us": floor, "unfused_us": base_us,
                    "variants": []}
             print(f"{model} M={M}: unfused {base_us:.2f} us/layer (floor {floor:.2f})", flush=True)
-            for name, p, phases in variants(fm.plan(M, H, I, sms)) if not a.quick else variants(fm.plan(M, H, I, sms))[:3]:
+            cases = variants(fm.plan(M, H, I, sms))
+            for name, p, phases in cases[:3] if a.quick else cases:
                 got, _ = fm.fused_mlp(xs[0], rs[0], nw[0], 1e-6, wgu[0], wd[0], p, phases)
                 if p.norm:
                     ref, _ = fm.reference_mlp(xs[0], rs[0], nw[0], 1e-6, wgu[0], wd[0])

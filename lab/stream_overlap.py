@@ -13,6 +13,10 @@ another (also a CUDA graph), each alone and both at once, with the decode stream
 priority or the same. A sleep kernel holds both streams until the host has queued both.
 Writes one JSON (GPU name, date): per (N, K) the medians of decode alone, prefill alone, both
 (end of the decode part and end of all), and the share of the prefill hidden.
+
+`--halves` asks another question of the same set-up: does the decode step run faster as two
+steps of half the sequences each on two streams at once, whose latency-bound kernels would share
+the SMs (2026-11-27, Qwen2.5-0.5B: 1.23 against 1.07 ms at 64 rows, 1.36 against 1.42 at 128)?
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="256,512,1024,2048", help="prefill sizes N")
     p.add_argument("--steps", default="1,2,4", help="decode replays K")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--halves", action="store_true",
+                   help="instead: the decode step of --decodes rows against two steps of half the rows each "
+                        "(every other sequence) on two streams at once")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -61,21 +68,32 @@ def main(argv: list[str] | None = None) -> int:
         width = max(len(r) for r in rows)
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev)
 
-    # the decode step: D sequences at `context` tokens (the last one new), each its own pages
-    D, C = a.decodes, a.context
-    dtab = [blocks(C) for _ in range(D)]
-    d_ids = torch.randint(vocab, (D,), generator=g).to(dev)
-    d_pos = torch.full((D,), C - 1, dtype=torch.int64, device=dev)
-    d_meta = AttnMetadata(
-        slot_mapping=torch.tensor([t[(C - 1) // bs] * bs + (C - 1) % bs for t in dtab], device=dev),
-        block_tables=table(dtab), seq_lens=torch.full((D,), C, dtype=torch.int32, device=dev),
-        query_start_loc=torch.arange(D + 1, dtype=torch.int32, device=dev), num_decode=D, max_query_len=1)
-    d_last = torch.arange(D, device=dev)
-    d_tokens = torch.zeros(D, dtype=torch.int64, device=dev)
+    def decode_fn(ids: torch.Tensor, tabs: list[list[int]], tokens: torch.Tensor):
+        """The decode step of len(ids) sequences at `context` tokens (the last one new) on pages
+        tabs, its greedy tokens into `tokens`."""
+        n, c = len(ids), a.context
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor([t[(c - 1) // bs] * bs + (c - 1) % bs for t in tabs], device=dev),
+            block_tables=table(tabs), seq_lens=torch.full((n,), c, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), num_decode=n, max_query_len=1)
+        pos = torch.full((n,), c - 1, dtype=torch.int64, device=dev)
+        last = torch.arange(n, device=dev)
 
-    def decode() -> None:
-        out = model(ops, d_ids, d_pos, caches, d_meta, d_last, None, gather=False)
-        model.greedy_tokens(ops, out, d_tokens)
+        def decode() -> None:
+            out = model(ops, ids, pos, caches, meta, last, None, gather=False)
+            model.greedy_tokens(ops, out, tokens)
+        return decode
+
+    # the decode step: D sequences at `context` tokens, each its own pages
+    D = a.decodes
+    dtab = [blocks(a.context) for _ in range(D)]
+    d_ids = torch.randint(vocab, (D,), generator=g).to(dev)
+    d_tokens = torch.zeros(D, dtype=torch.int64, device=dev)
+    decode = decode_fn(d_ids, dtab, d_tokens)
+    if a.halves:
+        h_tokens = [torch.zeros_like(d_tokens[i::2]) for i in (0, 1)]
+        return halves(a, decode, d_tokens, [decode_fn(d_ids[i::2].clone(), dtab[i::2], h_tokens[i]) for i in (0, 1)],
+                      h_tokens)
 
     def prefill_fn(n: int):
         lens = [min(a.chunk, n - i) for i in range(0, n, a.chunk)]
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
     out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "model": a.model,
-           "decodes": D, "context": C, "chunk": a.chunk, "priority_range": [lo, hi], "cases": []}
+           "decodes": D, "context": a.context, "chunk": a.chunk, "priority_range": [lo, hi], "cases": []}
     with torch.inference_mode():
         pre_alone = {n: median(0, n, None)[1] for n in sizes}
         for k in ks:
@@ -164,6 +182,75 @@ def main(argv: list[str] | None = None) -> int:
                     case[f"{name}_hidden"] = (case["sum_ms"] - end) / min(dec_alone, pre_alone[n])
                 out["cases"].append(case)
                 print(json.dumps(case), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def halves(a, whole, whole_tokens, parts: list, part_tokens: list) -> int:
+    """--halves: the whole decode step against its two halves (each a CUDA graph with its own
+    buffers) one after the other on one stream and at once on two, medians of --repeats; the
+    halves' greedy tokens after each way against the whole step's (halves in turn may differ at
+    near-ties, by the plans of smaller kernels)."""
+    import torch
+
+    from kernels import launch
+
+    with torch.inference_mode():
+        graphs, counters = [], []
+        for f in [whole] + parts:
+            # each graph its own arrival counters (kernels/launch.py keeps one set a device, which
+            # kernels running at once on two streams would share): a fresh set before the function's
+            # first run (its attention launches, planned then, keep theirs for every later run); the
+            # sets replaced stay referenced, as the graphs captured before write them
+            counters.append(launch._COUNTERS.pop(torch.device("cuda", torch.cuda.current_device()), None))
+            for _ in range(3):
+                f()
+            torch.cuda.synchronize()
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1]):
+                f()
+        torch.cuda.synchronize()
+    g_whole, g_parts = graphs[0], graphs[1:]
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+    main = torch.cuda.current_stream()
+    reps = 8
+
+    def timed(way: str) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(4e-3 * 1.7e9))  # the host queues everything meanwhile
+        start.record()
+        if way == "whole":
+            for _ in range(reps):
+                g_whole.replay()
+        elif way == "halves in turn":
+            for _ in range(reps):
+                for gr in g_parts:
+                    gr.replay()
+        else:
+            for st, gr in zip(side, g_parts):
+                st.wait_stream(main)
+                with torch.cuda.stream(st):
+                    for _ in range(reps):
+                        gr.replay()
+            for st in side:
+                main.wait_stream(st)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "model": a.model,
+           "decodes": a.decodes, "context": a.context, "steps_per_replay": 1, "ms_per_step": {}}
+    out["tokens_equal"] = {}
+    for way in ("whole", "halves in turn", "halves on two streams"):
+        runs = [timed(way) for _ in range(a.repeats + 2)][2:]
+        out["ms_per_step"][way] = statistics.median(runs)
+        line = f"{way:22s} {out['ms_per_step'][way]:.3f} ms a step"
+        if way != "whole":
+            same = [int((whole_tokens[i::2] == t).sum()) for i, t in enumerate(part_tokens)]
+            out["tokens_equal"][way] = f"{sum(same)} of {len(whole_tokens)}"
+            line += f"; tokens equal to the whole step's: {out['tokens_equal'][way]}"
+        print(line, flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
