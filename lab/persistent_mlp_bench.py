@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
-    from lab import persistent_mlp as fm
     from kernels.fused import rms_norm
     from kernels.gate_up import mlp_gate_up
     from kernels.linear import linear
+    from lab import persistent_mlp as fm
     from lab.kernels import copy_bandwidth, graph_us
 
     ap = argparse.ArgumentParser(prog="python -m lab.persistent_mlp_bench", description=__doc__.splitlines()[0])
