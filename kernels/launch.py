@@ -22,6 +22,7 @@ then for real: a cold start compiled ~33 variants one after another for ~47 s (b
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -328,6 +329,24 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     counters = torch.zeros(max(MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
     _COUNTERS.setdefault(device, []).append(counters)
     return counters
+
+
+def separate_arrival_counters(device: torch.device) -> None:
+    """Launches on device from now on take a new set of counters, the sets before staying alive for
+    the graphs that hold them: for CUDA graphs that will run at the same time on two streams, which
+    the shared set assumes away (each graph's launches planned after its own call of this)."""
+    kept = _COUNTERS.setdefault(device, [])
+    kept.append(torch.zeros(kept[-1].numel() if kept else MIN_COUNTERS, dtype=torch.int32, device=device))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's multiprocessors (asked once a device): persistent launches run one program each."""
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def stats() -> dict[str, tuple[int, int]]:

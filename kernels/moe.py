@@ -22,7 +22,6 @@ Rounding as kernels/moe_reference.py (the reference and the CPU path).
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_common import mma
-from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2
+from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2, sm_count
 
 
 @dataclass(frozen=True)
@@ -521,12 +520,7 @@ def _grid(tiles: int, persistent: bool, device: torch.device) -> tuple[int]:
     several tiles a program too)."""
     if not persistent:
         return (tiles,)
-    return (max(1, min(tiles, _sm_count(device.index) if device.type == "cuda" else 4)),)
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+    return (max(1, min(tiles, sm_count(device) if device.type == "cuda" else 4)),)
 
 
 def _native(x: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ except ImportError:  # a Triton without Gluon: prefill_attention.py serves every
     gluon = None
 
 from kernels.attn_common import LOG2E
+from kernels.launch import sm_count
 
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 
@@ -388,16 +389,9 @@ def _page_descriptor(cache: torch.Tensor, layout):
     return GluonDescriptor(cache, [nb * H * bs, D], [D, 1], [bs, D], layout)
 
 
-_SMS: dict = {}
-
-
 def _num_sms(device: torch.device) -> int:
     """Persistent programs: one per SM (132 on an H100 SXM); 132 off a GPU (the CPU compile test)."""
-    if device.type != "cuda":
-        return 132
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 def ws_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from kernels.launch import sm_count
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -136,8 +138,7 @@ def launch_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, programs: i
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, unit: int = 16, stages: int = 8, block_k: int = BLOCK_K,
                  x_first: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((x.shape[0], w.shape[0] // 2), dtype=x.dtype, device=x.device) if out is None else out
-    programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid, args, kwargs = launch_args(x, w, out, programs, unit, stages, block_k, x_first)
+    grid, args, kwargs = launch_args(x, w, out, sm_count(x.device), unit, stages, block_k, x_first)
     _gate_up_kernel[grid](*args, **kwargs)
     return out
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.attn_common import mma
-from kernels.launch import arrival_counters, cdiv, launch, next_pow2
+from kernels.launch import arrival_counters, cdiv, launch, next_pow2, sm_count
 from kernels.pdl import prefetch_l2
 
 MAX_M = 64
@@ -236,9 +236,8 @@ def supports(x: torch.Tensor, residual: torch.Tensor, w_gate_up: torch.Tensor, w
 
 
 def _programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few programs, so the tests cover several owners of each phase
+    # the interpreter: a few programs, so the tests cover several owners of each phase
+    return sm_count(device) if device.type == "cuda" else 4
 
 
 def fused_mlp(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

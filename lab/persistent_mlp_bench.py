@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kernels.fused import rms_norm
     from kernels.gate_up import mlp_gate_up
+    from kernels.launch import sm_count
     from kernels.linear import linear
     from lab import persistent_mlp as fm
     from lab.kernels import copy_bandwidth, graph_us
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     bw = copy_bandwidth()
     gpu = torch.cuda.get_device_name()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     print(f"{gpu}: {sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     out = []
     for model, (H, I, layers) in MODELS.items():

@@ -197,13 +197,11 @@ def halves(a, whole, whole_tokens, parts: list, part_tokens: list) -> int:
     from kernels import launch
 
     with torch.inference_mode():
-        graphs, counters = [], []
+        graphs = []
         for f in [whole] + parts:
-            # each graph its own arrival counters (kernels/launch.py keeps one set a device, which
-            # kernels running at once on two streams would share): a fresh set before the function's
-            # first run (its attention launches, planned then, keep theirs for every later run); the
-            # sets replaced stay referenced, as the graphs captured before write them
-            counters.append(launch._COUNTERS.pop(torch.device("cuda", torch.cuda.current_device()), None))
+            # each graph its own arrival counters, from before the function's first run (its attention
+            # launches, planned then, keep theirs for every later run)
+            launch.separate_arrival_counters(torch.device("cuda", torch.cuda.current_device()))
             for _ in range(3):
                 f()
             torch.cuda.synchronize()

@@ -80,3 +80,15 @@ def test_compile_ahead_compiles_without_launching():
     launch.launch(fn, (1,), x, out, 100, 1, 3.0, BLOCK=128)
     torch.testing.assert_close(out, x * 3.0)
     assert len(fn.device_caches[device][0]) == 2
+
+
+def test_separate_arrival_counters_starts_a_new_set_and_keeps_the_old():
+    """Graphs that will run at once each get counters of their own; the set an earlier graph
+    captured stays alive (its address is in the graph)."""
+    dev = torch.device("cpu")
+    first = launch.arrival_counters(dev, 16)
+    launch.separate_arrival_counters(dev)
+    second = launch.arrival_counters(dev, 16)
+    assert second.data_ptr() != first.data_ptr() and second.numel() == first.numel()
+    assert any(t is first for t in launch._COUNTERS[dev])
+    assert launch.arrival_counters(dev, 16) is second
