@@ -96,12 +96,12 @@ def time_stream(nbytes: int, case: dict) -> float:
             _tma_kernel[(case["programs"],)](descs[i], out, rows_per, ROWS=rows, COLS=cols,
                                              STAGES=case["stages"], num_warps=case["num_warps"])
     t = graph_time(fn, copies)
-    del bufs
     return t
 
 
-def engine_times(c: dict) -> dict[str, float]:
-    """Seconds per call of the engine's decode kernel of each size, M = B rows, cold L2."""
+def engine_times(c: dict, hot: bool = False) -> dict[str, float]:
+    """Seconds per call of the engine's decode kernel of each size, M = B rows, cold L2; hot: every
+    launch on the same weights and pages, which stay in L2 (what a perfect prefetch would give)."""
     from kernels.fused import rms_norm
     from kernels.gate_up import mlp_gate_up
     from kernels.linear import linear
@@ -113,20 +113,21 @@ def engine_times(c: dict) -> dict[str, float]:
     for name, N, K, bias in (("qkv", (Hq + 2 * Hkv) * D, H, True), ("o", H, Hq * D, False),
                              ("gate_up", 2 * I, H, False), ("down", H, I, False)):
         copies = int(min(64, max(4, math.ceil(400e6 / (N * K * 2)))))
-        ws = [torch.randn(N, K, device="cuda", dtype=bf) * 0.05 for _ in range(copies)]
-        bs = [torch.randn(N, device="cuda", dtype=bf) if bias else None for _ in range(copies)]
+        ws = [torch.randn(N, K, device="cuda", dtype=bf) * 0.05 for _ in range(1 if hot else copies)]
+        bs = [torch.randn(N, device="cuda", dtype=bf) if bias else None for _ in range(len(ws))]
+        if hot:
+            ws, bs = ws * copies, bs * copies
         x = torch.randn(B, K, device="cuda", dtype=bf)
         if name == "gate_up":
             res[name] = graph_time(lambda i: mlp_gate_up(x, ws[i]), copies)
         else:
             res[name] = graph_time(lambda i: linear(x, ws[i], bs[i]), copies)
-        del ws
     copies = 24
-    ins = [decode_inputs(B, c["ctx"], Hq, Hkv, D, c["bs"], None, seed=i) for i in range(copies)]
+    ins = [decode_inputs(B, c["ctx"], Hq, Hkv, D, c["bs"], None, seed=i) for i in range(1 if hot else copies)]
+    ins = ins * (copies // len(ins))
     scale = 1 / math.sqrt(D)
     res["attention KV"] = graph_time(lambda i: paged_decode_attention(*ins[i][0:3], ins[i][5], ins[i][6], scale),
                                      copies)
-    del ins
     x = torch.randn(B, H, device="cuda", dtype=bf)
     r = torch.randn(B, H, device="cuda", dtype=bf)
     w = torch.ones(H, device="cuda", dtype=bf)
@@ -134,16 +135,39 @@ def engine_times(c: dict) -> dict[str, float]:
     return res
 
 
+def engine_hot_cold(path: str | None) -> int:
+    """The engine's kernels of a layer with cold and with L2-resident weights and pages, twice each."""
+    runs = {name: [] for name in ("cold", "hot")}
+    for _ in range(2):
+        for name in runs:
+            runs[name].append({k: v * 1e6 for k, v in engine_times(QWEN, hot=name == "hot").items()})
+    for op in runs["cold"][0]:
+        print(f"{op:14s} cold {runs['cold'][0][op]:6.2f} / {runs['cold'][1][op]:6.2f} us, "
+              f"hot {runs['hot'][0][op]:6.2f} / {runs['hot'][1][op]:6.2f}", flush=True)
+    for name, rs in runs.items():
+        print(f"layer {name}: " + " / ".join(f"{sum(r.values()) + r['add+rmsnorm']:.1f}" for r in rs)
+              + " us (two norms in)", flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                       "shape": QWEN, "engine_us": runs}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.stream_floor", description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="fewer grid sizes")
+    p.add_argument("--engine-only", action="store_true",
+                   help="only the engine's kernels, with cold and with hot (L2-resident) weights and pages")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("lab.stream_floor: needs a CUDA GPU", file=sys.stderr)
         return 1
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if a.engine_only:
+        return engine_hot_cold(a.json)
     sizes = layer_sizes(QWEN)
     sizes.append(("layer, one kernel", sum(s for _, s in sizes)))
     rows = []

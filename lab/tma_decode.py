@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   tma {t * 1e6:6.2f} us {kw} max diff {err:.2e}", flush=True)
         rows.append({"case": c, "kv_bytes": kv_bytes, "engine_us": [t_eng * 1e6, t_eng2 * 1e6],
                      "tma": [{"us": t * 1e6, **kw, "max_diff": e} for t, kw, e in res]})
-        del ins, descs
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "rows": rows},
