@@ -73,8 +73,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
         w_ptrs += BLOCK_K
     if SWAP:
         acc = tl.trans(acc)
+    _finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, M, N, split, stride_om,
+            HAS_BIAS, SPLIT_ONE)
+
+
+@triton.jit
+def _finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, M, N, split, stride_om,
+            HAS_BIAS: tl.constexpr, SPLIT_ONE: tl.constexpr):
+    """The program's [BLOCK_M, BLOCK_N] float32 tile into out, or, with a K split, into its partial;
+    the last of the tile's programs to arrive sums the partials in split order and writes out."""
     tile = offs_m[:, None] * N + offs_n[None, :]
-    tile_mask = m_mask[:, None] & n_mask[None, :]
+    tile_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_ONE:
         _epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, N, tile_mask, stride_om, HAS_BIAS)
     else:
@@ -83,7 +92,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
         # acq_rel: this program's partial is visible to the one that sees the last count
         arrived = tl.atomic_add(count_ptr + pid_n, 1)
         if arrived == split - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
             for s in range(0, split):
                 total += tl.load(part_ptr + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
@@ -144,6 +153,19 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> Plan | None:
     return None
 
 
+def k_split(out: torch.Tensor, K: int, p: Plan) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """A launch of plan p into out [M, N] over K: (column tiles, K per split, splits, the float32
+    partials and the arrival counters, out itself for both where K is not split)."""
+    M, N = out.shape
+    tiles = cdiv(N, p.block_n)
+    k_per_split = cdiv(K // p.block_k, p.split) * p.block_k
+    split = cdiv(K, k_per_split)
+    if split == 1:
+        return tiles, k_per_split, split, out, out
+    part = torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    return tiles, k_per_split, split, part, arrival_counters(out.device, tiles)
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, p: Plan | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T + bias -> [M, N] in x's dtype, for M <= 64 and K a multiple of 64.
@@ -162,14 +184,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         return out
     p = p or plan(M, N, K)
     assert K % p.block_k == 0
-    tiles = cdiv(N, p.block_n)
-    k_per_split = cdiv(K // p.block_k, p.split) * p.block_k
-    split = cdiv(K, k_per_split)
-    if split > 1:
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, tiles)
-    else:
-        part = counters = out  # unused
+    tiles, k_per_split, split, part, counters = k_split(out, K, p)
     pdl = pdl and x.is_cuda
     launch(_skinny_kernel, (tiles, split),
            x, w, bias if bias is not None else w, out, part, counters, M, N, K, k_per_split, split,

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels import linear as lin
 from kernels.attn_common import mma
-from kernels.launch import arrival_counters, cdiv, launch, next_pow2
+from kernels.launch import launch, next_pow2
 
 
 @triton.jit
@@ -66,34 +66,15 @@ def _ilp_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_pe
             acc3 += _tile(x_ptr, w_ptr, offs_m, offs_n, offs_k, k + 3 * BLOCK_K, k_hi, m_mask, n_mask,
                           stride_xm, stride_wn, NATIVE)
     acc = (acc0 + acc1) + (acc2 + acc3)
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    tile_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_ONE:
-        lin._epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, N, tile_mask, stride_om, HAS_BIAS)
-    else:
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=tile_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1)
-        if arrived == split - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, split):
-                total += tl.load(part_ptr + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + pid_n, 0)
-            lin._epilogue(total, b_ptr, out_ptr, offs_m, offs_n, N, tile_mask, stride_om, HAS_BIAS)
+    lin._finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, M, N, split, stride_om,
+                HAS_BIAS, SPLIT_ONE)
 
 
 def ilp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, p: lin.Plan, chains: int) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    tiles = cdiv(N, p.block_n)
-    k_per_split = cdiv(K // p.block_k, p.split) * p.block_k
-    split = cdiv(K, k_per_split)
-    if split > 1:
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, tiles)
-    else:
-        part = counters = out
+    tiles, k_per_split, split, part, counters = lin.k_split(out, K, p)
     launch(_ilp_kernel, (tiles, split),
            x, w, bias if bias is not None else w, out, part, counters, M, N, K, k_per_split, split,
            x.stride(0), w.stride(0), out.stride(0),
