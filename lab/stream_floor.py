@@ -2,7 +2,7 @@
 the engine's decode kernels that must read the same bytes: the floor under a small model's decode
 step, kernel by kernel.
 
-    python -m lab.stream_floor [--json OUT] [--quick]
+    python -m lab.stream_floor [--json OUT] [--quick] [--engine-only]
 
 The engine's Qwen2.5-0.5B decode kernels at 64 rows read 1.6-17.4 MB each and stream them at a
 third to a half of the copy bandwidth (bench/NOTES.md, 2026-11-24/27), one program an SM with few
@@ -95,13 +95,13 @@ def time_stream(nbytes: int, case: dict) -> float:
         def fn(i):
             _tma_kernel[(case["programs"],)](descs[i], out, rows_per, ROWS=rows, COLS=cols,
                                              STAGES=case["stages"], num_warps=case["num_warps"])
-    t = graph_time(fn, copies)
-    return t
+    return graph_time(fn, copies)
 
 
 def engine_times(c: dict, hot: bool = False) -> dict[str, float]:
     """Seconds per call of the engine's decode kernel of each size, M = B rows, cold L2; hot: every
-    launch on the same weights and pages, which stay in L2 (what a perfect prefetch would give)."""
+    launch on the same weights and pages, which stay in L2 (what a perfect prefetch would give). The
+    add + RMSNorm runs on one 64 x 896 input either way (its weight is 1.8 KB)."""
     from kernels.fused import rms_norm
     from kernels.gate_up import mlp_gate_up
     from kernels.linear import linear

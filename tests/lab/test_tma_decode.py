@@ -1,6 +1,6 @@
 """lab/tma_decode.py (decode attention with a TMA box per KV page) against the torch reference under
 Triton's interpreter, one and two pages an iteration, ragged lengths with a partly filled last page.
-Its speed is the lab script's business (H100, 2026-11-27: 1.6-2.8x slower than the engine's kernel)."""
+Its speed is the lab script's business (H100, 2026-11-27: 1.6-2.4x slower than the engine's kernel)."""
 from __future__ import annotations
 
 import math
