@@ -463,6 +463,12 @@ def graph_time(fn, copies: int, reps: int = 15) -> float:
     return sorted(times)[reps // 2]
 
 
+def cold_copies(nbytes: int, least: int = 4) -> int:
+    """How many copies of nbytes of inputs graph_time() should cycle through so that together they
+    outgrow the 50 MB L2 (~400 MB, 64 copies at most): each call then reads its own from memory."""
+    return int(min(64, max(least, math.ceil(400e6 / nbytes))))
+
+
 # (name, N, K, bias): Qwen2.5-0.5B's and Llama-3-8B's projections
 DECODE_MATMULS = [("qwen2.5-0.5b qkv", 1152, 896, True), ("qwen2.5-0.5b o", 896, 896, False),
                   ("qwen2.5-0.5b gate_up", 9728, 896, False), ("qwen2.5-0.5b down", 896, 4864, False),
@@ -481,7 +487,7 @@ def run_decode_layer_ops(copy_bw):
     rows = []
     for name, N, K, has_bias in DECODE_MATMULS:
         wbytes = N * K * 2
-        copies = int(min(64, max(3, math.ceil(400e6 / wbytes))))  # > L2 in all
+        copies = cold_copies(wbytes, least=3)
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
         bs = [torch.randn(N, device="cuda", dtype=torch.bfloat16) if has_bias else None for _ in range(copies)]
         for M in (16, 64):

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import sys
 
 import torch
@@ -90,7 +89,7 @@ SHAPES = [("qwen2.5-0.5b qkv", 1152, 896, True), ("qwen2.5-0.5b o", 896, 896, Fa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab.kernels import graph_time
+    from lab.kernels import cold_copies, graph_time
 
     p = argparse.ArgumentParser(prog="python -m lab.skinny_ilp", description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     bf = torch.bfloat16
     rows = []
     for name, N, K, has_bias in SHAPES:
-        copies = int(min(64, max(4, math.ceil(400e6 / (N * K * 2)))))
+        copies = cold_copies(N * K * 2)
         ws = [torch.randn(N, K, device="cuda", dtype=bf) * 0.05 for _ in range(copies)]
         bs = [torch.randn(N, device="cuda", dtype=bf) if has_bias else None for _ in range(copies)]
         for M in (16, 64):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import TensorDescriptor, sm_count
-from lab.kernels import copy_bandwidth, decode_inputs, graph_time
+from lab.kernels import cold_copies, copy_bandwidth, decode_inputs, graph_time
 
 # Qwen2.5-0.5B at 64 rows, 576-token contexts: (name, bytes the kernel must read)
 QWEN = dict(H=896, I=4864, Hq=14, Hkv=2, D=64, B=64, ctx=576, bs=16)
@@ -76,7 +76,7 @@ def stream_cases(quick: bool) -> list[dict]:
 def time_stream(nbytes: int, case: dict) -> float:
     """Seconds a launch of `case` takes to read nbytes (bf16), each launch of the graph its own copy."""
     n = nbytes // 2
-    copies = int(min(64, max(4, math.ceil(400e6 / nbytes))))
+    copies = cold_copies(nbytes)
     out = torch.empty(case["programs"], device="cuda", dtype=torch.float32)
     if case["kind"] == "ld":
         chunk = triton.cdiv(triton.cdiv(n, case["programs"]), case["block"]) * case["block"]
@@ -112,7 +112,7 @@ def engine_times(c: dict, hot: bool = False) -> dict[str, float]:
     res = {}
     for name, N, K, bias in (("qkv", (Hq + 2 * Hkv) * D, H, True), ("o", H, Hq * D, False),
                              ("gate_up", 2 * I, H, False), ("down", H, I, False)):
-        copies = int(min(64, max(4, math.ceil(400e6 / (N * K * 2)))))
+        copies = cold_copies(N * K * 2)
         ws = [torch.randn(N, K, device="cuda", dtype=bf) * 0.05 for _ in range(1 if hot else copies)]
         bs = [torch.randn(N, device="cuda", dtype=bf) if bias else None for _ in range(len(ws))]
         if hot:

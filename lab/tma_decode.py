@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import mma
-from kernels.launch import TensorDescriptor
+from kernels.attn_common import LOG2E, mma
+from kernels.launch import TensorDescriptor, next_pow2
 
 
 @triton.jit
@@ -86,9 +86,9 @@ def tma_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, pages=1, stag
         descs = tma_descs(k_cache, v_cache)
     out = torch.empty_like(q)
     group = Hq // Hkv
-    _tma_decode_kernel[(B, Hkv)](q, descs[0], descs[1], block_tables, seq_lens, out, scale * 1.4426950408889634,
+    _tma_decode_kernel[(B, Hkv)](q, descs[0], descs[1], block_tables, seq_lens, out, scale * LOG2E,
                                  q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                                 HKV=Hkv, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
+                                 HKV=Hkv, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=D,
                                  BS=bs, PAGES=pages, STAGES=stages, NATIVE=q.is_cuda, num_warps=num_warps)
     return out
 
