@@ -7,8 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,7 @@ import pytest
 from kernels import moe
 from kernels.moe import Plan, Tiles
 from lab import moe_gpu as mg
-from tests.kernels.util import HAS_CUDA
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.util import HAS_CUDA, run_outside_interpreter
 
 
 def _tiny(out: Path) -> mg.Sweep:
@@ -109,11 +105,8 @@ def test_gpu_candidates():
 def test_candidates_compile_for_h100():
     """Every GPU candidate compiled for sm_90 (`--sm90`): wgmma, TMA where asked, no spills,
     shared memory within an H100's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "lab.moe_gpu", "--sm90"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = run_outside_interpreter(["-m", "lab.moe_gpu", "--sm90"], timeout=900)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     cfg = mg.Sweep(out=Path(os.devnull))
     assert len(rows) == len(mg.gate_up_candidates(cfg)) + len(mg.down_candidates(cfg))
     for r in rows:

@@ -4,28 +4,19 @@ results with and without PDL, eagerly and replayed from a CUDA graph (GPU)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.runner import select_ops
 from kernels import fused, linear, paged_attention
-from tests.kernels.util import HAS_CUDA, gpu, make_cache
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.util import HAS_CUDA, gpu, make_cache, run_outside_interpreter
 
 
 def test_decode_kernels_compile_for_sm90_with_the_wait_first():
     """Triton's own ptxas builds the H100 variants without a GPU (tests/kernels/sm90_compile.py)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = run_outside_interpreter(["-m", "tests.kernels.sm90_compile"], timeout=600)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     matmuls = {"_skinny_kernel", "_gate_up_kernel"}
     assert {r["kernel"] for r in rows} == matmuls | {"_rms_norm_kernel", "_silu_and_mul_kernel",
                                                      "_rotary_kernel", "_write_kv_kernel", "_decode_kernel"}

@@ -9,10 +9,6 @@ runs the engine's default plan, this kernel on an H100."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +17,16 @@ from kernels import prefill_ws
 from kernels import reference as ref
 from kernels.prefill_attention import SRC_WS, paged_prefill_attention, prefill_plan
 from tests.kernels.test_prefill_attention import _run
-from tests.kernels.util import HAS_CUDA, REL_TOL, gpu, make_block_tables, make_cache, rel_err
+from tests.kernels.util import HAS_CUDA, REL_TOL, gpu, make_block_tables, make_cache, rel_err, run_outside_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
 ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 
 
 @pytest.mark.skipif(prefill_ws.gluon is None, reason="this Triton has no Gluon")
 def test_prefill_ws_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.kernels.sm90_compile", "--prefill-ws"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = run_outside_interpreter(["-m", "tests.kernels.sm90_compile", "--prefill-ws"], timeout=600)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == 3
     for r in rows:
         assert r["local_bytes"] == 0, r  # no spills

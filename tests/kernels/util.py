@@ -1,5 +1,11 @@
-"""Shared builders for the kernel tests: random pages, block tables, tolerances."""
+"""Shared builders for the kernel tests: random pages, block tables, tolerances; compiling for an H100
+in a process of its own."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +14,20 @@ from kvcache import quant
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_outside_interpreter(args: list[str], timeout: int) -> str:
+    """stdout of `python -W ignore ARGS` from the repository root without TRITON_INTERPRET (under the
+    interpreter kernels are not JITFunctions, so Triton's own ptxas cannot build them for sm_90);
+    asserts that it exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def gpu(fn):

@@ -4,16 +4,12 @@ memory, wgmma, no spills.
 Its results against the reference are checked by the lab script on a GPU (bitwise equal, 2026-11-27)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.kernels.util import run_outside_interpreter
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import torch
 from tests.kernels import sm90_compile as s
@@ -32,11 +28,8 @@ def test_gluon_gate_up_compiles_for_sm90():
     from lab import gluon_gate_up
     if gluon_gate_up.gluon is None:
         pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line and line[0].isdigit()]
+    out = run_outside_interpreter(["-c", SCRIPT], timeout=600)
+    rows = [line.split() for line in out.splitlines() if line and line[0].isdigit()]
     assert len(rows) == 4  # two shapes, each plain and warp-specialized
     assert [r[0] for r in rows] == ["132", "132", "48", "48"]  # one program an SM, or a unit each where fewer
     for programs, shared, local, wgmma, tma in rows:

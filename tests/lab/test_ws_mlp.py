@@ -4,16 +4,11 @@ acquire loads and the proxy fence before h is read by TMA, no spills) and the TM
 Their results on a GPU are checked by the lab scripts (bench/NOTES.md, 2026-11-28)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from tests.kernels.util import run_outside_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("H, I, programs, unit", [(896, 4864, 132, 16), (896, 4864, 132, 32), (576, 1536, 16, 16)])
@@ -75,11 +70,8 @@ def test_kernels_compile_for_sm90():
     from lab import ws_mlp
     if ws_mlp.gluon is None:
         pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("mlp", "stream"))]
+    out = run_outside_interpreter(["-c", SCRIPT], timeout=900)
+    rows = [line.split() for line in out.splitlines() if line.startswith(("mlp", "stream"))]
     mlp = [r for r in rows if r[0] == "mlp"]
     assert mlp == [["mlp", mlp[0][1], "0", "True", "True", "True", "True"]] and int(mlp[0][1]) <= 227 * 1024
     streams = [r for r in rows if r[0] == "stream"]
