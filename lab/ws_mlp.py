@@ -14,13 +14,16 @@ counted as its units are stored. Down waits (acquire loads) for every chunk of h
 then takes them by TMA into x's freed slots. Down's K is split over programs: each run of K steps
 stores its float32 partial, and the tile's last run to arrive sums the runs in K order into the
 output, so the result repeats bit for bit. The chunk counts go up over the launches since reset()
-(launch e waits for e x 8 units), so a graph of launches needs one memset.
+(launch e waits for e x 8 units), so a graph of launches needs one memset. With dynamic=True the
+producer takes whole gate/up units from a shared counter instead (the fast programs take more) and
+tells the warpgroup each unit's index through global memory before the unit's first slot arrives.
 
 Measured on an H100 (bench/NOTES.md, 2026-11-28): correct (the engine's rounding of h; the output
 within half a bf16 ulp of the reference) and slower than the engine's two kernels, 25.1 against 18.1
 us a layer for Qwen2.5-0.5B at 64 rows in CUDA graphs (cold L2). Per-program timestamps of a cold
 launch: gate/up done at 9.5-15.1 us (the engine's gate/up kernel: 9.9), down's inputs ready at
-13.9-16.0, down done at 18.1-22.9. Not used by the engine.
+13.9-16.0, down done at 18.1-22.9. With gate/up from the counter: 26.2 us, the median program's
+gate/up done at 10.7 instead of 12.5 but the last still at 14.8. Not used by the engine.
 """
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ if gluon is not None:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def _produce(wgu_desc, wd_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, b0, b1, I,
-                 KA: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr):
+    def _produce_gate_up_shares(wgu_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, I, KA: gl.constexpr,
+                                STAGES: gl.constexpr):
+        """Gate/up's tiles [a0, a1) into the ring; returns the slots used."""
         UNIT: gl.constexpr = wgu_desc.block_type.shape[0]
         n = 0
         for t in range(a0, a1):
@@ -82,6 +86,49 @@ if gluon is not None:
             _tma_load(wgu_desc, [r, k0], ready.index(s), lo_bufs.index(s))
             _tma_load(wgu_desc, [I + r, k0], ready.index(s), hi_bufs.index(s))
             n += 1
+        return n
+
+    @gluon.jit
+    def _produce_gate_up_units(wgu_desc, lo_bufs, hi_bufs, ready, empty, grab_ptr, assign_ptr, n_units, I,
+                               KA: gl.constexpr, STAGES: gl.constexpr):
+        """Whole gate/up units taken from a shared counter (the fast programs take more), each unit's
+        index in assign_ptr[program, q] for the warpgroup, then -1 and a slot with no bytes; the last
+        program to find none resets the counters. Returns the slots used."""
+        UNIT: gl.constexpr = wgu_desc.block_type.shape[0]
+        n = 0
+        q = 0
+        mine = assign_ptr + gl.program_id(0) * (n_units + 1)
+        u = gl.atomic_add(grab_ptr, 1)
+        while u < n_units:
+            gl.store(mine + q, u)
+            for k in gl.static_range(KA):
+                s = n % STAGES
+                mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), 2 * wgu_desc.block_type.nbytes)
+                _tma_load(wgu_desc, [u * UNIT, k * _BK], ready.index(s), lo_bufs.index(s))
+                _tma_load(wgu_desc, [I + u * UNIT, k * _BK], ready.index(s), hi_bufs.index(s))
+                n += 1
+            q += 1
+            u = gl.atomic_add(grab_ptr, 1)
+        gl.store(mine + q, -1)
+        s = n % STAGES
+        mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)
+        mbarrier.arrive(ready.index(s), count=1)
+        n += 1
+        if gl.atomic_add(grab_ptr + 1, 1) == gl.num_programs(0) - 1:
+            gl.store(grab_ptr, 0)
+            gl.store(grab_ptr + 1, 0)
+        return n
+
+    @gluon.jit
+    def _produce(wgu_desc, wd_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, b0, b1, grab_ptr, assign_ptr, I,
+                 KA: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+        UNIT: gl.constexpr = wgu_desc.block_type.shape[0]
+        if DYNAMIC:
+            n = _produce_gate_up_units(wgu_desc, lo_bufs, hi_bufs, ready, empty, grab_ptr, assign_ptr, I // UNIT, I,
+                                       KA, STAGES)
+        else:
+            n = _produce_gate_up_shares(wgu_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, I, KA, STAGES)
         for t in range(b0, b1):
             s = n % STAGES
             mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)
@@ -93,39 +140,40 @@ if gluon is not None:
             n += 1
 
     @gluon.jit
-    def _consume(x_smem, x_bar, h_desc, h_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, y_ptr, part_ptr, part_a_ptr,
-                 cnt_ptr, seg_ptr, stamp_ptr, M, I, H, a0, a1, b0, b1, epoch, KA: gl.constexpr, KB: gl.constexpr,
-                 STAGES: gl.constexpr):
-        dtype: gl.constexpr = x_smem.dtype
+    def _gate_up_step(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, acc_lo, acc_hi, k, n, STAGES: gl.constexpr):
+        """Slot n's gate and up tiles times x's chunk k into the accumulators; the slot is then free."""
+        s = n % STAGES
+        mbarrier.wait(x_bar.index(k), 0)  # x's chunks land one by one, the first needed first
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
+        acc_lo = warpgroup_mma(x_smem.index(k), lo_bufs.index(s).permute((1, 0)), acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(x_smem.index(k), hi_bufs.index(s).permute((1, 0)), acc_hi, is_async=True)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
+        mbarrier.arrive(empty.index(s), count=1)
+        return acc_lo, acc_hi
+
+    @gluon.jit
+    def _store_unit(acc_lo, acc_hi, u, h_ptr, chunk_cnt, rows, cols, M, I):
+        """Unit u's columns of h, then counted in its chunk once every thread's part is stored."""
+        UNIT: gl.constexpr = acc_lo.type.shape[1]
+        silu_mul_store(acc_lo, acc_hi, h_ptr, rows, u * UNIT + cols, M, I, I)
+        _cta_barrier()
+        gl.atomic_add(chunk_cnt + u // (_BK // UNIT), 1)
+
+    @gluon.jit
+    def _consume_gate_up_shares(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, part_a_ptr, unit_cnt,
+                                chunk_cnt, rows, cols, tile_off, M, I, a0, a1, KA: gl.constexpr, STAGES: gl.constexpr):
+        """Gate/up's tiles [a0, a1); a unit split between two programs is finished by the second to
+        arrive, which adds the two parts' partials in K order. Returns the slots used."""
         UNIT: gl.constexpr = lo_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, UNIT, 16])
-        rows = gl.arange(0, _BM, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, UNIT, layout=gl.SliceLayout(0, acc_layout))
-        row_ok = (rows < M)[:, None]
-        n_tiles = H // (2 * UNIT)
-        units_per_chunk: gl.constexpr = _BK // UNIT
-        chunk_cnt = cnt_ptr + n_tiles  # [KB] units of each chunk of h stored, over the launches since the memset
-        unit_cnt = chunk_cnt + KB  # [units] parts of a split unit arrived
-        tile_off = rows[:, None] * (2 * UNIT) + cols[None, :]  # a partial slot is [BM, 2 x UNIT] float32
         acc_lo = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
         acc_hi = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
-        _stamp(stamp_ptr, 0)
-        mbarrier.wait(x_bar.index(a0 % KA), 0)
-        _stamp(stamp_ptr, 3)
         n = 0
         steps = 0
-        # gate/up: an even share of the (unit, K step) tiles; a unit split between two programs is
-        # finished by the second to arrive, which adds the two parts' partials in K order
         for t in range(a0, a1):
-            s = n % STAGES
             k = t % KA
-            mbarrier.wait(x_bar.index(k), 0)  # x's chunks land one by one, the first needed first
-            mbarrier.wait(ready.index(s), (n // STAGES) & 1)
-            acc_lo = warpgroup_mma(x_smem.index(k), lo_bufs.index(s).permute((1, 0)), acc_lo, is_async=True)
-            acc_hi = warpgroup_mma(x_smem.index(k), hi_bufs.index(s).permute((1, 0)), acc_hi, is_async=True)
-            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
-            mbarrier.arrive(empty.index(s), count=1)
+            acc_lo, acc_hi = _gate_up_step(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, acc_lo, acc_hi, k, n, STAGES)
             n += 1
             steps += 1
             if (k == KA - 1) | (t == a1 - 1):
@@ -145,12 +193,70 @@ if gluon is not None:
                             first + _BM * 2 * UNIT + UNIT, cache_modifier=".cg")
                         whole = True
                 if whole:
-                    silu_mul_store(acc_lo, acc_hi, h_ptr, rows, u * UNIT + cols, M, I, I)
-                    _cta_barrier()  # every thread's part of the unit is stored before it is counted
-                    gl.atomic_add(chunk_cnt + u // units_per_chunk, 1)
+                    _store_unit(acc_lo, acc_hi, u, h_ptr, chunk_cnt, rows, cols, M, I)
                 steps = 0
                 acc_lo = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
                 acc_hi = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+        return n
+
+    @gluon.jit
+    def _consume_gate_up_units(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, assign_ptr, n_units, chunk_cnt,
+                               rows, cols, M, I, KA: gl.constexpr, STAGES: gl.constexpr):
+        """The whole units the producer took, in its order, until its -1. Returns the slots used."""
+        UNIT: gl.constexpr = lo_bufs.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, UNIT, 16])
+        acc_lo = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+        acc_hi = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+        n = 0
+        q = 0
+        mine = assign_ptr + gl.program_id(0) * (n_units + 1)
+        s = n % STAGES
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
+        u = gl.load(mine + q)  # stored before the slot's arrival: visible after the wait
+        while u >= 0:
+            for k in gl.static_range(KA):
+                acc_lo, acc_hi = _gate_up_step(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, acc_lo, acc_hi, k, n,
+                                               STAGES)
+                n += 1
+            _store_unit(acc_lo, acc_hi, u, h_ptr, chunk_cnt, rows, cols, M, I)
+            acc_lo = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+            acc_hi = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+            q += 1
+            s = n % STAGES
+            mbarrier.wait(ready.index(s), (n // STAGES) & 1)
+            u = gl.load(mine + q)
+        mbarrier.arrive(empty.index(s), count=1)  # the slot that said "no more"
+        return n + 1
+
+    @gluon.jit
+    def _consume(x_smem, x_bar, h_desc, h_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, y_ptr, part_ptr, part_a_ptr,
+                 cnt_ptr, seg_ptr, stamp_ptr, assign_ptr, M, I, H, a0, a1, b0, b1, epoch, KA: gl.constexpr,
+                 KB: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+        dtype: gl.constexpr = x_smem.dtype
+        UNIT: gl.constexpr = lo_bufs.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, UNIT, 16])
+        rows = gl.arange(0, _BM, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, UNIT, layout=gl.SliceLayout(0, acc_layout))
+        row_ok = (rows < M)[:, None]
+        n_tiles = H // (2 * UNIT)
+        units_per_chunk: gl.constexpr = _BK // UNIT
+        chunk_cnt = cnt_ptr + n_tiles  # [KB] units of each chunk of h stored, over the launches since the memset
+        unit_cnt = chunk_cnt + KB  # [units] parts of a split unit arrived
+        tile_off = rows[:, None] * (2 * UNIT) + cols[None, :]  # a partial slot is [BM, 2 x UNIT] float32
+        acc_lo = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+        acc_hi = gl.zeros([_BM, UNIT], gl.float32, acc_layout)
+        _stamp(stamp_ptr, 0)
+        mbarrier.wait(x_bar.index(a0 % KA), 0)
+        _stamp(stamp_ptr, 3)
+        if DYNAMIC:
+            n = _consume_gate_up_units(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, assign_ptr, I // UNIT,
+                                       chunk_cnt, rows, cols, M, I, KA, STAGES)
+        else:
+            n = _consume_gate_up_shares(x_smem, x_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, part_a_ptr, unit_cnt,
+                                        chunk_cnt, rows, cols, tile_off, M, I, a0, a1, KA, STAGES)
+        steps = 0
         _stamp(stamp_ptr, 1)
         # down: K split over programs; each run of K steps of a tile leaves its float32 partial in the
         # slot of its first step, and the tile's last arrival sums the slots in K order
@@ -211,7 +317,8 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["M"])
     def _ws_mlp_kernel(x_desc, wgu_desc, wd_desc, h_desc, h_ptr, y_ptr, part_ptr, part_a_ptr, cnt_ptr, share_ptr,
-                       seg_ptr, stamp_ptr, M, I, H, epoch, KA: gl.constexpr, KB: gl.constexpr, STAGES: gl.constexpr):
+                       seg_ptr, stamp_ptr, assign_ptr, M, I, H, epoch, KA: gl.constexpr, KB: gl.constexpr,
+                       STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
         UNIT: gl.constexpr = wgu_desc.block_type.shape[0]
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
@@ -236,11 +343,12 @@ if gluon is not None:
             kx = (a0 + i) % KA
             mbarrier.expect(x_bar.index(kx), x_desc.block_type.nbytes)
             _tma_load(x_desc, [0, kx * _BK], x_bar.index(kx), x_smem.index(kx))
+        grab_ptr = cnt_ptr + H // (2 * UNIT) + KB + I // UNIT  # [2]: the next unit, the programs that found none
         gl.warp_specialize([(_consume, (x_smem, x_bar, h_desc, h_bar, lo_bufs, hi_bufs, ready, empty, h_ptr, y_ptr,
-                                        part_ptr, part_a_ptr, cnt_ptr, seg_ptr, stamp_ptr, M, I, H, a0, a1, b0, b1,
-                                        epoch, KA, KB, STAGES)),
-                            (_produce, (wgu_desc, wd_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, b0, b1, I, KA, KB,
-                                        STAGES))],
+                                        part_ptr, part_a_ptr, cnt_ptr, seg_ptr, stamp_ptr, assign_ptr, M, I, H, a0,
+                                        a1, b0, b1, epoch, KA, KB, STAGES, DYNAMIC)),
+                            (_produce, (wgu_desc, wd_desc, lo_bufs, hi_bufs, ready, empty, a0, a1, b0, b1, grab_ptr,
+                                        assign_ptr, I, KA, KB, STAGES, DYNAMIC))],
                            [1], [40])
 
 
@@ -272,9 +380,9 @@ class WsMlp:
     Launch e (1, 2, ...) since the last reset() passes epoch=e: the chunks of h count up across launches."""
 
     def __init__(self, M: int, H: int, I: int, device, stages: int = 8, programs: int | None = None,
-                 unit: int = 16):
+                 unit: int = 16, dynamic: bool = False):
         assert M <= BM and I % BK == 0 and H % (2 * unit) == 0 and BK % unit == 0
-        self.M, self.H, self.I, self.stages, self.unit = M, H, I, stages, unit
+        self.M, self.H, self.I, self.stages, self.unit, self.dynamic = M, H, I, stages, unit, dynamic
         self.programs = programs or sm_count(device)
         self.share = torch.tensor(shares(I, H, self.programs, unit), dtype=torch.int32, device=device)
         self.seg = torch.tensor(segments(I, H, self.programs, unit), dtype=torch.int32, device=device)
@@ -282,7 +390,8 @@ class WsMlp:
         n_tiles = H // (2 * unit)
         self.part = torch.empty(n_tiles * (I // BK), BM, 2 * unit, dtype=torch.float32, device=device)
         self.part_a = torch.empty(2 * (I // unit), BM, 2 * unit, dtype=torch.float32, device=device)
-        self.cnt = torch.zeros(n_tiles + I // BK + I // unit, dtype=torch.int32, device=device)
+        self.cnt = torch.zeros(n_tiles + I // BK + I // unit + 2, dtype=torch.int32, device=device)
+        self.assign = torch.empty(self.programs, I // unit + 1, dtype=torch.int32, device=device)
         self.stamps = torch.zeros(self.programs, 8, dtype=torch.int64, device=device)
         self.layout = gl.NVMMASharedLayout.get_default_for([unit, BK], gl.bfloat16)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
@@ -298,8 +407,9 @@ class WsMlp:
         wd_desc = GluonDescriptor(w_d, [H, I], [w_d.stride(0), 1], [self.unit, BK], self.layout)
         h_desc = GluonDescriptor(self.h, [M, I], [I, 1], [BM, BK], self.x_layout)
         _ws_mlp_kernel[(self.programs,)](x_desc, wgu_desc, wd_desc, h_desc, self.h, y, self.part, self.part_a, self.cnt,
-                                         self.share, self.seg, self.stamps, M, I, H, epoch, KA=-(-H // BK),
-                                         KB=I // BK, STAGES=self.stages, num_warps=4)
+                                         self.share, self.seg, self.stamps, self.assign, M, I, H, epoch,
+                                         KA=-(-H // BK), KB=I // BK, STAGES=self.stages, DYNAMIC=self.dynamic,
+                                         num_warps=4)
         return y
 
 
@@ -341,10 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model} M={M}: engine {engine:.2f} us a layer, its gate/up {gate_up:.2f} (weights at copy "
                   f"bandwidth {row['floor_us']:.2f}),"
                   f" its error {row['engine_rel_err']:.1e}", flush=True)
-            for unit, stages in ((16, 4), (16, 8)):
-                v = {"unit": unit, "stages": stages}
+            for unit, stages, dynamic in ((16, 4, False), (16, 8, False), (16, 4, True)):
+                v = {"unit": unit, "stages": stages, "gate_up_from_a_counter": dynamic}
                 try:
-                    k = WsMlp(M, H, I, x.device, stages, unit=unit)
+                    k = WsMlp(M, H, I, x.device, stages, unit=unit, dynamic=dynamic)
                     y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
                     k.reset()
                     got = k(x, wgu[0], wd[0], y, 1).clone()
@@ -366,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ref_max_abs": ref.float().abs().max().item(),
                          "max_diff_between_runs": (got.float() - again.float()).abs().max().item()}
                 row["variants"].append(r)
-                print(f"  unit {unit}, stages {stages:2d}: {us:6.2f} us ({engine / us:.2f}x the engine's) "
+                print(f"  unit {unit}, stages {stages:2d}, dynamic {dynamic!s:5}: {us:6.2f} us ({engine / us:.2f}x the "
+                      f"engine's) "
                       f"err {err:.1e} (after the graph {last:.1e}), runs differ by {r['max_diff_between_runs']:.1e}",
                       flush=True)
                 print(f"    the graph's last launch, us (min / median / max over programs): {phases}; warm: {warm}")
