@@ -173,7 +173,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M"])
     def _ws_gate_up_kernel(x_desc, w_desc, out_ptr, M, I, stride_om, n_units,
                            K_STEPS: gl.constexpr, STAGES: gl.constexpr, X_FIRST: gl.constexpr):
-        """Warp-specialized: a producer warp streams the weight tiles, the warpgroup multiplies."""
+        """Warp-specialized: a producer warp streams the weight tiles, the warpgroup multiplies. X_FIRST
+        comes with the launch arguments it shares with _gate_up_kernel and is unused: x is issued first."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         UNIT: gl.constexpr = w_desc.block_type.shape[0]
         pid = gl.program_id(0)
