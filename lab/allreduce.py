@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 
 import torch
 
+from lab.kernels import write_json
 from lab.spawn import rank0_result
 
 SIZES = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['bytes'] >> 10:>8} KiB  nccl {r['nccl_us']:7.1f} us  one-shot {r.get('one_shot_us', float('nan')):7.1f} us")
     if got["rows"]:
         print(f"one-shot faster up to {result['one_shot_faster_up_to_bytes'] >> 10} KiB")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(a.out, result)
     return 0
 
 

@@ -20,12 +20,11 @@ kernels/gate_up.py at Qwen2.5-0.5B's shape in every variant (best 11.79 against 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
 
 from kernels.launch import sm_count
+from lab.kernels import gpu_and_date, write_json
 
 try:
     from triton.experimental import gluon
@@ -234,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     bw = copy_bandwidth()
-    gpu = torch.cuda.get_device_name()
     rows = []
     for model, K, I, layers in (("qwen2.5-0.5b", 896, 4864, 24), ("smollm2-135m", 576, 1536, 30)):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -263,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  unit {unit:2d} stages {stages:2d} block_k {bk} x first {xf!s:5} ws {ws!s:5}: {us:6.2f} us "
                       f"({base / us:.2f}x the engine's) err {err:.1e} bitwise {torch.equal(got, ref)}", flush=True)
             rows.append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "copy_bandwidth": bw, "rows": rows}, f, indent=1)
+    write_json(a.json, gpu_and_date() | {"copy_bandwidth": bw, "rows": rows})
     return 0
 
 

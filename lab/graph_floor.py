@@ -12,7 +12,6 @@ memory). The per-node time less the empty kernel's is what a kernel's own work a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import triton.language as tl
 
 from kernels.fused import rms_norm
 from kernels.linear import skinny_linear
+from lab.kernels import write_json
 
 
 @triton.jit
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         us = replay_us(fn, a.nodes)
         res["us_per_node"][name] = round(us, 3)
         print(f"{name:48s} {us:7.2f} us a node")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     return 0
 
 

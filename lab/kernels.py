@@ -37,6 +37,20 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------- inputs
 
+def gpu_and_date() -> dict:
+    """What every result JSON carries: the GPU's name and the date (UTC) of the run."""
+    import datetime
+
+    import torch
+    return {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
+
+
+def write_json(path, result, indent: int = 1) -> None:
+    """result as JSON at path, or nothing where no path was asked for (a script's --out / --json)."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=indent))
+
+
 def decode_inputs(B, ctx, Hq, Hkv, D, bs, kv, dtype_name="bfloat16", seed=0, contiguous=False,
                   separate_scales=False):
     """Random pages and a block table; fp8/int8 scales in the pool's layout (K's and V's views of one

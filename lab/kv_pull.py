@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec
+from lab.kernels import write_json
 
 
 def _time(fn, reps: int) -> list[float]:
@@ -157,9 +158,7 @@ def main() -> None:
               "shape": vars(args), "by_blocks": dict(out.get("result", {})),
               "exit_codes": [p.exitcode for p in procs]}
     print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     raise SystemExit(0 if all(p.exitcode == 0 for p in procs) else 1)
 
 

@@ -15,6 +15,7 @@ import time
 
 from bench.hardware import measure
 from bench.roofline import ModelCost, estimate
+from lab.kernels import write_json
 
 
 def time_decode(llm, prompts: list[list[int]], params, profile_path: str | None = None) -> tuple[int, float, int]:
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     print(json.dumps(result))
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.result_json, result, indent=2)
     return 0
 
 

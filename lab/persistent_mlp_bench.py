@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import time
 
 MODELS = {"qwen2.5-0.5b": (896, 4864, 24), "smollm2-135m": (576, 1536, 30)}  # hidden, intermediate, layers
 
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.launch import sm_count
     from kernels.linear import linear
     from lab import persistent_mlp as fm
-    from lab.kernels import copy_bandwidth, graph_us
+    from lab.kernels import copy_bandwidth, gpu_and_date, graph_us, write_json
 
     ap = argparse.ArgumentParser(prog="python -m lab.persistent_mlp_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -91,10 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             out.append(row)
         wgu = wd = xs = rs = None  # free before the next model
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "sms": sms, "copy_bandwidth": bw,
-                       "torch": torch.__version__, "triton": triton.__version__, "rows": out}, f, indent=1)
+    write_json(a.json, gpu_and_date() | {"sms": sms, "copy_bandwidth": bw, "torch": torch.__version__,
+                                         "triton": triton.__version__, "rows": out})
     return 0
 
 

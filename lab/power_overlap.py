@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from lab.kernels import write_json
+
 HIDDEN, INTER = 4096, 14336  # Llama-3-8B's gate/up projection
 
 
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(rows, a.weights_gib, a.seconds, device)
         result["runs"].append(r)
         print(json.dumps(r), flush=True)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(a.out, result)
     return 0
 
 

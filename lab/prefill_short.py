@@ -9,8 +9,6 @@ and Llama-3-8B's heads.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 
 # (chunks, tokens each, cached prefix tokens each)
@@ -24,10 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.prefill_short", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    import torch
-
     from kernels.prefill_attention import prefill_plan
-    from lab.kernels import graph_us, prefill_call, prefill_inputs
+    from lab.kernels import gpu_and_date, graph_us, prefill_call, prefill_inputs, write_json
 
     rows = []
     for model, hq, hkv, d in HEADS:
@@ -43,10 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
             rows.append(row)
             del x
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "rows": rows},
-                      f, indent=1)
+    write_json(a.out, gpu_and_date() | {"rows": rows})
     return 0
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import sys
 
 import torch
@@ -25,6 +23,7 @@ import triton.language as tl
 from kernels import linear as lin
 from kernels.attn_common import mma
 from kernels.launch import launch, next_pow2
+from lab.kernels import gpu_and_date, write_json
 
 
 @triton.jit
@@ -131,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k[0]}{' hot' if k[1] else ''} {v:.2f}" for k, v in line.items()) + f"; max diff {errs}", flush=True)
             rows.append({"shape": name, "M": M, "N": N, "K": K, "plan": str(base), "max_diff": errs,
                          "us": [{"variant": k[0], "hot_l2": k[1], "us": v} for k, v in line.items()]})
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "rows": rows},
-                      f, indent=1)
+    write_json(a.json, gpu_and_date() | {"rows": rows})
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import math
 import sys
 
@@ -27,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import TensorDescriptor, sm_count
-from lab.kernels import cold_copies, copy_bandwidth, decode_inputs, graph_time
+from lab.kernels import cold_copies, copy_bandwidth, decode_inputs, gpu_and_date, graph_time, write_json
 
 # Qwen2.5-0.5B at 64 rows, 576-token contexts: (name, bytes the kernel must read)
 QWEN = dict(H=896, I=4864, Hq=14, Hkv=2, D=64, B=64, ctx=576, bs=16)
@@ -147,10 +146,7 @@ def engine_hot_cold(path: str | None) -> int:
     for name, rs in runs.items():
         print(f"layer {name}: " + " / ".join(f"{sum(r.values()) + r['add+rmsnorm']:.1f}" for r in rs)
               + " us (two norms in)", flush=True)
-    if path:
-        with open(path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                       "shape": QWEN, "engine_us": runs}, f, indent=1)
+    write_json(path, gpu_and_date() | {"shape": QWEN, "engine_us": runs})
     return 0
 
 
@@ -197,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               "copy_bw": bw, "shape": QWEN, "streams": rows, "summary": summary,
               "add_rmsnorm_us": eng["add+rmsnorm"] * 1e6, "layer_engine_us": eng_sum, "layer_stream_sum_us": floor_sum,
               "layer_one_stream_us": best["layer, one kernel"][0] * 1e6}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(a.json, result)
     return 0
 
 

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from lab.kernels import write_json
+
 
 def parse_shape(text: str) -> tuple[int, int, int]:
     m, n, k = (int(x) for x in text.lower().split("x"))
@@ -76,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run(shape, a.seconds, a.window_ms, a.copies, device)
         result["runs"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "windows"}), flush=True)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(a.out, result)
     return 0
 
 

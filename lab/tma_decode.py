@@ -14,9 +14,7 @@ only whether the engine's fat program would read its pages faster this way.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
 import sys
 
@@ -26,6 +24,7 @@ import triton.language as tl
 
 from kernels.attn_common import LOG2E, mma
 from kernels.launch import TensorDescriptor, next_pow2
+from lab.kernels import gpu_and_date, write_json
 
 
 @triton.jit
@@ -141,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   tma {t * 1e6:6.2f} us {kw} max diff {err:.2e}", flush=True)
         rows.append({"case": c, "kv_bytes": kv_bytes, "engine_us": [t_eng * 1e6, t_eng2 * 1e6],
                      "tma": [{"us": t * 1e6, **kw, "max_diff": e} for t, kw, e in res]})
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "rows": rows},
-                      f, indent=1)
+    write_json(a.json, gpu_and_date() | {"rows": rows})
     return 0
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import torch
 
-from lab.kernels import cold_copies, copy_bandwidth, graph_time
+from lab.kernels import cold_copies, copy_bandwidth, graph_time, write_json
 
 try:
     from triton.experimental import gluon
@@ -148,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: gluon {case['programs']} programs, box {case['rows']} rows, depth {case['depth']}: "
                   f"{us:.2f} us ({row['at_copy_bw_us'] / us:.2f} of copy)", flush=True)
         res["sizes"].append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     return 0
 
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import torch
 
 from kernels.launch import sm_count
+from lab.kernels import write_json
 
 try:
     from triton.experimental import gluon
@@ -484,9 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    max |diff| "
                       f"{r['max_abs_diff']:.2e} of outputs up to {r['ref_max_abs']:.2f}", flush=True)
             res["rows"].append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     return 0
 
 
