@@ -6,7 +6,8 @@
 tokens carry ~60 decodes next to a few new prompts. An offline run (all prompts at once) has no
 such steps; this one makes them: `--decodes` sequences keep decoding while every round adds
 `--prompts` prompts of `--input-len` tokens that finish after their first token, then runs
-`--decode-steps` decode steps. The engine core steps as in serving (async scheduling on a GPU).
+`--decode-steps` decode steps (`--shared-prefix N`: the new prompts share their first N tokens, so that
+their chunks follow a cached prefix). The engine core steps as in serving (async scheduling on a GPU).
 Each launch is timed on the host; with --sync the GPU is drained before and after it, so
 launch_ms is the host's own time and gpu_ms (CUDA events) the step's GPU time alone.
 --cprofile profiles the mixed steps' launches only.
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decodes", type=int, default=58)
     p.add_argument("--prompts", type=int, default=6, help="new prompts per mixed step")
     p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="the new prompts of the rounds start with the same N tokens (cached after the first): "
+                        "their chunks come after a cached prefix")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--decode-steps", type=int, default=2, help="decode-only steps between mixed steps")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-graph-max-tokens", type=int, default=None,
                    help="the engine's option (engine/step_graph.py); 0: piecewise graphs only")
     p.add_argument("--sync", action="store_true")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without PDL, so that a profile's kernel times do not overlap")
     p.add_argument("--cprofile", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--torch-profile", default=None,
@@ -52,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = {} if args.step_graph_max_tokens is None else {"step_graph_max_tokens": args.step_graph_max_tokens}
     llm = LLM(args.model, load_format=args.load_format, max_num_batched_tokens=args.max_num_batched_tokens,
-              piecewise_graphs=not args.no_piecewise_graphs, **steps)
+              piecewise_graphs=not args.no_piecewise_graphs, pdl=False if args.no_pdl else None, **steps)
     core, runner = llm.engine.core, llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    shared = prompt(args.shared_prefix)
     cuda = torch.cuda.is_available()
     prof = cProfile.Profile() if args.cprofile else None
     records: list[dict] = []
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     def rounds(n: int, decode_steps: int) -> None:
         for _ in range(n):
             for _ in range(args.prompts):
-                core.add_request(prompt(args.input_len), one)
+                core.add_request(shared + prompt(args.input_len), one)
             for _ in range(1 + decode_steps):
                 core.step()
 

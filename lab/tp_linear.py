@@ -19,7 +19,8 @@ from pathlib import Path
 from lab.kernels import copy_bandwidth, graph_us
 
 # hidden, intermediate, heads, KV heads, head dim
-MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
+MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128),
+          "qwen2.5-0.5b": (896, 4864, 14, 2, 64)}
 ROWS = 64
 # skinny kernel tiles: (block_n, block_k, split, num_warps, num_stages)
 SKINNY = [(32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (32, 128, 8, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4),

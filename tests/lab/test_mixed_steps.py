@@ -10,7 +10,7 @@ from lab import mixed_steps
 def test_mixed_steps_times_decodes_plus_new_prompts(tiny_models, tmp_path, capsys):
     out = tmp_path / "mixed.json"
     rc = mixed_steps.main(["--model", str(tiny_models["llama"]), "--load-format", "auto", "--decodes", "3",
-                           "--prompts", "2", "--input-len", "20", "--rounds", "4", "--out", str(out)])
+                           "--prompts", "2", "--input-len", "20", "--rounds", "4", "--no-pdl", "--out", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
     assert {k: v for k, v in d.items() if k != "records"} == json.loads(capsys.readouterr().out)
