@@ -15,12 +15,11 @@ M MiB into the peers (kernels/allreduce_norm.py's PUSH_MAX_BYTES) instead of rea
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import torch
 
-from lab.kernels import write_json
+from lab.kernels import gpu_and_date, write_json
 from lab.spawn import rank0_result
 
 SIZES = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
@@ -179,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in got:
         print(got["error"], file=sys.stderr)
         return 1
-    result = {"gpu": torch.cuda.get_device_name(0), "gpus": a.gpus, "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "chain": a.chain, "push_max_mib": a.push_max_mib, **got,
-              "one_shot_faster_up_to_bytes": crossover(got["rows"])}
+    result = gpu_and_date() | {"gpus": a.gpus, "torch": torch.__version__, "chain": a.chain,
+                               "push_max_mib": a.push_max_mib, **got,
+                               "one_shot_faster_up_to_bytes": crossover(got["rows"])}
     for r in got["rows"]:
         print(f"{r['bytes'] >> 10:>8} KiB  nccl {r['nccl_us']:7.1f} us  one-shot {r.get('one_shot_us', float('nan')):7.1f} us")
     if got["rows"]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 
 
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.hardware import measure
     from engine.config import EngineConfig, ModelConfig
     from engine.runner import ModelRunner, _device_ms
+    from lab.kernels import gpu_and_date
     from kvcache.pool import KVPool
 
     path = Path(args.model)
@@ -72,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             gemms.append(row)
             print(json.dumps(row), flush=True)
 
-    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).date().isoformat(),
-              "model": path.name, "copy_bandwidth": bandwidth, "matmul_rate": rate,
-              "forward_ms": forward, "gemms": gemms}
+    result = gpu_and_date() | {"model": path.name, "copy_bandwidth": bandwidth, "matmul_rate": rate,
+                               "forward_ms": forward, "gemms": gemms}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("forward ms:", {k: round(v, 2) for k, v in forward.items()})
     return 0

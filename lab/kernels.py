@@ -42,7 +42,8 @@ def gpu_and_date() -> dict:
     import datetime
 
     import torch
-    return {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    return {"gpu": torch.cuda.get_device_name(), "date": today.isoformat()}
 
 
 def write_json(path, result, indent: int = 1) -> None:

@@ -11,7 +11,6 @@ from random ids into random ids of its own pool and checks every byte of the las
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import socket
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec
-from lab.kernels import write_json
+from lab.kernels import gpu_and_date, write_json
 
 
 def _time(fn, reps: int) -> list[float]:
@@ -154,9 +153,8 @@ def main() -> None:
         p.start()
     for p in procs:
         p.join(600)
-    report = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-              "shape": vars(args), "by_blocks": dict(out.get("result", {})),
-              "exit_codes": [p.exitcode for p in procs]}
+    report = gpu_and_date() | {"shape": vars(args), "by_blocks": dict(out.get("result", {})),
+                               "exit_codes": [p.exitcode for p in procs]}
     print(json.dumps(report, indent=1))
     write_json(args.out, report)
     raise SystemExit(0 if all(p.exitcode == 0 for p in procs) else 1)

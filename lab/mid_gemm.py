@@ -1,22 +1,21 @@
 """Matmuls of 64 to ~768 rows (a mixed step's) against their own roofline: `python -m lab.mid_gemm
 --out F`.
 
-For Llama-3-8B at TP=1 and Llama-3-70B at TP=2 (one rank's weights, lab/tp_linear.py's shapes),
-each projection at each row count: cuBLAS as torch calls it, cuBLASLt (torch's preferred BLAS
-library switched), and with --triton lab/splitk_gemm.py's split-K TMA kernel at each of its plans
-(the best kept, each checked against cuBLAS); each against max(FLOPs / matmul rate, bytes / copy
-bandwidth), both measured in the same call (bench/hardware.py; the matmul rate is the sustained
-one since 2026-11-27, the figures of that day's first table are against the cold burst's, ~1.17x
-it). Each time is per layer of one CUDA
-graph that runs the matmul over --layers copies of the weight in turn, as a step does: the weights
-come from memory, not L2, and the host's launches are out of the time (the do_bench figures of
-2026-11-27 carried ~5 us of launch gap at small shapes). Writes one JSON with the GPU and the date.
+For Llama-3-8B at TP=1 and Llama-3-70B at TP=2 (one rank's weights, lab/tp_linear.py's shapes; with
+`--cases qwen2.5-0.5b:1` a small model's), each projection at each row count: cuBLAS as torch calls
+it, cuBLASLt (torch's preferred BLAS library switched), and with --triton lab/splitk_gemm.py's
+split-K TMA kernel at each of its plans (the best kept, each checked against cuBLAS); each against
+max(FLOPs / matmul rate, bytes / copy bandwidth), both measured in the same call (bench/hardware.py;
+the matmul rate is the sustained one since 2026-11-27, the figures of that day's first table are
+against the cold burst's, ~1.17x it). Each time is per layer of one CUDA graph that runs the matmul
+over --layers copies of the weight in turn, as a step does: the weights come from memory, not L2,
+and the host's launches are out of the time (the do_bench figures of 2026-11-27 carried ~5 us of
+launch gap at small shapes). Writes one JSON with the GPU and the date.
 """
 from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 
 from lab.forward_curve import fastest_plan
@@ -32,12 +31,12 @@ def run(cases: list[tuple[str, int]], rows: tuple[int, ...], with_triton: bool =
     from torch.nn import functional as F
 
     from bench.hardware import measure
-    from lab.kernels import graph_us
+    from lab.kernels import gpu_and_date, graph_us
 
     hw = measure()
     bandwidth, rate = hw.copy_bandwidth, hw.matmul_flops
-    out = {"gpu": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).date().isoformat(),
-           "copy_bandwidth": bandwidth, "matmul_rate": rate, "layers": layers, "timing": "cuda graph", "gemms": []}
+    out = gpu_and_date() | {"copy_bandwidth": bandwidth, "matmul_rate": rate, "layers": layers, "timing": "cuda graph",
+                            "gemms": []}
     print(f"{out['gpu']}: {bandwidth / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s", flush=True)
     default = torch.backends.cuda.preferred_blas_library()
     for model, tp in cases:

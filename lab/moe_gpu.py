@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
@@ -876,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from bench.hardware import measure
+    from lab.kernels import gpu_and_date
     if not torch.cuda.is_available():
         raise SystemExit("lab.moe_gpu needs a CUDA GPU, and torch sees none")
     t0 = time.perf_counter()
@@ -884,17 +884,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"measuring the GPU failed: {hw.error}")
     print(f"{hw.device}: copy {hw.copy_bandwidth / 1e12:.2f} TB/s, bf16 matmul {hw.matmul_flops / 1e12:.0f} TFLOP/s", flush=True)
     if args.sweep:
-        header = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
-                  "torch": torch.__version__, "triton": triton.__version__,
-                  "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
+        header = gpu_and_date() | {"torch": torch.__version__, "triton": triton.__version__,
+                                   "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
         sweep(Sweep(out=args.out, iters=args.iters, threads=args.threads, sizes=args.tokens), header,
               hw.matmul_flops, hw.copy_bandwidth)
         return 0
     layers = [_layer_weights(i) for i in range(LAYERS)]
-    result = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
-              "torch": torch.__version__, "triton": triton.__version__,
-              "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "width": WIDTH, "dtype": "bfloat16"},
-              "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
+    result = gpu_and_date() | {
+        "torch": torch.__version__, "triton": triton.__version__,
+        "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "width": WIDTH, "dtype": "bfloat16"},
+        "copy_bandwidth": hw.copy_bandwidth, "matmul_flops": hw.matmul_flops}
     result["correctness"] = correctness(*layers[0])
     result["decode"] = decode(layers, hw.copy_bandwidth)
     result["prefill"] = prefill(*layers[0], hw.matmul_flops)

@@ -15,14 +15,13 @@ attention alone, their sum, both together, and the share of the attention hidden
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 from pathlib import Path
 
 from collections.abc import Callable
 
 from lab.decode_splits import make_inputs
-from lab.kernels import graph_us
+from lab.kernels import gpu_and_date, graph_us
 
 HIDDEN, INTER = 4096, 14336
 TMA_TILES = (128, 256, 64, 3, 8)  # one of lab/tma_gemm.py's candidates: 128 x 256 tiles, 3 stages, 8 warps
@@ -44,8 +43,7 @@ def run(layers: int, rows: list[int], carveouts: list[int], programs: list[int])
         for (q, kc, vc, bt, sl, ks, vs), o in zip(attn, attn_out):
             paged_decode_attention(q, kc, vc, bt, sl, 0.1, ks, vs, out=o)
 
-    out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "layers": layers,
-           "attention": ATTN, "cases": []}
+    out = gpu_and_date() | {"layers": layers, "attention": ATTN, "cases": []}
     attention_us = graph_us(attentions, per=layers)
 
     def measure(matmuls: Callable[[], None], m: int, **what) -> dict:

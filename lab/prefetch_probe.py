@@ -20,7 +20,6 @@ the GPU's name and the date.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 from pathlib import Path
 
@@ -78,7 +77,7 @@ def run(layers: int, wait_us: float) -> dict:
     from torch.nn import functional as F
 
     from kernels import fused, gate_up as gu, linear
-    from lab.kernels import graph_us
+    from lab.kernels import gpu_and_date, graph_us
 
     ns = int(wait_us * 1e3)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -86,8 +85,8 @@ def run(layers: int, wait_us: float) -> dict:
     qkv = [(torch.randn(QKV_N, HIDDEN, device="cuda", generator=g) / 64).bfloat16() for _ in range(layers)]
     gate_up = [(torch.randn(2 * INTER, HIDDEN, device="cuda", generator=g) / 64).bfloat16() for _ in range(layers)]
     spin_us = graph_us(lambda: [spin(ns) for _ in range(layers)], per=layers)
-    out = {"gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(), "rows": ROWS,
-           "layers": layers, "wait_us": wait_us, "spin_alone_us": spin_us, "cases": []}
+    out = gpu_and_date() | {"rows": ROWS, "layers": layers, "wait_us": wait_us, "spin_alone_us": spin_us,
+                            "cases": []}
     print(f"{out['gpu']}: the spin alone {spin_us:.2f} us a layer", flush=True)
 
     def case(name: str, ws, proj, want_fn, before=None) -> None:
