@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run(3)  # warm-up
     runner.launch, runner.prepare = timed_launch, timed_prepare
+    hits = core.scheduler.prefix_cache_hits
     t_start = time.perf_counter()
     run(args.rounds)
     wall = time.perf_counter() - t_start
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               "decodes": args.decodes, "prompts": args.prompts, "input_len": args.input_len,
               "sync": args.sync, "piecewise_graphs": runner.piecewise is not None,
               "step_graphs": runner.steps is not None, "wall_s": wall,
+              "prefix_cache_hits": core.scheduler.prefix_cache_hits - hits,
               "mixed": summary(mixed), "decode_only": summary([r for r in records if not r["mixed"]])}
     print(json.dumps(result, indent=1))
     if prof is not None:
