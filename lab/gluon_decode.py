@@ -16,7 +16,9 @@ exponentials, O += P V (wgmma). Keys past the sequence are masked; V rows past i
 producer before the consumer sees them (stale slots: 0 * NaN is not 0), as prefill_ws does.
 
 Compared in the same call with the engine's kernel on the same inputs (outputs within bf16
-rounding), per layer in CUDA graphs over 24 layers' pages (cold L2).
+rounding), per layer in CUDA graphs over 24 layers' pages (cold L2). On an H100 (2026-11-28,
+bench/NOTES.md) as fast as the engine's kernel for Qwen2.5-0.5B's heads and slower for
+SmolLM2-135M's: one program per pair, the longest sequence and a fixed ramp set both kernels' time.
 """
 from __future__ import annotations
 

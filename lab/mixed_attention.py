@@ -1,14 +1,17 @@
 """A mixed step's attention for small models, alone and as the whole-step graph launches it.
 
-    python -m lab.mixed_attention --out mixed-attention.json
+    python -m lab.mixed_attention [--layered] --out mixed-attention.json
 
-Qwen2.5-0.5B's heads (14/2, 64), R = 64 decode rows at CONTEXT tokens and one or more prompt
-chunks of CHUNK tokens packed after the decodes in a step of T rows (engine/step_graph.py's
-layout: chunk j is sequence entry R + j, its query starts are rows of q, the work list is planned
-for max_query_len = T). Timed in CUDA graphs (8 calls a replay, the same inputs): prefill attention
-of the chunks on their own q (lab/prefill_short.py's case) against the work-list form inside the
-step's q, for the Hopper kernel and the Triton one; decode attention over the R rows with a block
-table as wide as the step graphs' and as wide as the contexts need.
+Qwen2.5-0.5B's heads (14/2, 64): one to four prompt chunks of 256-1,024 tokens packed after 56
+decode rows in a step of T rows whose graph plans for R = 64 decodes (engine/step_graph.py's layout:
+chunk j is sequence entry R + j, its query starts are rows of q, the work list is planned for
+max_query_len = T). Timed in CUDA graphs (8 calls a replay, the same inputs): prefill attention of
+the chunks on their own q (lab/prefill_short.py's case) against the work-list form inside the
+step's q, for the Hopper kernel and the Triton one; decode attention over R rows of --context tokens
+with a block table as wide as the step graphs' and as wide as the contexts need. --layered: one
+512-token chunk in 24 layers of its own inputs, alone, after an L2-evicting copy and after decode
+attention. On an H100 (2026-11-28, bench/NOTES.md) the Hopper kernel took 11.8-13.2 us a layer
+in these settings and 19.1 in the engine's own steps, the Triton kernel 8.7-10.2 and 9.1.
 """
 from __future__ import annotations
 
