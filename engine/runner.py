@@ -672,21 +672,23 @@ class ModelRunner:
     def warmup(self, sample: bool = True, layers: list | None = None, eager_decodes: bool | None = None) -> None:
         """Compile, before the first request, the kernel variants that eager steps use, in steps that
         write nowhere: mixed steps (decodes + one prefill chunk) with one decode per prefill tile
-        height and one longer chunk, and with each power-of-two decode count (decode attention's variant follows the count
-        rounded up to one) and the smallest chunk; with --enforce-eager also a decode-only step per
-        count (those fuse rotary into attention: other variants). The decode graphs' own variants
-        come with their capture. For compile_ahead's dry passes: sample=False runs the forwards only,
+        height and two longer chunks, and with each power-of-two decode count (decode attention's
+        variant follows the count rounded up to one) and the smallest chunk; with --enforce-eager
+        also a decode-only step per count (those fuse rotary into attention: other variants). The
+        decode graphs' own variants come with their capture. For compile_ahead's dry passes: sample=False runs the forwards only,
         layers replaces the KV pool's, eager_decodes overrides "no decode graphs"."""
         layers = self.pool.layers if layers is None else layers
         eager_decodes = self.graphs is None if eager_decodes is None else eager_decodes
         top = self.cfg.max_num_seqs
         counts = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
+        # a chunk over 64 tokens takes another prefill kernel (kernels/prefill_attention.py's
+        # prefill_plan: prefill_ws.py's on an H100), for heads of 64 dims only past the whole-step
+        # graphs' sizes; the step graphs capture it only in their work-list form
+        from kernels.prefill_attention import WS_NARROW_MIN_QUERY_LEN as long_chunk
+
         for nd in counts:
-            # a chunk over 64 tokens takes another prefill kernel (kernels/prefill_attention.py's
-            # prefill_plan: prefill_ws.py's on an H100), which the step graphs capture only in their
-            # work-list form
-            for chunk in (16, 32, 64, 128) if nd == 1 else (16,):
-                if chunk < self.max_model_len:
+            for chunk in (16, 32, 64, 128, long_chunk) if nd == 1 else (16,):
+                if chunk < self.max_model_len and (chunk < long_chunk or chunk < self.cfg.max_num_batched_tokens):
                     self._warmup_step(nd, chunk, layers, sample)
             if eager_decodes:
                 self._warmup_step(nd, 0, layers, sample)

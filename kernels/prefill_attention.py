@@ -42,6 +42,13 @@ SRC_WS = 3  # (plans only) the whole launch goes to prefill_ws.py's Hopper kerne
 # chunks of at most this many tokens stay on this file's kernel (its tiles of 16-64 rows waste
 # less on short chunks than the Hopper kernel's 128)
 WS_MIN_QUERY_LEN = 65
+# and for heads of at most 64 dims, chunks shorter than this too: in the engine's own mixed steps
+# of a 64-wide-head model (H100, bench/NOTES.md 2026-11-28) this file's kernel took 9.1 us a layer
+# where the Hopper kernel took 19.1 for a 512-token chunk, and was faster after a cached prefix and
+# for four chunks as well. The bound is the whole-step graphs' largest step
+# (EngineConfig.step_graph_max_tokens): longer chunks were not measured in steps, and alone, after
+# a 2,048-token prefix, the Hopper kernel was ahead (2026-11-27)
+WS_NARROW_MIN_QUERY_LEN = 2305
 
 
 @triton.jit
@@ -308,8 +315,11 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     if new_kv:
         cfg["src"] = (SRC_TMA if cfg["tma"] and _tma_ok(k) and _tma_ok(v) else SRC_PTR).value
     cfg["tma"] = cfg["src"] == SRC_TMA.value
-    # the Hopper kernel by default; a config asks for it by "ws": True (its other keys are this file's)
-    want_ws = (config or {}).get("ws", not config) and max_query_len >= WS_MIN_QUERY_LEN
+    # the Hopper kernel by default (for 64-wide heads from WS_NARROW_MIN_QUERY_LEN tokens); a config
+    # asks for it by "ws": True (its other keys are this file's)
+    ws = (config or {}).get("ws", None if not config else False)
+    min_len = WS_NARROW_MIN_QUERY_LEN if ws is None and D <= 64 else WS_MIN_QUERY_LEN
+    want_ws = ws is not False and max_query_len >= min_len
     cfg["ws"] = bool(want_ws and new_kv and prefill_ws.ws_available(q) and prefill_ws.ws_supports(q, k, v, k_cache, k_cache))
     if cfg["ws"]:
         cfg.update(src=SRC_WS, block_m=prefill_ws.BLOCK_M, tok_m=prefill_ws.BLOCK_M, block_n=prefill_ws.BLOCK_N,

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(q)
         row: dict = {"chunks": chunks, "tokens": chunk, "step_rows": T}
         ref = prefill_call(x, chunk, D)
-        for name, cfg in (("hopper", None), ("triton", {"ws": False})):
+        for name, cfg in (("hopper", {"ws": True}), ("triton", {"ws": False})):
             plan = prefill_plan(q, x["kc"], T, cfg, k, v)
             work = torch.from_numpy(work_list(list(range(R, R + chunks)), [chunk] * chunks, plan["tok_m"],
                                               -(-T // plan["tok_m"]) + 16)).cuda()
@@ -128,7 +128,7 @@ def layered(max_model_len: int, layers: int = 24, chunk: int = 512) -> dict:
     dec_out = torch.empty_like(decs[0][0])
     out = torch.empty((T, HQ, D), dtype=torch.bfloat16, device="cuda")
     res: dict = {"layers": layers, "chunk": chunk, "step_rows": T}
-    for name, cfg in (("hopper", None), ("triton", {"ws": False})):
+    for name, cfg in (("hopper", {"ws": True}), ("triton", {"ws": False})):
         for before in ("", "flushed", "decode"):
             def views(qkv):
                 return (qkv[:, :HQ * D].view(T, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D),

@@ -1,6 +1,7 @@
 """Prefill attention for the short chunks of serving's mixed steps: kernels/prefill_ws.py's Hopper
-kernel (the default plan from prefill_attention.WS_MIN_QUERY_LEN tokens) against
-kernels/prefill_attention.py's Triton kernel ({"ws": False}), timed in CUDA graphs (8 calls a replay,
+kernel ({"ws": True}; the default plan from prefill_attention.WS_MIN_QUERY_LEN tokens for 128-wide heads,
+from WS_NARROW_MIN_QUERY_LEN for 64-wide ones) against kernels/prefill_attention.py's Triton kernel
+({"ws": False}), each with the default plan's choice, timed in CUDA graphs (8 calls a replay,
 causal, this step's k/v passed as the engine does; some chunks after a cached prefix), for Qwen2.5-0.5B's
 and Llama-3-8B's heads.
 
@@ -30,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         for nseq, n, prefix in CASES:
             x = prefill_inputs(nseq, n, prefix, hq, hkv, d, 16)
             row: dict = {"model": model, "chunks": nseq, "tokens": n, "prefix": prefix}
-            for name, cfg in (("default", None), ("triton", {"ws": False})):
+            row["default_ws"] = prefill_plan(x["q"], x["kc"], n, None, x["k"], x["v"])["ws"]
+            for name, cfg in (("hopper", {"ws": True}), ("triton", {"ws": False})):
                 row[f"{name}_ws"] = prefill_plan(x["q"], x["kc"], n, cfg, x["k"], x["v"])["ws"]
                 calls = lambda cfg=cfg, x=x, n=n, d=d: [prefill_call(x, n, d, cfg) for _ in range(8)]  # noqa: E731
                 row[f"{name}_us"] = round(graph_us(calls, per=8), 2)
-            diff = prefill_call(x, n, d, None).float() - prefill_call(x, n, d, {"ws": False}).float()
+            diff = prefill_call(x, n, d, {"ws": True}).float() - prefill_call(x, n, d, {"ws": False}).float()
             row["max_abs_diff"] = float(diff.abs().max())
             print(row, flush=True)
             rows.append(row)

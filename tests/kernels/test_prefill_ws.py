@@ -45,7 +45,7 @@ def test_prefill_ws_not_planned_off_hopper():
 @hopper
 def test_prefill_ws_plan():
     """The default for issue 3's case; not for quantized pages, float32, short chunks, or a config
-    that asks for this file's tiles."""
+    that asks for this file's tiles; for 64-wide heads only past the whole-step graphs' sizes."""
     q = torch.randn(4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.empty(300, 8, 16, 128, device="cuda", dtype=torch.bfloat16)
@@ -57,6 +57,13 @@ def test_prefill_ws_plan():
     assert not prefill_plan(q, kc.to(torch.float8_e4m3fn), 2048, None, k, k.clone())["ws"]
     assert not prefill_plan(q.float(), kc.float(), 2048, None, k.float(), k.float())["ws"]
     assert not prefill_plan(q, kc, 2048, None)["ws"]  # no k/v: everything from the pages
+    # 64-wide heads: the Triton kernel by default up to the whole-step graphs' largest step
+    q64 = torch.randn(4096, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k64 = torch.randn(4096, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kc64 = torch.empty(300, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
+    assert not prefill_plan(q64, kc64, 2304, None, k64, k64.clone())["ws"]
+    assert prefill_plan(q64, kc64, 2305, None, k64, k64.clone())["ws"]
+    assert prefill_plan(q64, kc64, 512, {"ws": True}, k64, k64.clone())["ws"]
 
 
 @gpu
@@ -80,8 +87,9 @@ def test_prefill_ws_chunks_and_prefixes(q_lens, prefixes):
 @pytest.mark.parametrize("bs", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_ws_heads_pages_dtypes(Hq, Hkv, D, bs, dtype):
-    _run([700, 131, 66], [0, 3 * bs + 5, 1000], Hq, Hkv, D, bs, dtype, None, device="cuda", seed=Hq + D + bs,
-         new_kv=True, expect_src=SRC_WS)
+    # {"ws": True}: 64-wide heads take the Triton kernel by default at these lengths
+    _run([700, 131, 66], [0, 3 * bs + 5, 1000], Hq, Hkv, D, bs, dtype, None, {"ws": True}, device="cuda",
+         seed=Hq + D + bs, new_kv=True, expect_src=SRC_WS)
 
 
 @gpu
