@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
-from lab.kernels import RESULTS, slug
+from lab.kernels import RESULTS, gpu_and_date, slug, write_json
 
 LLAMA = dict(Hq=32, Hkv=8, D=128)
 QWEN = dict(Hq=14, Hkv=2, D=64)
@@ -115,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode-occupancy-{slug(gpu)}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, date=time.strftime("%Y-%m-%d"), copy_bw_GBps=copy_bw / 1e9,
-                                    rows=rows), indent=1))
+    write_json(path, gpu_and_date() | dict(copy_bw_GBps=copy_bw / 1e9, rows=rows))
     print(f"wrote {path}")
     return 0
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
-from lab.kernels import RESULTS, graph_us, slug
+from lab.kernels import RESULTS, gpu_and_date, graph_us, slug, write_json
 
 CASES = {
     "qwen B64 512-640 w2048": dict(B=64, Hq=14, Hkv=2, D=64, bs=16, width=2048, lo=512, hi=640),
@@ -175,8 +174,6 @@ def tp_sweep() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import time
-
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -191,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "tp" if args.tp else "cold" if args.cold else "splits"
     path = args.out / f"decode-{mode}-{args.kv}-{slug(gpu)}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, date=time.strftime("%Y-%m-%d"), kv=args.kv, results=rows), indent=1))
+    write_json(path, gpu_and_date() | dict(kv=args.kv, results=rows))
     print(f"wrote {path}")
     return 0
 

@@ -13,11 +13,9 @@ unfused path (its SiLU kernel with PDL, as in the engine) against plan()'s. Writ
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
-from lab.kernels import RESULTS, graph_us, slug
+from lab.kernels import RESULTS, gpu_and_date, graph_us, slug, write_json
 
 MODELS = {"qwen2.5-0.5b": (896, 4864), "llama3-8b": (4096, 14336)}  # hidden (K), intermediate (I)
 SHAPES = [("qwen2.5-0.5b", m) for m in (64, 512, 1024, 2048, 3328, 8192)] + \
@@ -107,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     graphs = decode_graphs()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gate-up-{slug(gpu)}.json"
-    path.write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                "triton": triton.__version__, "rows": rows, "decode_graphs": graphs}, indent=1))
+    write_json(path, gpu_and_date() | {"torch": torch.__version__, "triton": triton.__version__, "rows": rows,
+                                        "decode_graphs": graphs})
     print(f"wrote {path}")
     return 0
 
