@@ -605,8 +605,8 @@ def main(argv=None):
         if prefill_rows[0].get("best_sweep"):
             targets["prefill_speed_vs_sdpa"]["best_config_value"] = (
                 prefill_rows[0]["speed_vs_sdpa"] * prefill_rows[0]["time_us"] / prefill_rows[0]["best_sweep"]["time_us"])
-    result = {
-        "gpu": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
+    result = gpu_and_date() | {
+        "torch": torch.__version__, "triton": triton.__version__,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "timing": "triton.testing.do_bench median, L2 flushed before each run",
         "targets": targets,
@@ -618,7 +618,7 @@ def main(argv=None):
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernels-{slug(name)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     print(f"\nwrote {path}")
     print(f"{'case':58s} {'time us':>9s} {'GB/s':>7s} {'of copy':>7s}")
     for r in decode_rows + prefill_rows + write_rows:
