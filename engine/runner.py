@@ -737,6 +737,7 @@ class ModelRunner:
             query_start_loc=d32[n_seqs:2 * n_seqs + 1],
             num_decode=batch.num_decode,
             max_query_len=host.max_query_len,
+            max_prefix=batch.max_prefix,
             prefill_query_start_loc=d32[2 * n_seqs + 1:head] if has_pq else None,
         )
         sampled = host.sampled
@@ -931,7 +932,7 @@ class ModelRunner:
             return self._launch_graph(batch, prev)
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
         if self.steps is not None and not batch.is_decode_only:
-            key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
+            key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens, batch.max_prefix)
             if key is not None:
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)

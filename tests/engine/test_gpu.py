@@ -347,6 +347,58 @@ def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
     assert compiled == []
 
 
+def test_long_chunks_of_narrow_heads_compile_nothing_after_startup(tiny_models, tmp_path, monkeypatch):
+    """64-wide heads take the Triton prefill kernel up to 2,304 tokens and the Hopper kernel past
+    that or after a long prefix (kernels/prefill_attention.py prefill_plan; such steps leave the
+    whole-step graphs), so start-up must compile the Hopper kernel too: a first long prompt or long
+    conversation must not stall serving on a compile. Dummy weights in a tiny model's shape with
+    64-wide heads, in bfloat16 (the Hopper kernel's), and a context long enough for such chunks."""
+    import shutil
+
+    from triton import knobs
+
+    from kernels import prefill_attention
+
+    folder = tmp_path / "narrow"
+    shutil.copytree(tiny_models["qwen2"], folder, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               max_position_embeddings=4096)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", num_kv_blocks=1024,
+              max_num_batched_tokens=4096)
+    compiled, plans = [], []
+    plan = prefill_attention.prefill_plan
+
+    def recording_plan(*args, **kwargs):
+        cfg = plan(*args, **kwargs)
+        plans.append((args[2], args[6] if len(args) > 6 else 0, cfg["ws"]))  # max_query_len, max_prefix, ws
+        return cfg
+
+    monkeypatch.setattr(prefill_attention, "prefill_plan", recording_plan)
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+        compiled.append(fn.name)
+        return False
+
+    rng = random.Random(7)
+    lengths = (3000, prefill_attention.WS_NARROW_MIN_QUERY_LEN, 2400, 100, 1500, 2304)
+    shared = [rng.randrange(3, VOCAB) for _ in range(2100)]
+    first = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths] + [shared + [5] * 40]
+    # then chunks of a few hundred tokens after the 2,096 cached ones (whole blocks)
+    then = [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (300, 90, 700)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        outs = llm.generate(first, params) + llm.generate(then, params)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert [len(o.token_ids) for o in outs] == [4] * (len(first) + len(then))
+    assert any(ws for n, _, ws in plans if n >= prefill_attention.WS_NARROW_MIN_QUERY_LEN), plans
+    assert any(ws for n, pre, ws in plans if n < prefill_attention.WS_NARROW_MIN_QUERY_LEN and pre >= 2096), plans
+    assert compiled == []
+
+
 def test_the_heater_fills_the_head_start():
     """The cost model's hot timing (engine/runner.py): the heater's matmuls stand in for the sleep
     kernel's head start, and the timed work still comes out of the events alone."""
