@@ -47,22 +47,23 @@ def _bulk_prefetch(ptrs, sizes):
 
 
 @triton.jit
-def _prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, CHUNK: tl.constexpr, LANES: tl.constexpr,
-                     PDL: tl.constexpr):
-    """Program p asks for chunks p, p + P, ... of range a, then of range b; then waits (PDL)."""
+def _prefetch_range(ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """This program's chunks of [ptr, ptr + nbytes): p, p + P, ... for program p of P."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     lane = tl.arange(0, LANES)
-    base_a = a_ptr.to(tl.pointer_type(tl.int8))
-    base_b = b_ptr.to(tl.pointer_type(tl.int8))
-    for r in range(0, tl.cdiv(a_bytes, CHUNK * LANES * nprog)):
+    base = ptr.to(tl.pointer_type(tl.int8))
+    for r in range(0, tl.cdiv(nbytes, CHUNK * LANES * nprog)):
         off = ((r * nprog + pid) * LANES + lane).to(tl.int64) * CHUNK
-        size = tl.minimum(tl.maximum(a_bytes - off, 0), CHUNK).to(tl.int32)
-        _bulk_prefetch(base_a + off, size)
-    for r in range(0, tl.cdiv(b_bytes, CHUNK * LANES * nprog)):
-        off = ((r * nprog + pid) * LANES + lane).to(tl.int64) * CHUNK
-        size = tl.minimum(tl.maximum(b_bytes - off, 0), CHUNK).to(tl.int32)
-        _bulk_prefetch(base_b + off, size)
+        _bulk_prefetch(base + off, tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32))
+
+
+@triton.jit
+def _prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, CHUNK: tl.constexpr, LANES: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Ask L2 for range a, then range b, the chunks spread over the programs; then wait (PDL)."""
+    _prefetch_range(a_ptr, a_bytes, CHUNK, LANES)
+    _prefetch_range(b_ptr, b_bytes, CHUNK, LANES)
     wait_for_prior(PDL)
 
 
@@ -82,11 +83,8 @@ def patch(variant: str) -> None:
         return
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
-    layers: list = []
 
     def forward(self, ops, x, residual, positions, cos_sin, cache, meta, summed=False):
-        if not layers:
-            layers.extend(m for m in self._probe_model_layers)
         on = x.is_cuda and x.shape[0] <= MAX_ROWS and meta.num_decode == x.shape[0] and isinstance(self.mlp, L.MLP)
         h, residual = self.input_norm(ops, x, residual, summed)
         attn = self.self_attn
@@ -100,18 +98,17 @@ def patch(variant: str) -> None:
         if on and variant in ("o_gu_d", "o_gu_d_q"):
             l2_prefetch(self.mlp.down_proj.weight)
         g = ops.gate_up_silu(h, self.mlp.gate_up_proj.weight, prefetch=self.comm.fused_sums)
-        if on and variant == "o_gu_d_q":
-            i = layers.index(self)
-            if i + 1 < len(layers):
-                l2_prefetch(layers[i + 1].self_attn.qkv_proj.weight)
+        if on and variant == "o_gu_d_q" and self._probe_next is not None:
+            l2_prefetch(self._probe_next.self_attn.qkv_proj.weight)
         return ops.linear(g, self.mlp.down_proj.weight), residual
 
     init = L.LlamaForCausalLM.__init__
 
     def model_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        for layer in self.layers:
-            object.__setattr__(layer, "_probe_model_layers", list(self.layers))
+        # each layer's successor, kept out of the module tree (not a submodule of its predecessor)
+        for layer, after in zip(self.layers, list(self.layers[1:]) + [None]):
+            object.__setattr__(layer, "_probe_next", after)
 
     L.LlamaForCausalLM.__init__ = model_init
     L.DecoderLayer.forward = forward
