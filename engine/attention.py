@@ -23,9 +23,6 @@ class AttnMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     num_decode: int  # the first num_decode sequences have exactly one new token
     max_query_len: int
-    # the most tokens before a prefill chunk in its sequence (cached or computed in earlier steps): the
-    # prefill kernel's plan depends on it (kernels/prefill_attention.py NARROW_MAX_PREFIX)
-    max_prefix: int = 0
     # query_start_loc[num_decode:] - num_decode: the prefill part's own starts (mixed steps; the
     # runner uploads it with the rest, else each layer computes it)
     prefill_query_start_loc: torch.Tensor | None = None
@@ -64,7 +61,7 @@ class Ops:
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                       k_scale=None, v_scale=None, max_query_len=None, k=None, v=None, out=None, max_prefix=0):
+                       k_scale=None, v_scale=None, max_query_len=None, k=None, v=None, out=None):
     # k, v are the pages' own values for the new tokens: the reference reads everything from the pages
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, k_scale, v_scale, out)
@@ -121,8 +118,7 @@ def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
                                     out=out, **kw)
     if nd == 0:
         return ops.prefill_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v, out=out,
-                                     max_prefix=meta.max_prefix, **kw)
+                                     scale, c.k_scale, c.v_scale, meta.max_query_len, k=k, v=v, out=out, **kw)
     # Mixed step: both kernels write their rows of one output (no copies). Eager steps run these
     # lines once per layer, so every host microsecond here counts (bench/NOTES.md).
     if out is None:
@@ -130,7 +126,7 @@ def attend(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
     d, p = _mixed_parts(q, k, v, out, meta)
     ops.decode_attention(d[0], c.k, c.v, d[1], d[2], scale, c.k_scale, c.v_scale, out=d[3], **kw)
     ops.prefill_attention(p[0], c.k, c.v, p[1], p[2], p[3], scale, c.k_scale, c.v_scale, meta.max_query_len,
-                          k=p[4], v=p[5], out=p[6], max_prefix=meta.max_prefix, **kw)
+                          k=p[4], v=p[5], out=p[6], **kw)
     return out
 
 

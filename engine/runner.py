@@ -672,33 +672,29 @@ class ModelRunner:
     def warmup(self, sample: bool = True, layers: list | None = None, eager_decodes: bool | None = None) -> None:
         """Compile, before the first request, the kernel variants that eager steps use, in steps that
         write nowhere: mixed steps (decodes + one prefill chunk) with one decode per prefill tile
-        height, and the longest of them again as if after a long prefix, and with each power-of-two
-        decode count (decode attention's variant follows the count rounded up to one) and the
-        smallest chunk; with --enforce-eager also a decode-only step per count (those fuse rotary
-        into attention: other variants). The decode graphs' own variants come with their capture.
-        For compile_ahead's dry passes: sample=False runs the forwards only, layers replaces the KV
-        pool's, eager_decodes overrides "no decode graphs"."""
+        height and two longer chunks, and with each power-of-two decode count (decode attention's
+        variant follows the count rounded up to one) and the smallest chunk; with --enforce-eager
+        also a decode-only step per count (those fuse rotary into attention: other variants). The
+        decode graphs' own variants come with their capture. For compile_ahead's dry passes: sample=False runs the forwards only,
+        layers replaces the KV pool's, eager_decodes overrides "no decode graphs"."""
         layers = self.pool.layers if layers is None else layers
         eager_decodes = self.graphs is None if eager_decodes is None else eager_decodes
         top = self.cfg.max_num_seqs
         counts = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
         # a chunk over 64 tokens takes another prefill kernel (kernels/prefill_attention.py's
         # prefill_plan: prefill_ws.py's on an H100), for heads of 64 dims only past the whole-step
-        # graphs' sizes or after a long prefix, which the plan reads from the metadata alone (no
-        # cache to fill); the step graphs capture that kernel only in their work-list form
-        from kernels.prefill_attention import NARROW_MAX_PREFIX
+        # graphs' sizes; the step graphs capture it only in their work-list form
+        from kernels.prefill_attention import WS_NARROW_MIN_QUERY_LEN as long_chunk
 
-        chunks = ((16, 0), (32, 0), (64, 0), (128, 0), (128, NARROW_MAX_PREFIX))
         for nd in counts:
-            for chunk, prefix in chunks if nd == 1 else chunks[:1]:
-                if chunk < self.max_model_len:
-                    self._warmup_step(nd, chunk, layers, sample, prefix)
+            for chunk in (16, 32, 64, 128, long_chunk) if nd == 1 else (16,):
+                if chunk < self.max_model_len and (chunk < long_chunk or chunk < self.cfg.max_num_batched_tokens):
+                    self._warmup_step(nd, chunk, layers, sample)
             if eager_decodes:
                 self._warmup_step(nd, 0, layers, sample)
 
-    def _warmup_step(self, nd: int, chunk: int, layers: list, sample: bool = True, max_prefix: int = 0) -> None:
-        """nd decodes of length 1 and a prefill chunk of `chunk` tokens (0: none), slots -1; the
-        prefill kernel planned as if the chunk followed max_prefix tokens."""
+    def _warmup_step(self, nd: int, chunk: int, layers: list, sample: bool = True) -> None:
+        """nd decodes of length 1 and a prefill chunk of `chunk` tokens (0: none), slots -1."""
         nseq, n = nd + (1 if chunk else 0), nd + chunk
         seq_lens = [1] * nd + ([chunk] if chunk else [])
         starts = list(range(nd + 1)) + ([n] if chunk else [])
@@ -706,8 +702,7 @@ class ModelRunner:
         meta = AttnMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros((nseq, self.max_blocks_per_seq), dtype=torch.int32, device=self.device),
-            seq_lens=i32[:nseq], query_start_loc=i32[nseq:], num_decode=nd, max_query_len=max(chunk, 1),
-            max_prefix=max_prefix)
+            seq_lens=i32[:nseq], query_start_loc=i32[nseq:], num_decode=nd, max_query_len=max(chunk, 1))
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.zeros(nd, dtype=torch.int64), torch.arange(chunk)]).to(self.device)
         last = torch.tensor([0] * nd + ([chunk - 1] if chunk else []), device=self.device)
@@ -742,7 +737,6 @@ class ModelRunner:
             query_start_loc=d32[n_seqs:2 * n_seqs + 1],
             num_decode=batch.num_decode,
             max_query_len=host.max_query_len,
-            max_prefix=batch.max_prefix,
             prefill_query_start_loc=d32[2 * n_seqs + 1:head] if has_pq else None,
         )
         sampled = host.sampled
@@ -937,7 +931,7 @@ class ModelRunner:
             return self._launch_graph(batch, prev)
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
         if self.steps is not None and not batch.is_decode_only:
-            key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens, batch.max_prefix)
+            key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
             if key is not None:
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)

@@ -13,9 +13,7 @@ within the noise, bench/NOTES.md, 2026-11-24):
   prefill attention then overwrites;
 - prefill attention over a work list (kernels/prefill_attention.py work_list): item (b, query
   tile) for each tile of each chunk, padding items do nothing; chunk j's sequence is entry R + j
-  of the graph's seq_lens, block tables and query starts (rows of q). The graphs hold the kernel
-  the plan picks for chunks with no prefix; where a long prefix would change it (64-wide heads,
-  NARROW_MAX_PREFIX), such a step runs piecewise (key()).
+  of the graph's seq_lens, block tables and query starts (rows of q).
 
 One graph per (R, token bucket T >= R), captured after the piecewise graphs into their memory
 pool. Their token buckets are finer than the piecewise graphs' above 512 tokens (step_buckets):
@@ -98,7 +96,7 @@ class StepGraphs:
                  skip: frozenset[int] = frozenset()) -> None:
         self.model, self.ops, self.caches, self.pw = model, ops, caches, piecewise
         # Triton: only where graphs are captured
-        from kernels.prefill_attention import NARROW_MAX_PREFIX, prefill_plan, work_list
+        from kernels.prefill_attention import prefill_plan, work_list
 
         self.token_buckets = step_buckets(min(max_tokens, piecewise.max_tokens), skip)
         self.max_tokens = self.token_buckets[-1]
@@ -109,14 +107,7 @@ class StepGraphs:
         pw, c = piecewise, caches[0]
         # tokens per prefill work item (the plan for max_query_len = T), and the most items a step
         # of T tokens and MAX_PREFILLS chunks can have
-        plans = {t: prefill_plan(pw.q[:t], c.k, t, None, pw.k[:t], pw.v[:t]) for t in self.token_buckets}
-        self.tok_m = {t: plans[t]["tok_m"] for t in self.token_buckets}
-        # the graphs capture the plan of chunks with no prefix; where a chunk after a long one takes
-        # the other prefill kernel (64-wide heads), such steps run piecewise, whose plan sees the prefix
-        self.long_prefix = NARROW_MAX_PREFIX
-        self.prefix_bound = frozenset(
-            t for t in self.token_buckets
-            if prefill_plan(pw.q[:t], c.k, t, None, pw.k[:t], pw.v[:t], self.long_prefix)["ws"] != plans[t]["ws"])
+        self.tok_m = {t: prefill_plan(pw.q[:t], c.k, t, None, pw.k[:t], pw.v[:t])["tok_m"] for t in self.token_buckets}
         self.work_size = {t: -(-t // self.tok_m[t]) + MAX_PREFILLS for t in self.token_buckets}
         S, T = self.num_seqs, self.max_tokens
         # device buffer, bytes: int32 [seq_lens (S) | query starts (S + 1) | work] | int64 [3 x S
@@ -220,18 +211,15 @@ class StepGraphs:
                  "+ %.1f MiB of static buffers", len(self.graphs), self.token_buckets[0], self.max_tokens,
                  self.decode_rows[-1], self.pool_bytes / 2**20, self.static_bytes / 2**20)
 
-    def key(self, num_decode: int, num_prefills: int, num_tokens: int, max_prefix: int = 0) -> tuple[int, int] | None:
+    def key(self, num_decode: int, num_prefills: int, num_tokens: int) -> tuple[int, int] | None:
         """The graph for a step of num_decode decodes first, then num_prefills chunks, num_tokens in
-        all, the longest max_prefix tokens after the start of its sequence, or None when none fits (too
-        many tokens or chunks, work_size bounds the work items; a prefix that changes the plan)."""
+        all, or None when none fits (too many tokens or chunks; work_size bounds the work items)."""
         if not 0 < num_prefills <= MAX_PREFILLS:
             return None
         rows = smallest_bucket(self.decode_rows, num_decode)  # next power of two (1 for none)
         if rows is None:
             return None
         t = smallest_bucket(self.token_buckets, max(num_tokens, rows))
-        if max_prefix >= self.long_prefix and t in self.prefix_bound:
-            return None
         return (rows, t) if (rows, t) in self.graphs else None
 
     def run(self, key: tuple[int, int], host: HostInputs, num_decode: int, num_seqs: int,

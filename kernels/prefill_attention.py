@@ -42,17 +42,14 @@ SRC_WS = 3  # (plans only) the whole launch goes to prefill_ws.py's Hopper kerne
 # chunks of at most this many tokens stay on this file's kernel (its tiles of 16-64 rows waste
 # less on short chunks than the Hopper kernel's 128)
 WS_MIN_QUERY_LEN = 65
-# and for heads of at most 64 dims, chunks shorter than this too, unless a chunk follows a prefix of
-# NARROW_MAX_PREFIX tokens or more. In the engine's own mixed steps of Qwen2.5-0.5B (60 decodes and
-# one chunk; H100, bench/NOTES.md 2026-11-28) this file's kernel took 9.1 us a layer where the
-# Hopper kernel took 19.1 for a 512-token chunk with no prefix, and the step 3-11% less with one to
-# four such chunks; after 1,024 tokens the two were even (512 tokens: Triton 3% shorter, 1,024: the
-# Hopper kernel 2%, 2,048: equal), after longer prefixes the Hopper kernel's step was shorter: 0-8%
-# (2,048 after 2,048), 7% (256 after 4,096), 15-22% (1,024 and 2,048 after 4,096). The bound is the
-# whole-step graphs' largest step (EngineConfig.step_graph_max_tokens), whose graphs capture the
-# plan of a step with no prefix.
+# and for heads of at most 64 dims, chunks shorter than this too: in the engine's own mixed steps
+# of a 64-wide-head model (H100, bench/NOTES.md 2026-11-28) this file's kernel took 9.1 us a layer
+# where the Hopper kernel took 19.1 for a 512-token chunk, and the step 3-11% less with one to four
+# such chunks. The bound is the whole-step graphs' largest step (EngineConfig.step_graph_max_tokens).
+# After a cached prefix of 2,048-4,096 tokens the Hopper kernel's step was 6-22% shorter for models
+# of 14-32 heads (not SmolLM2's 9), but a plan that follows the prefix must leave the graphs, whose
+# piecewise launches took that back (bench/NOTES.md, 2026-11-28, "a chunk's plan by its prefix")
 WS_NARROW_MIN_QUERY_LEN = 2305
-NARROW_MAX_PREFIX = 2048
 
 
 @triton.jit
@@ -300,18 +297,11 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return TensorDescriptor is not None and prefill_ws.tma_2d(t)
 
 
-def default_ws_min_len(head_dim: int, max_prefix: int) -> int:
-    """The shortest chunk the Hopper kernel takes by default, where a step's chunks follow at most
-    max_prefix tokens of their sequences."""
-    return WS_NARROW_MIN_QUERY_LEN if head_dim <= 64 and max_prefix < NARROW_MAX_PREFIX else WS_MIN_QUERY_LEN
-
-
 def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, config: dict | None = None,
-                 k: torch.Tensor | None = None, v: torch.Tensor | None = None, max_prefix: int = 0) -> dict:
+                 k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> dict:
     """The launch the wrapper makes: prefill_config()'s choice updated by `config`, with the
     requests that cannot apply dropped, plus src (SRC_PAGES / SRC_PTR / SRC_TMA: where the new
-    keys are read) and tok_m (tokens per program). max_prefix: the most tokens before a chunk in its
-    sequence (cached or computed in earlier steps)."""
+    keys are read) and tok_m (tokens per program)."""
     Hq, D = q.shape[1], q.shape[2]
     group = Hq // k_cache.shape[1]
     quant = QUANT_CODE.get(k_cache.dtype, 0)
@@ -326,10 +316,10 @@ def prefill_plan(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, con
     if new_kv:
         cfg["src"] = (SRC_TMA if cfg["tma"] and _tma_ok(k) and _tma_ok(v) else SRC_PTR).value
     cfg["tma"] = cfg["src"] == SRC_TMA.value
-    # the Hopper kernel by default (for 64-wide heads from WS_NARROW_MIN_QUERY_LEN tokens unless a
-    # chunk follows a long prefix); a config asks for it by "ws": True (its other keys are this file's)
+    # the Hopper kernel by default (for 64-wide heads from WS_NARROW_MIN_QUERY_LEN tokens); a config
+    # asks for it by "ws": True (its other keys are this file's)
     ws = (config or {}).get("ws", None if not config else False)
-    min_len = default_ws_min_len(D, max_prefix) if ws is None else WS_MIN_QUERY_LEN
+    min_len = WS_NARROW_MIN_QUERY_LEN if ws is None and D <= 64 else WS_MIN_QUERY_LEN
     want_ws = ws is not False and max_query_len >= min_len
     cfg["ws"] = bool(want_ws and new_kv and prefill_ws.ws_available(q) and prefill_ws.ws_supports(q, k, v, k_cache, k_cache))
     if cfg["ws"]:
@@ -361,8 +351,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: torch.Tensor | None = None, max_query_len: int | None = None,
                             config: dict | None = None, k: torch.Tensor | None = None,
                             v: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                            reuse: dict | None = None, work: torch.Tensor | None = None,
-                            max_prefix: int = 0) -> torch.Tensor:
+                            reuse: dict | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's pages -> [T, num_heads, head_dim].
 
     k, v [T, num_kv_heads, head_dim] (optional): this step's new keys/values, row for row with q,
@@ -375,7 +364,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     seq_lens and query_start_loc each time; later calls of the same shapes relaunch the first's plan.
     `work`: int32 [N] work items (module docstring), one program per item and head, planned for
     max_query_len (prefill_plan()'s tok_m is the tile the items count in); no reuse with it.
-    `max_prefix`: the most tokens before a chunk in its sequence (prefill_plan's choice of kernel).
     """
     if reuse is not None:
         caller = (q, k, v, out)
@@ -434,7 +422,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if B else 0
     if T == 0 or B == 0 or max_query_len == 0:
         return out
-    plan = prefill_plan(q, k_cache, max_query_len, config, k, v, max_prefix)
+    plan = prefill_plan(q, k_cache, max_query_len, config, k, v)
     if plan["ws"]:
         grid, args, kwargs = prefill_ws.ws_launch_args(q, k, v, k_cache, v_cache, block_tables, seq_lens,
                                                        query_start_loc, out, softmax_scale, max_query_len, work)

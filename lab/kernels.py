@@ -21,7 +21,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import re
 import sys
 import time

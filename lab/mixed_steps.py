@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the new prompts of the rounds start with the same N tokens (cached after the first): "
                         "their chunks come after a cached prefix")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0,
+                   help="of the prompts' token ids: runs on one engine with other seeds find nothing of the "
+                        "last run's prompts in its prefix cache")
     p.add_argument("--decode-steps", type=int, default=2, help="decode-only steps between mixed steps")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-piecewise-graphs", action="store_true")
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
               piecewise_graphs=not args.no_piecewise_graphs, pdl=False if args.no_pdl else None, **steps)
     core, runner = llm.engine.core, llm.engine.runner
     vocab = llm.engine.model_config.vocab_size
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     shared = prompt(args.shared_prefix)
     cuda = torch.cuda.is_available()

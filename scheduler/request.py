@@ -199,11 +199,6 @@ class Batch:
     def is_decode_only(self) -> bool:
         return self.num_decode == len(self.items)
 
-    @property
-    def max_prefix(self) -> int:
-        """The most tokens before a prompt chunk of this step in its sequence (0 with none)."""
-        return max((it.start for it in self.items[self.num_decode:]), default=0)
-
 
 class ExecutorLost(RuntimeError):
     """The executor can run no more steps (a tensor-parallel rank died, or the ranks fell out of

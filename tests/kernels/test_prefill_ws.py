@@ -15,8 +15,7 @@ import torch
 
 from kernels import prefill_ws
 from kernels import reference as ref
-from kernels.prefill_attention import (NARROW_MAX_PREFIX, SRC_WS, WS_MIN_QUERY_LEN, WS_NARROW_MIN_QUERY_LEN,
-                                       default_ws_min_len, paged_prefill_attention, prefill_plan)
+from kernels.prefill_attention import SRC_WS, paged_prefill_attention, prefill_plan
 from tests.kernels.test_prefill_attention import _run
 from tests.kernels.util import HAS_CUDA, REL_TOL, gpu, make_block_tables, make_cache, rel_err, run_outside_interpreter
 
@@ -65,18 +64,6 @@ def test_prefill_ws_plan():
     assert not prefill_plan(q64, kc64, 2304, None, k64, k64.clone())["ws"]
     assert prefill_plan(q64, kc64, 2305, None, k64, k64.clone())["ws"]
     assert prefill_plan(q64, kc64, 512, {"ws": True}, k64, k64.clone())["ws"]
-    # ... unless a chunk follows a long prefix
-    assert not prefill_plan(q64, kc64, 512, None, k64, k64.clone(), NARROW_MAX_PREFIX - 1)["ws"]
-    assert prefill_plan(q64, kc64, 512, None, k64, k64.clone(), NARROW_MAX_PREFIX)["ws"]
-    assert not prefill_plan(q64, kc64, 64, None, k64, k64.clone(), 4096)["ws"]
-
-
-def test_default_ws_bound_by_head_width_and_prefix():
-    """128-wide heads take the Hopper kernel from WS_MIN_QUERY_LEN tokens; 64-wide ones only past
-    the whole-step graphs' sizes, or from WS_MIN_QUERY_LEN too where a chunk follows a long prefix."""
-    assert default_ws_min_len(128, 0) == default_ws_min_len(128, 8192) == WS_MIN_QUERY_LEN
-    assert default_ws_min_len(64, 0) == default_ws_min_len(64, NARROW_MAX_PREFIX - 1) == WS_NARROW_MIN_QUERY_LEN
-    assert default_ws_min_len(64, NARROW_MAX_PREFIX) == default_ws_min_len(32, 5000) == WS_MIN_QUERY_LEN
 
 
 @gpu

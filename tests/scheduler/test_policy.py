@@ -123,7 +123,6 @@ def test_prefix_cache_counts_cached_tokens_as_computed():
     batch = s.schedule()
     assert [(it.start, it.num_new_tokens) for it in batch.items] == [(12, 2)]  # 3 full blocks hit
     assert b.num_cached_tokens == 12
-    assert batch.max_prefix == 12  # what the prefill kernel's plan sees
     s.update(batch, fake_execute(batch))
     run_all(s)
     # The exact same prompt: all blocks hit, but the last block is recomputed to get logits.
@@ -350,22 +349,3 @@ def test_a_prompt_chunk_waits_for_blocks_while_decodes_run():
     assert chunks == [8, 8, 0, 0] and s.num_preemptions == 0 and len(long.block_table) == 4
     run_all(s)
     assert a.finish_reason == long.finish_reason == "length"
-
-
-def test_max_prefix_counts_the_prompt_chunks_only():
-    """Batch.max_prefix: the most tokens before a prompt chunk in its sequence; a decode's context
-    does not count."""
-    s = make(budget=10)
-    a, b = seq(0, 3, max_tokens=8), seq(1, 25)
-    s.add(a)
-    s.add(b)
-    first = s.schedule()
-    assert first.max_prefix == 0
-    s.update(first, fake_execute(first))
-    second = s.schedule()
-    assert [(it.start, it.num_new_tokens) for it in second.items] == [(3, 1), (7, 9)]
-    assert second.max_prefix == 7
-    s.update(second, fake_execute(second))
-    while (batch := s.schedule()) is not None and not batch.is_decode_only:
-        s.update(batch, fake_execute(batch))
-    assert batch is not None and batch.max_prefix == 0  # decodes only, whatever their contexts
