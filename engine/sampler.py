@@ -32,8 +32,22 @@ class SamplingBatch:
         return max(wanted) if wanted else None
 
 
+_M64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """A bijection of 64-bit integers that scatters nearby inputs (SplitMix64's finalizer)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 def _seed_for(seed: int, position: int) -> int:
-    return (seed * 0x9E3779B1 + position * 0x85EBCA77 + 1) % (2**63 - 1)
+    """The generator seed of a request's token at `position` (a non-negative int64): any two seeds
+    of the int64 range collide only by chance (a reduction modulo 2**63 - 1 made 0 and 2**63 - 1,
+    -1 and 2**63 - 2 the same stream)."""
+    return _mix64((_mix64(seed & _M64) + position) & _M64) >> 1
 
 
 def _sorted_outside(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,8 +102,7 @@ class EngineCore:
         seq = Sequence(seq_id if seq_id is not None else next_seq_id(), prompt_token_ids, params,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         self.scheduler.add(seq)
-        self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                                        self.token_bytes[params.skip_special_tokens])
+        self.detok[seq.seq_id] = IncrementalDetokenizer.for_params(self.tokenizer, params, self.token_bytes)
         return seq
 
     def abort(self, seq_id: int) -> bool:

@@ -15,9 +15,10 @@ class IncrementalDetokenizer:
     it, text comes from an incremental UTF-8 decoder instead of the tokenizer."""
 
     def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True,
-                 token_bytes: list[bytes] | None = None) -> None:
+                 token_bytes: list[bytes] | None = None, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop  # the text ends after the stop string instead of before it
         self.skip_special = skip_special_tokens
         self.token_bytes = token_bytes
         self.partial = b""  # with token_bytes: the start of a UTF-8 character whose other bytes are still to come
@@ -29,6 +30,13 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.stopped = False
+
+    @classmethod
+    def for_params(cls, tokenizer: Any, params: Any,
+                   token_bytes: dict[bool, list[bytes] | None]) -> "IncrementalDetokenizer":
+        """One request's (SamplingParams: stop strings, special tokens); token_bytes by skip_special_tokens."""
+        return cls(tokenizer, params.stop, params.skip_special_tokens, token_bytes[params.skip_special_tokens],
+                   params.include_stop_str_in_output)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -79,9 +87,10 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> None:
         longest = max(len(s) for s in self.stop)
         start = max(0, self.emitted - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, minus_len = min(hits)  # the first stop string in the text; the longest of those starting there
+            self.text = self.text[:at - minus_len if self.include_stop else at]
             self.stopped = True
 
     def _held_back(self) -> int:

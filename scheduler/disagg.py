@@ -233,8 +233,7 @@ class DecodeCore(EngineCore):
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         seq.token_ids.extend(prompt_token_ids[n:])
         self.scheduler.check_fits(seq)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                       self.token_bytes[params.skip_special_tokens])
+        detok = IncrementalDetokenizer.for_params(self.tokenizer, params, self.token_bytes)
         detok.add(prompt_token_ids[n:])  # the prefill engine has sent this text already
         self.detok[seq.seq_id] = detok
         self.arriving[seq.seq_id] = seq

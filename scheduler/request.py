@@ -37,6 +37,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string found, instead of before it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None

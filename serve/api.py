@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
+GET /metrics.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
 process`, serve.engine_process.ProcessEngine (its core runs in a child process).
@@ -136,9 +137,17 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
 
+    def card() -> ModelCard:
+        return ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def model(model: str) -> ModelCard:
+        _check_model(st, model)
+        return card()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -104,7 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        messages = {400: "the request body could not be parsed: send UTF-8 encoded JSON",
+        messages = {400: "the request body could not be parsed: send UTF-8 encoded JSON, nested less than a "
+                         "few hundred levels deep",
                     404: f"no route {request.url.path}; see /v1/completions, /v1/chat/completions, /v1/models",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         message = messages.get(exc.status_code) or (exc.detail if isinstance(exc.detail, str) else "request failed")

@@ -168,6 +168,14 @@ class RequestPlanner:
         tools = plan_tools(req, self.tool_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.echo:
+            raise APIError(400, "echo is not supported on /v1/chat/completions; leave it out", param="echo")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -232,7 +240,9 @@ class RequestPlanner:
         messages = chat_messages(messages, req.messages, tools, self.tool_parser, self.template_has_tools)
         extra = {"tools": tools.tools} if tools.tools and self.template_has_tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message,
+                                                      tokenize=False, **extra)
         except Exception as e:  # the template's own raise_exception(), or a template error
             reason = str(e).splitlines()[0][:200] if str(e) else "it raised an error"
             raise APIError(400, f"the chat template cannot render these messages: {reason}", param="messages") from None
@@ -256,6 +266,9 @@ class RequestPlanner:
         if grammar is not None and req.ignore_eos:
             raise APIError(400, "ignore_eos cannot go with structured output: the grammar ends the output", param="ignore_eos")
         self._check_count(len(prompts), req.n)
+        if req.truncate_prompt_tokens is not None:  # the last N tokens (vLLM's meaning); echo shows them
+            keep = req.truncate_prompt_tokens
+            prompts = [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
         if max_tokens is not None and max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens} but this server allows at most {self.max_tokens_limit}",
                            param="max_tokens")
@@ -283,6 +296,7 @@ class RequestPlanner:
             top_k=req.top_k if req.top_k and req.top_k < self.vocab_size else -1,  # >= vocab: no filter
             seed=req.seed,
             stop=self._stop_list(req.stop),
+            include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
@@ -313,11 +327,16 @@ class RequestPlanner:
 
     @staticmethod
     def _check_unsupported(req: SamplingFields) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported; leave it out or send 0", param=name)
+        if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
+            raise APIError(400, "repetition_penalty is not supported; leave it out or send 1",
+                           param="repetition_penalty")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported; leave it out", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
 
     def _stop_list(self, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])

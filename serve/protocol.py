@@ -38,7 +38,7 @@ class SamplingFields(RequestModel):
     temperature: float | None = Field(None, ge=0.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="extension; -1 or 0 = disabled")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1, description="a 64-bit signed integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension")
     n: int = Field(1, ge=1)
@@ -50,6 +50,13 @@ class SamplingFields(RequestModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="not supported; leave empty")
+    include_stop_str_in_output: bool = Field(False, description="extension (vLLM): the stop string ends the text")
+    truncate_prompt_tokens: int | None = Field(None, ge=1,
+                                               description="extension (vLLM): keep the prompt's last N tokens")
+    # vLLM sampling extensions this server does not apply: rejected unless they ask for nothing
+    repetition_penalty: float | None = Field(None, gt=0.0, description="only 1 is supported")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="only 0 is supported")
+    min_tokens: int | None = Field(None, ge=0, description="only 0 is supported")
     user: str | None = None
     # structured output (serve/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(
@@ -145,6 +152,10 @@ class ChatCompletionRequest(SamplingFields):
         None, description='"auto" (the default with tools), "none", "required", or {"type": "function", '
                           '"function": {"name": ...}}')
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = Field(True, description="extension (vLLM): end the prompt with the assistant's turn")
+    continue_final_message: bool = Field(False, description="extension (vLLM): the reply continues the last "
+                                                            "(assistant) message instead of starting a new turn")
+    echo: bool = Field(False, description="extension (vLLM): not supported")
 
 
 # --- responses --------------------------------------------------------------------------------

@@ -146,3 +146,18 @@ def test_bf16_logits_sample_like_their_float32_copy():
     assert got[0][1] == 7
     greedy_only = SamplingBatch(params[:2], [0, 0])
     assert sample(logits[:2], greedy_only)[0] == logits[:2].float().argmax(-1).tolist()
+
+
+def test_seed_keys_of_the_int64_range_differ():
+    """Every int64 seed has a stream of its own: the generator key of (seed, position) is a
+    non-negative int64, and the ends of the range no longer fold onto its start (the key used to be
+    reduced modulo 2**63 - 1, so 0 and 2**63 - 1 drew the same tokens, as did -1 and 2**63 - 2)."""
+    from engine.sampler import _seed_for
+
+    pairs = [(0, 2**63 - 1), (-1, 2**63 - 2), (1, -2**63), (2, 3)]
+    for pos in (0, 1, 127):
+        for a, b in pairs:
+            assert _seed_for(a, pos) != _seed_for(b, pos)
+        keys = [_seed_for(s, pos) for s in (-2**63, -1, 0, 1, 2**63 - 1)]
+        assert all(0 <= k < 2**63 for k in keys)
+    assert _seed_for(5, 0) != _seed_for(5, 1)

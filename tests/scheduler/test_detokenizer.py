@@ -9,8 +9,8 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def feed(text, stop=(), tok=ByteTokenizer()):
-    d = IncrementalDetokenizer(tok, list(stop))
+def feed(text, stop=(), tok=ByteTokenizer(), include_stop=False):
+    d = IncrementalDetokenizer(tok, list(stop), include_stop=include_stop)
     ids = list(text.encode())
     deltas = [d.add([i], final=(k == len(ids) - 1)) for k, i in enumerate(ids)]
     return deltas, d
@@ -34,6 +34,17 @@ def test_stop_string_cuts_and_partial_matches_are_held_back():
 def test_earliest_of_several_stop_strings_wins():
     deltas, d = feed("xx END yy STOP", stop=["STOP", "END"])
     assert "".join(deltas) == "xx "
+
+
+def test_include_stop_keeps_the_stop_string_found_first():
+    """include_stop_str_in_output: the text ends after the stop string; of several, the earliest,
+    and of those starting at one place, the longest."""
+    deltas, d = feed("hello STOP world", stop=["STOP"], include_stop=True)
+    assert d.stopped and "".join(deltas) == "hello STOP"
+    deltas, _ = feed("xx END yy STOP", stop=["STOP", "END"], include_stop=True)
+    assert "".join(deltas) == "xx END"
+    deltas, _ = feed("a ENDING b", stop=["END", "ENDING"], include_stop=True)
+    assert "".join(deltas) == "a END"  # "END" completes first; the text stops as soon as a stop string is whole
 
 
 def test_byte_table_fast_path_equals_tokenizer_decode(tiny_models):

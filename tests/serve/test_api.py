@@ -118,6 +118,44 @@ def test_echo_and_stop(client, server, offline):
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
+def test_vllm_prompt_and_stop_extensions(client, server, offline):
+    """include_stop_str_in_output keeps the stop string; truncate_prompt_tokens serves the prompt's
+    last N tokens; continue_final_message goes on with the last assistant message (its rendering by
+    the chat template without a new turn); one model by GET /v1/models/{id}."""
+    name = server.state.model_name
+    full = greedy(offline, [PROMPTS[2]], max_tokens=20)[0]
+    stop = full[5:8]
+    r = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop) + len(stop)]
+    chunks = list(client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True,
+                                                                     "include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+    ids = offline.tokenizer.encode(PROMPTS[1] + " and the largest city of France")
+    tail = ids[-4:]
+    r = client.completions.create(model=name, prompt=ids, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4})
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].text == greedy(offline, [tail], max_tokens=5)[0]
+
+    messages = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello! My name is"}]
+    rendered = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                     continue_final_message=True, tokenize=False)
+    assert rendered.endswith("My name is")
+    r = client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                   "ignore_eos": True})
+    want = greedy(offline, [offline.tokenizer.encode(rendered, add_special_tokens=False)], max_tokens=5)[0]
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(offline.tokenizer.encode(rendered, add_special_tokens=False))
+
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 def test_logprobs_shapes(client, server):
     name = server.state.model_name
     r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)

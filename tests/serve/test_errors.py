@@ -56,6 +56,20 @@ CASES = [
     ("stream_options wrong", "/v1/completions", {"prompt": "hi", "stream": True, "stream_options": 3}, 400,
      "stream_options"),
     ("penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("repetition penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+    ("min_p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "min_p"),
+    ("min_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 5}, 400, "min_tokens"),
+    ("chat echo", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
+    ("stream_options without stream", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400, "stream: true"),
+    ("continue with a generation prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+      "continue_final_message": True}, 400, "add_generation_prompt"),
+    ("continue a user message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True, "add_generation_prompt": False},
+     400, "assistant"),
+    ("seed past int64", "/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("truncate zero", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "not served here"),
     ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("messages empty", "/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -107,12 +121,21 @@ def test_error_fields_and_server_still_serves(server):
     server.wait_idle()
 
 
+def test_vllm_fields_that_ask_for_nothing_are_served(server):
+    """repetition_penalty 1, min_p 0 and min_tokens 0 change nothing, so they are no error."""
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
+            "seed": -2**63}
+    r = server.http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    server.wait_idle()
+
+
 def test_odd_but_valid_unicode_is_served(server):
     for prompt in ["naïve café 北京 🚀✨", "\u0000\u200b\ufeff tab\tnew\nline", "\U0001F600" * 20, "\u202e reversed"]:
         r = server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
         assert r.status_code == 200, r.text
         json.dumps(r.json())
-    r = server.http.post("/v1/completions", json={"prompt": "hi", "top_k": 10**12, "seed": 10**30,
+    r = server.http.post("/v1/completions", json={"prompt": "hi", "top_k": 10**12, "seed": 2**63 - 1,
                                                               "max_tokens": 2, "temperature": 1e-30})
     assert r.status_code == 200, r.text
 

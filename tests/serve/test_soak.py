@@ -46,6 +46,8 @@ async def worker(c: httpx.AsyncClient, wid: int, deadline: float, outcomes: Coun
             body = {**common, "prompt": prompt, "stream": kind != "whole",
                     "stream_options": {"include_usage": True}}
             path = "/v1/completions"
+        if not body["stream"]:
+            del body["stream_options"]  # a 400 without stream: true, as with OpenAI and vLLM
         try:
             if not body["stream"]:
                 r = await c.post(path, json=body)
