@@ -9,6 +9,8 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
+from scheduler.request import SamplingParams
+
 
 class IncrementalDetokenizer:
     """token_bytes: an id -> bytes table (scheduler/token_bytes.py) for byte-level tokenizers; with
@@ -32,9 +34,9 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     @classmethod
-    def for_params(cls, tokenizer: Any, params: Any,
-                   token_bytes: dict[bool, list[bytes] | None]) -> "IncrementalDetokenizer":
-        """One request's (SamplingParams: stop strings, special tokens); token_bytes by skip_special_tokens."""
+    def for_params(cls, tokenizer: Any, params: SamplingParams,
+                   token_bytes: dict[bool, list[bytes] | None]) -> IncrementalDetokenizer:
+        """One request's detokenizer; token_bytes: the id -> bytes table by skip_special_tokens."""
         return cls(tokenizer, params.stop, params.skip_special_tokens, token_bytes[params.skip_special_tokens],
                    params.include_stop_str_in_output)
 
