@@ -19,6 +19,7 @@ from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
+from engine.logit_adjust import LogitAdjuster, PendingTokens
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
@@ -193,6 +194,13 @@ def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> t
     return triton_ops(pdl), pdl
 
 
+def _pending(prev: Launched | None) -> PendingTokens | None:
+    """prev's samples on the device, where a penalized row of the next step finds its last token."""
+    if prev is None or prev.samples is None:
+        return None
+    return PendingTokens(prev.samples.tokens, prev.rows)
+
+
 def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBatch:
     """The sampling parameters of the items that sample, with the output position of the token
     each samples (which counts pending tokens, unlike num_output_tokens)."""
@@ -221,6 +229,7 @@ class DeferredSample:
     sbatch: SamplingBatch
     items: list[ScheduledSeq]  # the sampling rows, in order
     tokens_out: torch.Tensor | None  # where a decode graph that follows reads its pending input tokens
+    pending: PendingTokens | None  # the step before's samples (penalized rows count their last token there)
 
 
 def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -262,6 +271,7 @@ class ModelRunner:
         self.ops, self.pdl = select_ops(self.device, cfg.backend, cfg.pdl)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.grammar: GrammarMasks | None = None  # constrained decoding: set up by serve/build.py
+        self.adjuster = LogitAdjuster()  # penalties, logit_bias, min_p, min_tokens (engine/logit_adjust.py)
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
 
@@ -538,6 +548,8 @@ class ModelRunner:
             # early dry pass), not at the first sampled request
             nucleus = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
             sample_on_device(logits, SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
+            # and its float32 form, which rows with adjusted logits take (engine/logit_adjust.py)
+            sample_on_device(logits.float(), SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         if sample and self.model.stage.last:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
@@ -939,7 +951,7 @@ class ModelRunner:
             logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
-        return self._sample(batch, logits, sbatch, sampled)
+        return self._sample(batch, logits, sbatch, sampled, prev)
 
     def _launch_stage(self, batch: Batch) -> Launched:
         """launch() on a pipeline stage: the carry from the previous stage (the first embeds), this
@@ -975,7 +987,8 @@ class ModelRunner:
             return None
         return pipe.recv_carry(num_tokens, self.model_cfg.hidden_size, self.dtype, self.device)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
+    def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int],
+                prev: Launched | None = None) -> Launched:
         """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
         n = len(batch.items)
         if not sampled:
@@ -984,11 +997,11 @@ class ModelRunner:
         launched = Launched(None, rows, sampled, n)
         # where a decode graph that follows reads its pending input tokens
         tokens_out = self.graphs.tokens[:len(sampled)] if self.graphs is not None else None
-        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out)
+        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out, _pending(prev))
         return launched
 
     def _draw(self, launched: Launched, logits: torch.Tensor, sbatch: SamplingBatch, items: list[ScheduledSeq],
-              tokens_out: torch.Tensor | None) -> None:
+              tokens_out: torch.Tensor | None, pending: PendingTokens | None) -> None:
         """Queue the sampling of logits (a row per item) into launched.samples, and the tokens' copy
         back. Constrained rows are masked first (engine/grammar_mask.py), outside any graph; where
         one's previous token is still pending on the device, the sampling waits for finish()."""
@@ -996,12 +1009,15 @@ class ModelRunner:
             if self.grammar is None:
                 raise RuntimeError("a request asks for constrained decoding, which this engine was not set up for")
             if not GrammarMasks.tokens_known(items):
-                launched.deferred = DeferredSample(logits, sbatch, items, tokens_out)
+                launched.deferred = DeferredSample(logits, sbatch, items, tokens_out, pending)
                 return
             masks = self.grammar.masks(items)
             if masks is not None:
                 apply_token_bitmask(logits, *masks)
-        samples = sample_on_device(logits, sbatch, self.generator)
+        raw = None
+        if LogitAdjuster.needed(items):
+            raw, logits = logits, self.adjuster.apply(logits, items, pending)
+        samples = sample_on_device(logits, sbatch, self.generator, raw=raw)
         if tokens_out is not None:
             tokens_out.copy_(samples.tokens)
         samples.start_copy(self.host_slots)
@@ -1014,7 +1030,8 @@ class ModelRunner:
         masks are filled while this step's forward runs. Idempotent."""
         deferred, launched.deferred = launched.deferred, None
         if deferred is not None:
-            self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out)
+            self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out,
+                       deferred.pending)
 
     def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int]) -> Launched:
         """launch() for a step with prefill tokens that a whole-step graph takes (engine/step_graph.py):
@@ -1029,7 +1046,7 @@ class ModelRunner:
             pending = prev.samples.tokens
         hidden, logit_rows = self.steps.run(key, host, batch.num_decode, len(items), pending)
         logits = self.model.compute_logits(hidden[logit_rows])
-        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
+        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled, prev)
 
     def _launch_graph(self, batch: Batch, prev: Launched | None, carry: torch.Tensor | None = None) -> Launched:
         """launch() for a decode step in which every row samples, replayed from a decode graph: its
@@ -1043,19 +1060,20 @@ class ModelRunner:
         if carry is not None:
             g.carry[:, :n].copy_(carry)
         params = [it.seq.params for it in items]
-        if batch.num_steps > 1:  # rows without logprobs or a grammar (the scheduler's rule)
+        if batch.num_steps > 1:  # rows without logprobs, a grammar or adjusted logits (the scheduler's rule)
             draw = None
             if any(p.temperature != 0.0 for p in params):
                 sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
                 draw = lambda logits, step: sample_on_device(logits, sbatch, self.generator, step).tokens  # noqa: E731
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
-        elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None for p in params):
+        elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None and not p.adjusts_logits
+                 for p in params):
             samples = DeviceSamples(g.replay(n, words, logits=False)[1], params)
-        else:  # sampled, with logprobs or constrained: from the graph's logits
+        else:  # sampled, with logprobs, constrained or adjusted: from the graph's logits
             logits, tokens = g.replay(n, words)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
             launched = Launched(None, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
-            self._draw(launched, logits, sbatch, items, tokens)
+            self._draw(launched, logits, sbatch, items, tokens, _pending(prev))
             return launched
         samples.start_copy(self.host_slots)
         return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)

@@ -72,7 +72,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without waiting for the GPU (pinned, non-blocking copy):
     a plain torch.tensor(..., device="cuda") would wait for the step in flight."""
     t = torch.tensor(values, dtype=dtype)
@@ -165,9 +165,9 @@ def _row_tensors(batch: SamplingBatch, vocab: int, device: torch.device) -> dict
     t = batch._device
     if not t:
         params = batch.params
-        t["temps"] = _to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-        t["top_k"] = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
-        t["top_p"] = _to_device([p.top_p for p in params], torch.float32, device)
+        t["temps"] = to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, device)
+        t["top_k"] = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
+        t["top_p"] = to_device([p.top_p for p in params], torch.float32, device)
     return t
 
 
@@ -179,18 +179,19 @@ def _row_seeds(batch: SamplingBatch, generator: torch.Generator | None, step: in
               if p.seed is not None and not p.greedy]
     if seeded:
         rows, values = zip(*seeded)
-        seeds[_to_device(list(rows), torch.int64, device)] = _to_device(list(values), torch.int64, device)
+        seeds[to_device(list(rows), torch.int64, device)] = to_device(list(values), torch.int64, device)
     return seeds
 
 
 def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
-                     step: int = 0) -> DeviceSamples:
+                     step: int = 0, raw: torch.Tensor | None = None) -> DeviceSamples:
     """logits [N, V] (any float dtype) -> one token id per row (and logprobs for the rows that
     asked), on the device, with no host synchronization. Greedy rows read the logits as they are
     (the argmax of a bf16 row is the argmax of its exact float32 copy); temperature, top-k/top-p
     and logprobs work in float32. On a GPU, sampled rows without logprobs take one kernel
     (kernels/sample.py), no sort. step: the how-manieth step of a multi-step round this is (a
-    seeded row's output position moves on by it)."""
+    seeded row's output position moves on by it). raw: the logits before engine/logit_adjust.py's
+    adjustments, where logits carry them: logprobs are the model's, as vLLM reports them by default."""
     n, vocab = logits.shape
     device = logits.device
     k = batch.max_logprobs
@@ -230,7 +231,7 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         tokens = torch.where(temps == 0, greedy_tokens, sampled)
     if k is None:
         return DeviceSamples(tokens, batch.params)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = (logits if raw is None else raw.float()).log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
     return DeviceSamples(tokens, batch.params, (chosen, top_vals, top_ids))

@@ -17,9 +17,14 @@ class IncrementalDetokenizer:
     it, text comes from an incremental UTF-8 decoder instead of the tokenizer."""
 
     def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True,
-                 token_bytes: list[bytes] | None = None, include_stop: bool = False) -> None:
+                 token_bytes: list[bytes] | None = None, include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        # stop strings count only from the (min_tokens + 1)-th token on (vLLM's rule), and only where
+        # they end in text decoded from then on
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
+        self.unchecked = 0  # characters of text decoded before stop strings counted
         self.include_stop = include_stop  # the text ends after the stop string instead of before it
         self.skip_special = skip_special_tokens
         self.token_bytes = token_bytes
@@ -38,7 +43,7 @@ class IncrementalDetokenizer:
                    token_bytes: dict[bool, list[bytes] | None]) -> IncrementalDetokenizer:
         """One request's detokenizer; token_bytes: the id -> bytes table by skip_special_tokens."""
         return cls(tokenizer, params.stop, params.skip_special_tokens, token_bytes[params.skip_special_tokens],
-                   params.include_stop_str_in_output)
+                   params.include_stop_str_in_output, params.min_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -48,6 +53,7 @@ class IncrementalDetokenizer:
         stop string appears (the text is cut before it). final=True flushes held-back text."""
         if self.stopped:
             return ""
+        self.num_tokens += len(new_ids)
         if self.token_bytes is not None:
             decoded = self._decode_bytes(new_ids, final)
             if not self.stop:  # the common case: nothing is held back, everything decoded is emitted
@@ -57,8 +63,11 @@ class IncrementalDetokenizer:
         else:
             self.ids.extend(new_ids)
             self._decode_window(final)
-        if self.stop:
+        checking = bool(self.stop) and self.num_tokens > self.min_tokens
+        if checking:
             self._find_stop()
+        else:
+            self.unchecked = len(self.text)
         end = len(self.text) if (final or self.stopped) else len(self.text) - self._held_back()
         delta = self.text[self.emitted:max(end, self.emitted)]
         self.emitted += len(delta)
@@ -89,7 +98,8 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> None:
         longest = max(len(s) for s in self.stop)
         start = max(0, self.emitted - longest)
-        hits = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, max(start, self.unchecked - len(s) + 1)), s)
+                                          for s in self.stop) if i >= 0]
         if hits:
             at, minus_len = min(hits)  # the first stop string in the text; the longest of those starting there
             self.text = self.text[:at - minus_len if self.include_stop else at]

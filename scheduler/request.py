@@ -42,6 +42,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # what the logits go through before sampling, in vLLM's order (engine/logit_adjust.py): stop and
+    # end-of-sequence tokens banned while fewer than min_tokens are out; logit_bias added; the
+    # repetition penalty (prompt and output tokens), then frequency and presence (output tokens);
+    # min_p after the temperature
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
     # constrained decoding: every sampled token keeps the output inside this grammar (an llguidance
     # grammar string, built and checked by engine/grammar.py); the grammar lets end-of-sequence
     # through only where its output is complete
@@ -68,10 +78,35 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not (self.repetition_penalty > 0.0) or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p!r}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        if any(t < 0 or not (-100.0 <= b <= 100.0) for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids (>= 0) to biases between -100 and 100")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        """The logits depend on the tokens so far (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Anything of engine/logit_adjust.py applies to this request's rows."""
+        return (self.penalizes or self.min_tokens > 0 or bool(self.logit_bias)
+                or (self.min_p > 0.0 and self.temperature > 0.0))
 
 
 class SequenceStatus(enum.Enum):

@@ -98,6 +98,11 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        vocab = self.engine.model_config.vocab_size
+        for p in plist:
+            bad = [t for t in p.logit_bias if t >= vocab]
+            if bad:
+                raise ValueError(f"logit_bias: token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         core = self.engine.core
         results: dict[int, GenerationOutput] = {}
         order: list[int] = []

@@ -265,6 +265,9 @@ class RequestPlanner:
         grammar = grammar or tools.grammar
         if grammar is not None and req.ignore_eos:
             raise APIError(400, "ignore_eos cannot go with structured output: the grammar ends the output", param="ignore_eos")
+        if grammar is not None and req.min_tokens:
+            raise APIError(400, "min_tokens cannot go with structured output: the grammar ends the output",
+                           param="min_tokens")
         self._check_count(len(prompts), req.n)
         if req.truncate_prompt_tokens is not None:  # the last N tokens (vLLM's meaning); echo shows them
             keep = req.truncate_prompt_tokens
@@ -298,6 +301,12 @@ class RequestPlanner:
             stop=self._stop_list(req.stop),
             include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=self._stop_token_ids(req.stop_token_ids),
+            min_tokens=req.min_tokens or 0,
+            logit_bias=self._logit_bias(req.logit_bias),
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            min_p=req.min_p or 0.0,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
@@ -327,14 +336,6 @@ class RequestPlanner:
 
     @staticmethod
     def _check_unsupported(req: SamplingFields) -> None:
-        for name in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported; leave it out or send 0", param=name)
-        if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
-            raise APIError(400, "repetition_penalty is not supported; leave it out or send 1",
-                           param="repetition_penalty")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported; leave it out", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
 
@@ -351,6 +352,24 @@ class RequestPlanner:
                                param="stop")
             check_text(s, "stop")
         return stops
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids (as JSON object keys) -> a bias between -100 and 100."""
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias: {key[:40]!r} is not a token id; the keys are token ids, "
+                                    "such as \"50256\"", param="logit_bias") from None
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias: token {token} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias: the bias of token {token} is {value}; biases lie between -100 "
+                                    "and 100", param="logit_bias")
+            out[token] = value
+        return out
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
         ids = list(ids or [])

@@ -47,16 +47,21 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
     skip_special_tokens: bool = Field(True, description="extension")
     return_token_ids: bool = Field(False, description="extension: each choice and chunk carries its token ids")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported; leave empty")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted once from a token's logit if "
+                                                                              "it is in the output; default 0")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="times a token's count in the output, "
+                                                                               "subtracted from its logit; default 0")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias (-100..100) added to its logit")
     include_stop_str_in_output: bool = Field(False, description="extension (vLLM): the stop string ends the text")
     truncate_prompt_tokens: int | None = Field(None, ge=1,
                                                description="extension (vLLM): keep the prompt's last N tokens")
-    # vLLM sampling extensions this server does not apply: rejected unless they ask for nothing
-    repetition_penalty: float | None = Field(None, gt=0.0, description="only 1 is supported")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="only 0 is supported")
-    min_tokens: int | None = Field(None, ge=0, description="only 0 is supported")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="extension (vLLM): a logit of a token in "
+                                                                       "the prompt or output is divided by it (if "
+                                                                       "positive) or multiplied; default 1")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension (vLLM): drop tokens less likely than "
+                                                                  "min_p times the most likely one; default 0")
+    min_tokens: int | None = Field(None, ge=0, description="extension (vLLM): no stop token or stop string ends the "
+                                                           "output before this many tokens; default 0")
     user: str | None = None
     # structured output (serve/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(

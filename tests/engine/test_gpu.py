@@ -112,12 +112,19 @@ def test_graph_steps_equal_eager_steps_with_sampling_and_logprobs(tiny_models):
     """Decode graphs sample greedy rows inside the graph and take pending input tokens from the
     previous step's samples on the device, whether that step was a graph or a mixed step: float32
     tokens and logprobs equal those of eager steps, with greedy, seeded and logprob rows and a
-    small budget, so mixed steps and decode graphs alternate."""
+    small budget, so mixed steps and decode graphs alternate; and with rows whose logits are adjusted
+    (engine/logit_adjust.py)."""
     ps = prompts()
     params = [SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=N, temperature=0.8, seed=11, ignore_eos=True),
               SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=N - 3, temperature=0, ignore_eos=True)] * 2
+              SamplingParams(max_tokens=N - 3, temperature=0, ignore_eos=True),
+              # adjusted logits: penalties read the pending token from the step before on the device
+              SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.4),
+              SamplingParams(max_tokens=N, temperature=0.8, seed=5, min_p=0.1, logit_bias={9: 1.5}, ignore_eos=True,
+                             frequency_penalty=0.3)] * 2
+    params = params[:len(ps)]
 
     def run(eager):
         llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=48,
@@ -342,6 +349,13 @@ def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
     knobs.runtime.jit_cache_hook = hook
     try:
         llm.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        # sampled rows, and rows whose logits are adjusted first (float32 logits into the sampling kernel)
+        mix = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, ignore_eos=True),
+               SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, presence_penalty=0.5, min_p=0.05,
+                              ignore_eos=True),
+               SamplingParams(max_tokens=8, temperature=0, logit_bias={7: 2.0}, repetition_penalty=1.2,
+                              ignore_eos=True)]
+        llm.generate(ps[:30], [mix[i % 3] for i in range(30)])
     finally:
         knobs.runtime.jit_cache_hook = None
     assert compiled == []

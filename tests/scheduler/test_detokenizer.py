@@ -9,8 +9,8 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def feed(text, stop=(), tok=ByteTokenizer(), include_stop=False):
-    d = IncrementalDetokenizer(tok, list(stop), include_stop=include_stop)
+def feed(text, stop=(), tok=ByteTokenizer(), include_stop=False, min_tokens=0):
+    d = IncrementalDetokenizer(tok, list(stop), include_stop=include_stop, min_tokens=min_tokens)
     ids = list(text.encode())
     deltas = [d.add([i], final=(k == len(ids) - 1)) for k, i in enumerate(ids)]
     return deltas, d
@@ -34,6 +34,17 @@ def test_stop_string_cuts_and_partial_matches_are_held_back():
 def test_earliest_of_several_stop_strings_wins():
     deltas, d = feed("xx END yy STOP", stop=["STOP", "END"])
     assert "".join(deltas) == "xx "
+
+
+def test_min_tokens_lets_stop_strings_count_only_after_them():
+    """vLLM's rule: a stop string ends the output only from the (min_tokens + 1)-th token on, and only
+    where it ends in text decoded from then on (what could start one is held back all along)."""
+    deltas, d = feed("ab STOP cd STOP ef", stop=["STOP"], min_tokens=8)  # the first STOP ends at token 7
+    assert d.stopped and "".join(deltas) == "ab STOP cd "
+    deltas, d = feed("ab STOP cd", stop=["STOP"], min_tokens=6)  # its last byte is token 7: it counts
+    assert d.stopped and "".join(deltas) == "ab "
+    deltas, d = feed("ab STOP cd", stop=["STOP"], min_tokens=7)
+    assert not d.stopped and "".join(deltas) == "ab STOP cd"
 
 
 def test_include_stop_keeps_the_stop_string_found_first():

@@ -236,3 +236,32 @@ def test_return_token_ids_extension(server, offline):
     assert ids == want
     plain = server.http.post("/v1/completions", json={**body, "return_token_ids": False}).json()
     assert plain["choices"][0]["token_ids"] is None
+
+
+def test_penalties_bias_min_p_and_min_tokens(client, server, offline):
+    """The OpenAI and vLLM fields that shape the logits reach the engine: each output equals the
+    offline engine's with the same SamplingParams (engine/logit_adjust.py's own tests check those)."""
+    name = server.state.model_name
+    cases = [
+        ({"presence_penalty": 1.2, "frequency_penalty": 0.6}, {"presence_penalty": 1.2, "frequency_penalty": 0.6}),
+        ({"logit_bias": {"42": 100}}, {"logit_bias": {42: 100.0}}),
+        ({"extra_body": {"repetition_penalty": 1.5, "min_p": 0.2}}, {"repetition_penalty": 1.5, "min_p": 0.2}),
+    ]
+    for fields, kw in cases:
+        body = dict(fields)
+        extra = {"ignore_eos": True, **body.pop("extra_body", {})}
+        r = client.completions.create(model=name, prompt=PROMPTS[3], max_tokens=10, temperature=0, extra_body=extra,
+                                      **body)
+        assert r.choices[0].text == greedy(offline, [PROMPTS[3]], max_tokens=10, **kw)[0], fields
+    body = {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0.8, "ignore_eos": True, "return_token_ids": True,
+            "logit_bias": {"42": 100}}
+    assert server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == [42] * 6
+    # min_tokens: the stop token the free output ends on first is held back for 4 tokens
+    free = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stop_token_ids": [free[0]], "min_tokens": 4}
+    ids = server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    assert len(ids) >= 4 and free[0] not in ids[:4]
+    assert ids == offline.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                stop_token_ids=[free[0]], min_tokens=4))[0].token_ids
+    server.wait_idle()

@@ -55,10 +55,24 @@ CASES = [
     ("stream not bool", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("stream_options wrong", "/v1/completions", {"prompt": "hi", "stream": True, "stream_options": 3}, 400,
      "stream_options"),
-    ("penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
-    ("repetition penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty"),
-    ("min_p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "min_p"),
-    ("min_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 5}, 400, "min_tokens"),
+    ("penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency penalty string", "/v1/completions", {"prompt": "hi", "frequency_penalty": "x"}, 400,
+     "frequency_penalty"),
+    ("repetition penalty zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("min_p over one", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, 400,
+     "min_p"),
+    ("min_tokens negative", "/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("min_tokens over max_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400,
+     "min_tokens"),
+    ("min_tokens with a schema", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "min_tokens": 3, "response_format": {"type": "json_object"}},
+     400, "min_tokens"),
+    ("logit_bias key", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "not a token id"),
+    ("logit_bias token", "/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400,
+     "outside the vocabulary"),
+    ("logit_bias value", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 150}}, 400, "between -100 and 100"),
+    ("logit_bias not an object", "/v1/completions", {"prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias"),
     ("chat echo", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
     ("stream_options without stream", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400, "stream: true"),
@@ -122,7 +136,7 @@ def test_error_fields_and_server_still_serves(server):
 
 
 def test_vllm_fields_that_ask_for_nothing_are_served(server):
-    """repetition_penalty 1, min_p 0 and min_tokens 0 change nothing, so they are no error."""
+    """repetition_penalty 1, min_p 0 and min_tokens 0 change nothing; they are served as such."""
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
             "seed": -2**63}
     r = server.http.post("/v1/completions", json=body)
