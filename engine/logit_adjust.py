@@ -5,42 +5,51 @@ multiplied), the frequency penalty (times each token's count in the output) and 
 (once per token in the output) subtracted; min_p drops tokens less likely than min_p times the most
 likely one after the temperature. Rows that ask for none of it are left as they are.
 
-Everything happens on the device, after the forward and outside any graph. The penalties read a row's
-output tokens: those the host knows, plus the one its previous step sampled if that is still on the
-device (async scheduling), read there from that step's samples.
+Everything happens on the device, after the forward and outside any graph. A penalized sequence keeps
+a row of output-token counts on the device (and, for the repetition penalty, a row marking its prompt's
+tokens), to which each token it samples is added there as it is sampled: no step waits for its
+tokens to reach the host, so async scheduling and multi-step decode rounds keep running.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from engine.sampler import to_device as _upload
-from scheduler.request import SamplingParams, ScheduledSeq, Sequence
+from scheduler.request import SamplingParams, ScheduledSeq
 
 
 @dataclass
-class PendingTokens:
-    """The previous step's sampled tokens on the device, and each sequence's row in them."""
-    tokens: torch.Tensor
-    rows: dict[int, int]
+class _Counted:
+    """A penalized sequence's row of LogitAdjuster's buffers, and how many of its output tokens it
+    holds. The sequence is held weakly: a tensor-parallel follower's mirrored copy is never marked
+    finished, only dropped."""
+    seq: weakref.ref
+    slot: int
+    counted: int = 0
 
 
 class LogitAdjuster:
-    """Applies the adjustments; keeps each penalized sequence's prompt tokens on the device (sent once,
-    dropped when the sequence is finished)."""
+    """Applies the adjustments, and keeps the penalized sequences' counts ([slots, V] on the device,
+    grown as needed; a slot is free again once its sequence is finished or gone)."""
 
     def __init__(self) -> None:
-        self._prompts: dict[int, tuple[Sequence, torch.Tensor]] = {}
+        self._rows: dict[int, _Counted] = {}
+        self._free: list[int] = []
+        self._counts: torch.Tensor | None = None  # float32 [slots, V]: each output token's count
+        self._prompt: torch.Tensor | None = None  # bool [slots, V]: the prompt's tokens (repetition penalty)
 
     @staticmethod
     def needed(items: list[ScheduledSeq]) -> bool:
         return any(it.seq.params.adjusts_logits for it in items)
 
-    def apply(self, logits: torch.Tensor, items: list[ScheduledSeq], pending: PendingTokens | None) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, items: list[ScheduledSeq], step: int = 0) -> torch.Tensor:
         """logits [N, V] of the sampling rows `items`, in order -> float32 logits with every row's
-        adjustments (a new tensor; logits is not changed)."""
+        adjustments (a new tensor; logits is not changed). step: the how-manieth step of a multi-step
+        round (each row's output position moves on by it). count() must follow with the tokens sampled."""
         device = logits.device
         out = logits.to(torch.float32, copy=True)
         vocab = out.shape[1]
@@ -53,7 +62,7 @@ class LogitAdjuster:
         for j in rows:
             seq = items[j].seq
             p = seq.params
-            if p.min_tokens and items[j].end - seq.num_prompt_tokens < p.min_tokens:
+            if p.min_tokens and items[j].end + step - seq.num_prompt_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
                 stops = [t for t in stops if t < vocab]
                 ban_r += [j] * len(stops)
@@ -73,7 +82,7 @@ class LogitAdjuster:
                            _upload(bias_v, torch.float32, device), accumulate=True)
         penalized = [j for j in rows if items[j].seq.params.penalizes]
         if penalized:
-            self._penalize(out, [items[j] for j in penalized], _upload(penalized, torch.int64, device), pending)
+            self._penalize(out, [items[j] for j in penalized], _upload(penalized, torch.int64, device), step)
         min_p = [j for j in rows if items[j].seq.params.min_p > 0.0 and items[j].seq.params.temperature > 0.0]
         if min_p:
             index = _upload(min_p, torch.int64, device)
@@ -85,72 +94,92 @@ class LogitAdjuster:
             out.index_copy_(0, index, sub)
         return out
 
-    def _penalize(self, out: torch.Tensor, items: list[ScheduledSeq], index: torch.Tensor,
-                  pending: PendingTokens | None) -> None:
+    def count(self, items: list[ScheduledSeq], tokens: torch.Tensor) -> None:
+        """The tokens just sampled for `items` (tokens [N] on the device, in order) into the penalized
+        rows' counts."""
+        rows = [j for j, it in enumerate(items) if it.seq.params.penalizes]
+        if not rows:
+            return
+        slots = []
+        for j in rows:
+            state = self._rows[items[j].seq.seq_id]
+            state.counted += 1
+            slots.append(state.slot)
+        device = tokens.device
+        assert self._counts is not None
+        self._counts.index_put_((_upload(slots, torch.int64, device),
+                                 tokens.index_select(0, _upload(rows, torch.int64, device))),
+                                self._counts.new_ones(()), accumulate=True)
+
+    def _penalize(self, out: torch.Tensor, items: list[ScheduledSeq], index: torch.Tensor, step: int) -> None:
         device, vocab = out.device, out.shape[1]
         self._drop_finished()
-        r = len(items)
-        # each row's output tokens before the one it samples: the host's, then a pending one
-        known: list[int] = []
-        known_rows: list[int] = []
-        pend_rows: list[int] = []  # (row, row of pending.tokens)
-        pend_at: list[int] = []
-        for k, it in enumerate(items):
-            seq = it.seq
-            toks = seq.token_ids
-            have = min(len(toks), it.end)
-            outputs = toks[seq.num_prompt_tokens:have]
-            known += outputs
-            known_rows += [k] * len(outputs)
-            missing = it.end - have
-            if missing:
-                if missing > 1 or pending is None or seq.seq_id not in pending.rows:
-                    raise RuntimeError("a penalized row's earlier tokens are neither on the host nor in the step "
-                                       "before")
-                pend_rows.append(k)
-                pend_at.append(pending.rows[seq.seq_id])
-        counts = torch.zeros((r, vocab), dtype=torch.float32, device=device)
-        if known:
-            counts.index_put_((_upload(known_rows, torch.int64, device), _upload(known, torch.int64, device)),
-                              torch.ones((), device=device), accumulate=True)
-        if pend_rows:
-            toks = pending.tokens.index_select(0, _upload(pend_at, torch.int64, device))
-            counts.index_put_((_upload(pend_rows, torch.int64, device), toks), torch.ones((), device=device),
-                              accumulate=True)
+        slots = [self._sync(it, step, vocab, device) for it in items]
+        assert self._counts is not None and self._prompt is not None
+        at = _upload(slots, torch.int64, device)
+        counts = self._counts.index_select(0, at)
+        present = counts > 0
         params = [it.seq.params for it in items]
         sub = out.index_select(0, index)
-        rep = [p.repetition_penalty for p in params]
-        if any(x != 1.0 for x in rep):
-            seen = counts > 0
-            prompt_rows = [k for k, p in enumerate(params) if p.repetition_penalty != 1.0]
-            prompts = [self._prompt(items[k].seq, device) for k in prompt_rows]
-            sizes = [t.numel() for t in prompts]
-            seen[torch.repeat_interleave(_upload(prompt_rows, torch.int64, device),
-                                         _upload(sizes, torch.int64, device), output_size=sum(sizes)),
-                 torch.cat(prompts)] = True
-            penalty = _upload(rep, torch.float32, device).unsqueeze(1).expand(r, vocab)
-            scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
-            sub = torch.where(seen, scaled, sub)
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        if any(freq):
-            sub -= _upload(freq, torch.float32, device).unsqueeze(1) * counts
-        if any(pres):
-            sub -= _upload(pres, torch.float32, device).unsqueeze(1) * (counts > 0)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = _upload([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
+            seen = present | self._prompt.index_select(0, at)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        if any(p.frequency_penalty for p in params):
+            sub -= _upload([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1) * counts
+        if any(p.presence_penalty for p in params):
+            sub -= _upload([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1) * present
         out.index_copy_(0, index, sub)
 
-    def _prompt(self, seq: Sequence, device: torch.device) -> torch.Tensor:
-        """The distinct tokens of seq's prompt on the device (sent once per sequence)."""
-        kept = self._prompts.get(seq.seq_id)
-        if kept is None or kept[0] is not seq:
-            ids = sorted(set(seq.token_ids[:seq.num_prompt_tokens]))
-            kept = self._prompts[seq.seq_id] = (seq, _upload(ids, torch.int64, device))
-        return kept[1]
+    def _sync(self, it: ScheduledSeq, step: int, vocab: int, device: torch.device) -> int:
+        """it's sequence's slot, its counts holding every output token before the one it samples now.
+        Those sampled here were counted as they were sampled; a sequence seen first (or whose tokens
+        were taken back) is counted from the tokens the host has."""
+        seq = it.seq
+        before = it.end + step - seq.num_prompt_tokens
+        state = self._rows.get(seq.seq_id)
+        if state is None or state.seq() is not seq or state.counted > before:
+            if state is None:
+                state = self._rows[seq.seq_id] = _Counted(weakref.ref(seq), self._take_slot(vocab, device))
+            state.seq, state.counted = weakref.ref(seq), 0
+            assert self._counts is not None and self._prompt is not None
+            self._counts[state.slot].zero_()
+            self._prompt[state.slot].zero_()
+            prompt = sorted(set(seq.token_ids[:seq.num_prompt_tokens]))
+            self._prompt[state.slot].index_fill_(0, _upload(prompt, torch.int64, device), True)
+        if state.counted < before:
+            first = seq.num_prompt_tokens + state.counted
+            known = seq.token_ids[first:seq.num_prompt_tokens + before]
+            if len(known) < before - state.counted:
+                raise RuntimeError("a penalized sequence's earlier output tokens are neither counted nor on the host")
+            assert self._counts is not None
+            self._counts[state.slot].index_put_((_upload(known, torch.int64, device),),
+                                                self._counts.new_ones(()), accumulate=True)
+            state.counted = before
+        return state.slot
+
+    def _take_slot(self, vocab: int, device: torch.device) -> int:
+        if not self._free:
+            old = 0 if self._counts is None else self._counts.shape[0]
+            size = max(8, 2 * old)
+            counts = torch.zeros((size, vocab), dtype=torch.float32, device=device)
+            prompt = torch.zeros((size, vocab), dtype=torch.bool, device=device)
+            if self._counts is not None and self._prompt is not None:
+                counts[:old].copy_(self._counts)
+                prompt[:old].copy_(self._prompt)
+            self._counts, self._prompt = counts, prompt
+            self._free = list(range(size - 1, old - 1, -1))
+        return self._free.pop()
 
     def _drop_finished(self) -> None:
-        done = [sid for sid, (seq, _) in self._prompts.items() if seq.is_finished]
+        done = [sid for sid, st in self._rows.items() if (seq := st.seq()) is None or seq.is_finished]
         for sid in done:
-            del self._prompts[sid]
+            self._free.append(self._rows.pop(sid).slot)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots held by penalized sequences (tests)."""
+        return len(self._rows)
 
 
 def adjust_reference(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],

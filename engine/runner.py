@@ -19,7 +19,7 @@ from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
-from engine.logit_adjust import LogitAdjuster, PendingTokens
+from engine.logit_adjust import LogitAdjuster
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
@@ -194,13 +194,6 @@ def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> t
     return triton_ops(pdl), pdl
 
 
-def _pending(prev: Launched | None) -> PendingTokens | None:
-    """prev's samples on the device, where a penalized row of the next step finds its last token."""
-    if prev is None or prev.samples is None:
-        return None
-    return PendingTokens(prev.samples.tokens, prev.rows)
-
-
 def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBatch:
     """The sampling parameters of the items that sample, with the output position of the token
     each samples (which counts pending tokens, unlike num_output_tokens)."""
@@ -229,7 +222,6 @@ class DeferredSample:
     sbatch: SamplingBatch
     items: list[ScheduledSeq]  # the sampling rows, in order
     tokens_out: torch.Tensor | None  # where a decode graph that follows reads its pending input tokens
-    pending: PendingTokens | None  # the step before's samples (penalized rows count their last token there)
 
 
 def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -951,7 +943,7 @@ class ModelRunner:
             logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
         else:
             logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
-        return self._sample(batch, logits, sbatch, sampled, prev)
+        return self._sample(batch, logits, sbatch, sampled)
 
     def _launch_stage(self, batch: Batch) -> Launched:
         """launch() on a pipeline stage: the carry from the previous stage (the first embeds), this
@@ -987,8 +979,7 @@ class ModelRunner:
             return None
         return pipe.recv_carry(num_tokens, self.model_cfg.hidden_size, self.dtype, self.device)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int],
-                prev: Launched | None = None) -> Launched:
+    def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
         """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
         n = len(batch.items)
         if not sampled:
@@ -997,11 +988,11 @@ class ModelRunner:
         launched = Launched(None, rows, sampled, n)
         # where a decode graph that follows reads its pending input tokens
         tokens_out = self.graphs.tokens[:len(sampled)] if self.graphs is not None else None
-        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out, _pending(prev))
+        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out)
         return launched
 
     def _draw(self, launched: Launched, logits: torch.Tensor, sbatch: SamplingBatch, items: list[ScheduledSeq],
-              tokens_out: torch.Tensor | None, pending: PendingTokens | None) -> None:
+              tokens_out: torch.Tensor | None) -> None:
         """Queue the sampling of logits (a row per item) into launched.samples, and the tokens' copy
         back. Constrained rows are masked first (engine/grammar_mask.py), outside any graph; where
         one's previous token is still pending on the device, the sampling waits for finish()."""
@@ -1009,15 +1000,18 @@ class ModelRunner:
             if self.grammar is None:
                 raise RuntimeError("a request asks for constrained decoding, which this engine was not set up for")
             if not GrammarMasks.tokens_known(items):
-                launched.deferred = DeferredSample(logits, sbatch, items, tokens_out, pending)
+                launched.deferred = DeferredSample(logits, sbatch, items, tokens_out)
                 return
             masks = self.grammar.masks(items)
             if masks is not None:
                 apply_token_bitmask(logits, *masks)
         raw = None
-        if LogitAdjuster.needed(items):
-            raw, logits = logits, self.adjuster.apply(logits, items, pending)
+        adjust = LogitAdjuster.needed(items)
+        if adjust:
+            raw, logits = logits, self.adjuster.apply(logits, items)
         samples = sample_on_device(logits, sbatch, self.generator, raw=raw)
+        if adjust:
+            self.adjuster.count(items, samples.tokens)
         if tokens_out is not None:
             tokens_out.copy_(samples.tokens)
         samples.start_copy(self.host_slots)
@@ -1030,8 +1024,7 @@ class ModelRunner:
         masks are filled while this step's forward runs. Idempotent."""
         deferred, launched.deferred = launched.deferred, None
         if deferred is not None:
-            self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out,
-                       deferred.pending)
+            self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out)
 
     def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int]) -> Launched:
         """launch() for a step with prefill tokens that a whole-step graph takes (engine/step_graph.py):
@@ -1046,7 +1039,7 @@ class ModelRunner:
             pending = prev.samples.tokens
         hidden, logit_rows = self.steps.run(key, host, batch.num_decode, len(items), pending)
         logits = self.model.compute_logits(hidden[logit_rows])
-        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled, prev)
+        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
 
     def _launch_graph(self, batch: Batch, prev: Launched | None, carry: torch.Tensor | None = None) -> Launched:
         """launch() for a decode step in which every row samples, replayed from a decode graph: its
@@ -1060,11 +1053,10 @@ class ModelRunner:
         if carry is not None:
             g.carry[:, :n].copy_(carry)
         params = [it.seq.params for it in items]
-        if batch.num_steps > 1:  # rows without logprobs, a grammar or adjusted logits (the scheduler's rule)
+        if batch.num_steps > 1:  # rows without logprobs or a grammar (the scheduler's rule)
             draw = None
-            if any(p.temperature != 0.0 for p in params):
-                sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
-                draw = lambda logits, step: sample_on_device(logits, sbatch, self.generator, step).tokens  # noqa: E731
+            if any(p.temperature != 0.0 or p.adjusts_logits for p in params):
+                draw = self._step_draw(items, SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items]))
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None and not p.adjusts_logits
                  for p in params):
@@ -1073,10 +1065,24 @@ class ModelRunner:
             logits, tokens = g.replay(n, words)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
             launched = Launched(None, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
-            self._draw(launched, logits, sbatch, items, tokens, _pending(prev))
+            self._draw(launched, logits, sbatch, items, tokens)
             return launched
         samples.start_copy(self.host_slots)
         return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
+
+    def _step_draw(self, items: list[ScheduledSeq], sbatch: SamplingBatch) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """A multi-step round's sampling of each step's logits (CUDA graph replay_steps' draw)."""
+        adjust = LogitAdjuster.needed(items)
+
+        def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
+            if adjust:
+                logits = self.adjuster.apply(logits, items, step)
+            tokens = sample_on_device(logits, sbatch, self.generator, step).tokens
+            if adjust:
+                self.adjuster.count(items, tokens)
+            return tokens
+
+        return draw
 
     def _graph_inputs(self, items: list[ScheduledSeq], prev: Launched | None, buf: np.ndarray) -> int:
         """A decode step's inputs in kernels/graph_inputs.py's layout, into buf (int64 words) ->

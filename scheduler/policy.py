@@ -161,8 +161,8 @@ class Scheduler:
         paid once for all of them, which keeps the GPU busy where that work takes about as long as
         a step (a small model). Only while no prompt waits for its turn (with a prompt budget a
         round of decodes follows a step with prompt tokens: prompts wait one round at most), for
-        rows without logprobs, a grammar or adjusted logits (a grammar's mask needs the token before
-        it on the host; the runner samples each step on the device), and never past a sequence's end by length, so
+        rows without logprobs or a grammar (a grammar's mask needs the token before it on the host;
+        the runner samples each step on the device), and never past a sequence's end by length, so
         no row idles; a stop token can still end a row
         early (update() drops its later tokens; a stop string, found by the detokenizer after
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
@@ -174,7 +174,7 @@ class Scheduler:
         for it in decodes:
             seq = it.seq
             p = seq.params
-            if p.logprobs is not None or p.grammar is not None or p.adjusts_logits:
+            if p.logprobs is not None or p.grammar is not None:
                 return 1
             total = len(seq.token_ids) + seq.num_pending  # the tokens once those in flight are known
             k = min(k, max_len - total)

@@ -119,7 +119,7 @@ def test_graph_steps_equal_eager_steps_with_sampling_and_logprobs(tiny_models):
               SamplingParams(max_tokens=N, temperature=0.8, seed=11, ignore_eos=True),
               SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=N - 3, temperature=0, ignore_eos=True),
-              # adjusted logits: penalties read the pending token from the step before on the device
+              # adjusted logits: each sampled token counted on the device as it is sampled
               SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, repetition_penalty=1.3,
                              presence_penalty=0.4),
               SamplingParams(max_tokens=N, temperature=0.8, seed=5, min_p=0.1, logit_bias={9: 1.5}, ignore_eos=True,

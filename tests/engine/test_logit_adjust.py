@@ -8,20 +8,18 @@ import random
 import pytest
 import torch
 
-from engine.logit_adjust import LogitAdjuster, PendingTokens, adjust_reference
-from scheduler.request import SamplingParams, ScheduledSeq, Sequence
+from engine.logit_adjust import LogitAdjuster, adjust_reference
+from scheduler.request import SamplingParams, ScheduledSeq, Sequence, SequenceStatus
 from serve import LLM
 from tests.models import VOCAB
 
 V = 40
 
 
-def _row(sid, prompt, outputs, params, pending=0, eos=frozenset({2})):
-    """A sampling row whose sequence has `outputs` generated, the last `pending` of them not yet
-    known on the host."""
+def _row(sid, prompt, outputs, params, eos=frozenset({2})):
+    """A sampling row whose sequence has `outputs` generated (known on the host)."""
     seq = Sequence(sid, prompt, params, eos_token_ids=eos)
-    seq.token_ids += outputs[:len(outputs) - pending]
-    seq.num_pending = pending
+    seq.token_ids += outputs
     end = len(prompt) + len(outputs)
     return ScheduledSeq(seq, end - 1, 1)
 
@@ -53,29 +51,67 @@ def test_apply_equals_reference(seed):
     params = [_random_params(rng) for _ in range(n - 1)] + [SamplingParams(temperature=0)]  # one row untouched
     prompts = [[rng.randrange(V) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
     outputs = [[rng.randrange(V) for _ in range(rng.randrange(0, 9))] for _ in range(n)]
-    pend = [1 if o and rng.random() < 0.5 else 0 for o in outputs]
-    items = [_row(i, prompts[i], outputs[i], params[i], pend[i]) for i in range(n)]
-    # the previous step's samples: the pending rows' last tokens at shuffled rows
-    slots = list(range(n + 3))
-    rng.shuffle(slots)
-    prev = torch.tensor([rng.randrange(V) for _ in range(n + 3)])
-    rows = {}
-    for i in range(n):
-        if pend[i]:
-            rows[i] = slots[i]
-            prev[slots[i]] = outputs[i][-1]
+    items = [_row(i, prompts[i], outputs[i], params[i]) for i in range(n)]
     logits = (torch.randn(n, V) * 3).to(torch.bfloat16)
-    got = LogitAdjuster().apply(logits, items, PendingTokens(prev, rows))
+    got = LogitAdjuster().apply(logits, items)
     want = adjust_reference(logits, params, prompts, outputs, [frozenset({2})] * n)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[-1], logits[-1].float())
 
 
-def test_a_pending_token_without_its_step_is_an_error():
-    item = _row(0, [1, 2, 3], [4, 5], SamplingParams(presence_penalty=1.0), pending=1)
-    with pytest.raises(RuntimeError, match="neither on the host"):
-        LogitAdjuster().apply(torch.zeros(1, V), [item], None)
+def _sampling_at(seq, k):
+    """seq's row of the step that samples its output token k: its prompt (k = 0) or a decode."""
+    n = seq.num_prompt_tokens
+    return ScheduledSeq(seq, n + k - 1, 1) if k else ScheduledSeq(seq, 0, n)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_tokens_are_counted_as_sampled_not_when_the_host_has_them(steps):
+    """Async scheduling: a row's last token is still on its way to the host when the next step samples;
+    multi-step rounds (steps > 1): several are. The counts follow what was sampled on the device."""
+    rng = random.Random(steps)
+    params = [SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.5, frequency_penalty=0.4,
+                             presence_penalty=0.3, min_tokens=6, stop_token_ids=[3]),
+              SamplingParams(max_tokens=40, temperature=0, presence_penalty=-1.0),
+              SamplingParams(max_tokens=40, temperature=0)]
+    prompts = [[rng.randrange(V) for _ in range(5)] for _ in params]
+    seqs = [Sequence(i, prompts[i], p, eos_token_ids=frozenset({2})) for i, p in enumerate(params)]
+    adjuster = LogitAdjuster()
+    sampled: list[list[int]] = [[] for _ in seqs]
+    for _ in range(4):
+        # the round's rows: every sequence's tokens but the last round's are on the host
+        items = [_sampling_at(seq, len(sampled[i])) for i, seq in enumerate(seqs)]
+        for step in range(steps):
+            logits = torch.randn(len(seqs), V)
+            got = adjuster.apply(logits, items, step)
+            want = adjust_reference(logits, params, prompts, sampled, [frozenset({2})] * len(seqs))
+            torch.testing.assert_close(got, want)
+            tokens = got.argmax(dim=1)
+            adjuster.count(items, tokens)
+            for i, t in enumerate(tokens.tolist()):
+                sampled[i].append(t)
+        for i, seq in enumerate(seqs):  # the host learns the round's tokens only after the next round
+            seq.token_ids[seq.num_prompt_tokens:] = sampled[i][:-steps]
+    assert adjuster.num_slots == 2
+
+
+def test_slots_are_freed_and_taken_again():
+    adjuster = LogitAdjuster()
+    p = SamplingParams(presence_penalty=1.0)
+    items = [_row(i, [1, 2], [5, 5, 7], p) for i in range(10)]  # more than the first 8 slots
+    adjuster.apply(torch.zeros(10, V), items)
+    assert adjuster.num_slots == 10
+    for it in items[:6]:
+        it.seq.status = SequenceStatus.FINISHED
+    del it
+    fresh = [_row(20, [1], [], p)]
+    adjuster.apply(torch.zeros(1, V), fresh)
+    assert adjuster.num_slots == 5
+    items = None
+    got = adjuster.apply(torch.zeros(1, V), fresh)
+    assert adjuster.num_slots == 1  # the others' sequences are gone (a follower drops its copies)
+    assert torch.equal(got, torch.zeros(1, V))
 
 
 def test_same_meaning_as_transformers_processors():
@@ -90,7 +126,7 @@ def test_same_meaning_as_transformers_processors():
 
     def ours(**kw):
         p = SamplingParams(max_tokens=20, **kw)
-        return LogitAdjuster().apply(logits, [_row(0, prompt, outputs, p, eos=frozenset({5}))], None)
+        return LogitAdjuster().apply(logits, [_row(0, prompt, outputs, p, eos=frozenset({5}))])
 
     want = RepetitionPenaltyLogitsProcessor(1.4)(ids, logits.clone())
     torch.testing.assert_close(ours(repetition_penalty=1.4), want)
@@ -163,15 +199,16 @@ def test_engine_greedy_equals_transformers_step_by_step(tiny_models, kw):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_greedy_equals_transformers_step_by_step(tiny_models):
-    """On the GPU (float32, decode graphs, whole-step graphs, async scheduling): penalized rows read the
-    token their previous step sampled from its samples on the device."""
+@pytest.mark.parametrize("steps", [1, 4])
+def test_gpu_engine_greedy_equals_transformers_step_by_step(tiny_models, steps):
+    """On the GPU (float32, decode graphs, whole-step graphs, async scheduling, multi-step rounds or
+    not): each sampled token is counted on the device as it is sampled."""
     path = tiny_models["llama"]
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in range(6)]
     params = _params()
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48)
-    assert llm.engine.runner.graphs is not None
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, num_scheduler_steps=steps)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.num_scheduler_steps == steps
     outs = llm.generate(prompts, params)
     eos = llm.engine.core.eos_token_ids
     for prompt, p, o in zip(prompts, params, outs):

@@ -90,13 +90,11 @@ def test_one_step_where_it_must():
     assert set(steps) == {1}
     steps, _ = run(make(4), [seq(0, 3), seq(1, 3, temperature=0.7)])
     assert 4 in steps
-    # rows whose logits are adjusted (engine/logit_adjust.py) before each step's sampling
+    # nor do rows whose logits are adjusted (engine/logit_adjust.py counts their tokens on the device)
     for kw in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"logit_bias": {5: 1.0}}, {"min_tokens": 2},
                {"temperature": 0.7, "min_p": 0.1}):
         steps, _ = run(make(4), [seq(0, 3), seq(1, 3, **kw)])
-        assert set(steps) == {1}, kw
-    steps, _ = run(make(4), [seq(0, 3), seq(1, 3, min_p=0.1)])  # greedy: min_p changes nothing
-    assert 4 in steps
+        assert 4 in steps, kw
     # a prompt waiting for a free slot (max_num_seqs) does not stop the rounds: they end where
     # sequences end by length, so it starts as soon as it could have
     s = make(4, max_num_seqs=1)
