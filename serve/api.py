@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
-GET /metrics.
+GET /metrics, and vLLM's POST /tokenize, POST /detokenize, GET /version.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
 process`, serve.engine_process.ProcessEngine (its core runs in a child process).
@@ -29,7 +29,8 @@ from serve.metrics import RECEIVED, HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
 from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                            ErrorResponse, ModelCard, ModelList)
+                            DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest,
+                            TokenizeResponse)
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.replicas import ReplicaSet, ReplicatedEngine
 from serve.server_config import ServerConfig
@@ -149,6 +150,23 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         _check_model(st, model)
         return card()
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        _check_model(st, body.model)
+        ids = await asyncio.get_running_loop().run_in_executor(st.tokenize, st.planner.tokenize, body)
+        strs = st.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=st.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(st, body.model)
+        text = await asyncio.get_running_loop().run_in_executor(st.tokenize, st.planner.detokenize, body)
+        return DetokenizeResponse(prompt=text)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if isinstance(st.loop, (ReplicaSet, DisaggregatedSet)):
@@ -180,6 +198,16 @@ async def _planned(st: ServerState, draft: Callable[[Any], Draft], body: Any) ->
     except TokenizerGone as e:
         raise APIError(503, f"{e}; send the request again", code="unavailable", headers={"Retry-After": "1"}) from None
     return d.finish(ids)
+
+
+def _version() -> str:
+    """The installed package's version ("unknown" when run from a source tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _check_model(st: ServerState, model: str | None) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from scheduler.request import SamplingParams
 from serve.errors import APIError
-from serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
 from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
@@ -170,12 +170,7 @@ class RequestPlanner:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.echo:
             raise APIError(400, "echo is not supported on /v1/chat/completions; leave it out", param="echo")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
-                           param="continue_final_message")
-        if req.continue_final_message and req.messages[-1].role != "assistant":
-            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
-                           param="continue_final_message")
+        self._check_continue(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -185,6 +180,34 @@ class RequestPlanner:
         def finish(ids: list[list[int]]) -> Plan:
             return self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
         return Draft([text], False, finish)
+
+    @staticmethod
+    def _check_continue(req: ChatCompletionRequest | TokenizeRequest) -> None:
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """/tokenize: the prompt's token ids, or those of the messages through the chat template
+        (where the template adds the special tokens, unless add_special_tokens says otherwise)."""
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either prompt (a string) or messages", param="prompt")
+        if req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            return self._encode(self._encodable(check_text(req.prompt, "prompt")), add)
+        if not req.messages:
+            raise APIError(400, "messages is empty; send at least one message", param="messages")
+        self._check_continue(req)
+        chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message)
+        return self._encode(self._encodable(self._chat_text(chat, ToolPlan())), bool(req.add_special_tokens))
+
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        self._id_prompt(req.tokens)  # the ids' range
+        return self.tokenizer.decode(req.tokens)
 
     # -- prompts -------------------------------------------------------------------------------
 

@@ -265,3 +265,24 @@ def test_penalties_bias_min_p_and_min_tokens(client, server, offline):
     assert ids == offline.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                                                 stop_token_ids=[free[0]], min_tokens=4))[0].token_ids
     server.wait_idle()
+
+
+def test_tokenize_detokenize_and_version(server, offline):
+    """vLLM's /tokenize (a prompt, or chat messages through the template), /detokenize and /version."""
+    tok = offline.tokenizer
+    r = server.http.post("/tokenize", json={"prompt": PROMPTS[1], "return_token_strs": True}).json()
+    assert r["tokens"] == list(tok.encode(PROMPTS[1])) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server.state.engine.max_model_len
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    r = server.http.post("/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False}).json()
+    assert r["tokens"] == list(tok.encode(PROMPTS[1], add_special_tokens=False)) and r["token_strs"] is None
+    messages = [{"role": "user", "content": "Name a capital."}]
+    r = server.http.post("/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == offline.chat_prompt(messages)
+    chat = server.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == r["count"]
+    r = server.http.post("/detokenize", json={"tokens": tok.encode(PROMPTS[2], add_special_tokens=False)}).json()
+    assert r == {"prompt": PROMPTS[2]}
+    v = server.http.get("/version")
+    assert v.status_code == 200 and isinstance(v.json()["version"], str)
+    server.wait_idle()
