@@ -12,6 +12,7 @@ tokens to reach the host, so async scheduling and multi-step decode rounds keep 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampler import to_device as _upload
+from kernels.reference import penalize_rows as penalize_reference
 from scheduler.request import SamplingParams, ScheduledSeq
 
 
@@ -30,6 +32,25 @@ class _Counted:
     seq: weakref.ref
     slot: int
     counted: int = 0
+
+
+class _Packed:
+    """Lists sent to the device in one upload (none where all are empty); [i] is list i's slice."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *lists: list) -> None:
+        self.ends = list(itertools.accumulate(len(x) for x in lists))
+        flat = [v for x in lists for v in x]
+        self.data = _upload(flat, dtype, device) if flat else None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        assert self.data is not None
+        return self.data[self.ends[i - 1] if i else 0:self.ends[i]]
+
+
+def penalize_kernel(*args: torch.Tensor) -> None:
+    from kernels.penalties import penalize_rows  # Triton: only on a GPU
+
+    penalize_rows(*args)
 
 
 class LogitAdjuster:
@@ -74,24 +95,32 @@ class LogitAdjuster:
                     bias_r.append(j)
                     bias_t.append(t)
                     bias_v.append(b)
-        if ban_r:
-            out.index_put_((_upload(ban_r, torch.int64, device), _upload(ban_t, torch.int64, device)),
-                           out.new_full((), float("-inf")))
-        if bias_r:
-            out.index_put_((_upload(bias_r, torch.int64, device), _upload(bias_t, torch.int64, device)),
-                           _upload(bias_v, torch.float32, device), accumulate=True)
         penalized = [j for j in rows if items[j].seq.params.penalizes]
+        slots: list[int] = []
         if penalized:
-            self._penalize(out, [items[j] for j in penalized], _upload(penalized, torch.int64, device), step)
+            self._drop_finished()
+            slots = [self._sync(items[j], step, vocab, device) for j in penalized]
         min_p = [j for j in rows if items[j].seq.params.min_p > 0.0 and items[j].seq.params.temperature > 0.0]
+        # every row list in one upload, every value in another: each upload costs the host more than
+        # a launch (a small model's decode step is host-bound)
+        ints = _Packed(device, torch.int64, ban_r, ban_t, bias_r, bias_t, penalized, slots, min_p)
+        pen = [items[j].seq.params for j in penalized]
+        # p_t < min_p * p_max  <=>  l_t / T < l_max / T + ln(min_p)
+        floats = _Packed(device, torch.float32, bias_v,
+                         [x for p in pen for x in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)],
+                         [items[j].seq.params.temperature * math.log(items[j].seq.params.min_p) for j in min_p])
+        if ban_r:
+            out.index_put_((ints[0], ints[1]), out.new_full((), float("-inf")))
+        if bias_r:
+            out.index_put_((ints[2], ints[3]), floats[0], accumulate=True)
+        if penalized:
+            assert self._counts is not None and self._prompt is not None
+            penalize = penalize_kernel if device.type == "cuda" else penalize_reference
+            penalize(out, ints[4], ints[5], floats[1].view(-1, 3), self._counts, self._prompt)
         if min_p:
-            index = _upload(min_p, torch.int64, device)
-            sub = out.index_select(0, index)
-            # p_t < min_p * p_max  <=>  l_t / T < l_max / T + ln(min_p)
-            floor = _upload([items[j].seq.params.temperature * math.log(items[j].seq.params.min_p) for j in min_p],
-                            torch.float32, device)
-            sub.masked_fill_(sub < sub.amax(dim=1, keepdim=True) + floor.unsqueeze(1), float("-inf"))
-            out.index_copy_(0, index, sub)
+            sub = out.index_select(0, ints[6])
+            sub.masked_fill_(sub < sub.amax(dim=1, keepdim=True) + floats[2].unsqueeze(1), float("-inf"))
+            out.index_copy_(0, ints[6], sub)
         return out
 
     def count(self, items: list[ScheduledSeq], tokens: torch.Tensor) -> None:
@@ -105,31 +134,9 @@ class LogitAdjuster:
             state = self._rows[items[j].seq.seq_id]
             state.counted += 1
             slots.append(state.slot)
-        device = tokens.device
         assert self._counts is not None
-        self._counts.index_put_((_upload(slots, torch.int64, device),
-                                 tokens.index_select(0, _upload(rows, torch.int64, device))),
-                                self._counts.new_ones(()), accumulate=True)
-
-    def _penalize(self, out: torch.Tensor, items: list[ScheduledSeq], index: torch.Tensor, step: int) -> None:
-        device, vocab = out.device, out.shape[1]
-        self._drop_finished()
-        slots = [self._sync(it, step, vocab, device) for it in items]
-        assert self._counts is not None and self._prompt is not None
-        at = _upload(slots, torch.int64, device)
-        counts = self._counts.index_select(0, at)
-        present = counts > 0
-        params = [it.seq.params for it in items]
-        sub = out.index_select(0, index)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            rep = _upload([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
-            seen = present | self._prompt.index_select(0, at)
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        if any(p.frequency_penalty for p in params):
-            sub -= _upload([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1) * counts
-        if any(p.presence_penalty for p in params):
-            sub -= _upload([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1) * present
-        out.index_copy_(0, index, sub)
+        at = _Packed(tokens.device, torch.int64, rows, slots)
+        self._counts.index_put_((at[1], tokens.index_select(0, at[0])), self._counts.new_ones(()), accumulate=True)
 
     def _sync(self, it: ScheduledSeq, step: int, vocab: int, device: torch.device) -> int:
         """it's sequence's slot, its counts holding every output token before the one it samples now.

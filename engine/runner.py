@@ -540,8 +540,16 @@ class ModelRunner:
             # early dry pass), not at the first sampled request
             nucleus = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
             sample_on_device(logits, SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
-            # and its float32 form, which rows with adjusted logits take (engine/logit_adjust.py)
-            sample_on_device(logits.float(), SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
+            # and its float32 form, which rows with adjusted logits take (engine/logit_adjust.py), and
+            # the penalties' kernel
+            adjusted = logits.float()
+            sample_on_device(adjusted, SamplingBatch([nucleus] * rows, [0] * rows), self.generator)
+            from kernels.penalties import penalize_rows
+
+            one = torch.zeros(1, dtype=torch.int64, device=self.device)
+            penalize_rows(adjusted, one, one, torch.ones((1, 3), device=self.device),
+                          torch.zeros((1, adjusted.shape[1]), device=self.device),
+                          torch.zeros((1, adjusted.shape[1]), dtype=torch.bool, device=self.device))
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         if sample and self.model.stage.last:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()

@@ -190,6 +190,21 @@ def sample_probs(x: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_
     return out
 
 
+def penalize_rows(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, params: torch.Tensor,
+                  counts: torch.Tensor, prompt: torch.Tensor) -> None:
+    """kernels/penalties.py in torch ops, in place: row rows[i] of x takes the repetition, frequency
+    and presence penalties params[i] against counts[slots[i]] and prompt[slots[i]]."""
+    c = counts.index_select(0, slots)
+    present = c > 0
+    seen = present | prompt.index_select(0, slots)
+    rep, freq, pres = (p.unsqueeze(1) for p in params.unbind(1))
+    sub = x.index_select(0, rows)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * c
+    sub = sub - pres * present
+    x.index_copy_(0, rows, sub)
+
+
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's activation: x @ weight.T holding gate then up -> silu(gate) * up."""
     return silu_and_mul(linear(x, weight))
