@@ -8,7 +8,8 @@ likely one after the temperature. Rows that ask for none of it are left as they 
 Everything happens on the device, after the forward and outside any graph. A penalized sequence keeps
 a row of output-token counts on the device (and, for the repetition penalty, a row marking its prompt's
 tokens), to which each token it samples is added there as it is sampled: no step waits for its
-tokens to reach the host, so async scheduling and multi-step decode rounds keep running.
+tokens to reach the host, so async scheduling and multi-step decode rounds keep running. The three
+penalties take one Triton kernel on a GPU (kernels/penalties.py), torch ops on the CPU.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class _Packed:
         return self.data[self.ends[i - 1] if i else 0:self.ends[i]]
 
 
-def penalize_kernel(*args: torch.Tensor) -> None:
+def _penalize_on_gpu(*args: torch.Tensor) -> None:
     from kernels.penalties import penalize_rows  # Triton: only on a GPU
 
     penalize_rows(*args)
@@ -115,7 +116,7 @@ class LogitAdjuster:
             out.index_put_((ints[2], ints[3]), floats[0], accumulate=True)
         if penalized:
             assert self._counts is not None and self._prompt is not None
-            penalize = penalize_kernel if device.type == "cuda" else penalize_reference
+            penalize = _penalize_on_gpu if device.type == "cuda" else penalize_reference
             penalize(out, ints[4], ints[5], floats[1].view(-1, 3), self._counts, self._prompt)
         if min_p:
             sub = out.index_select(0, ints[6])

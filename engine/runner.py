@@ -1064,7 +1064,8 @@ class ModelRunner:
         if batch.num_steps > 1:  # rows without logprobs or a grammar (the scheduler's rule)
             draw = None
             if any(p.temperature != 0.0 or p.adjusts_logits for p in params):
-                draw = self._step_draw(items, SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items]))
+                sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
+                draw = self._step_draw(items, sbatch)
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None and not p.adjusts_logits
                  for p in params):
@@ -1078,7 +1079,8 @@ class ModelRunner:
         samples.start_copy(self.host_slots)
         return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
 
-    def _step_draw(self, items: list[ScheduledSeq], sbatch: SamplingBatch) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def _step_draw(self, items: list[ScheduledSeq],
+                   sbatch: SamplingBatch) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """A multi-step round's sampling of each step's logits (CUDA graph replay_steps' draw)."""
         adjust = LogitAdjuster.needed(items)
 
