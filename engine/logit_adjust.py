@@ -1,9 +1,10 @@
-"""What a request's sampling fields do to its logits before it samples, in vLLM's order: its stop and
-end-of-sequence tokens banned while fewer than min_tokens are out, logit_bias added, the repetition
-penalty (tokens of the prompt or the output: a positive logit divided by it, a negative one
-multiplied), the frequency penalty (times each token's count in the output) and the presence penalty
-(once per token in the output) subtracted; min_p drops tokens less likely than min_p times the most
-likely one after the temperature. Rows that ask for none of it are left as they are.
+"""What a request's sampling fields do to its logits before it samples, in vLLM's order: every token
+but its allowed_token_ids banned (where it names them), its stop and end-of-sequence tokens banned
+while fewer than min_tokens are out, logit_bias added, the repetition penalty (tokens of the prompt
+or the output: a positive logit divided by it, a negative one multiplied), the frequency penalty
+(times each token's count in the output) and the presence penalty (once per token in the output)
+subtracted; min_p drops tokens less likely than min_p times the most likely one after the
+temperature. Rows that ask for none of it are left as they are.
 
 Everything happens on the device, after the forward and outside any graph. A penalized sequence keeps
 a row of output-token counts on the device (and, for the repetition penalty, a row marking its prompt's
@@ -81,9 +82,18 @@ class LogitAdjuster:
         bias_r: list[int] = []
         bias_t: list[int] = []
         bias_v: list[float] = []
+        allow_rows: list[int] = []
+        allow_r: list[int] = []
+        allow_t: list[int] = []
         for j in rows:
             seq = items[j].seq
             p = seq.params
+            if p.allowed_token_ids:
+                if p.allowed_token_ids[-1] >= vocab:  # sorted
+                    raise ValueError(f"allowed_token_ids: {p.allowed_token_ids[-1]} is outside the vocabulary")
+                allow_r += [len(allow_rows)] * len(p.allowed_token_ids)
+                allow_t += p.allowed_token_ids
+                allow_rows.append(j)
             if p.min_tokens and items[j].end + step - seq.num_prompt_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
                 stops = [t for t in stops if t < vocab]
@@ -104,12 +114,17 @@ class LogitAdjuster:
         min_p = [j for j in rows if items[j].seq.params.min_p > 0.0 and items[j].seq.params.temperature > 0.0]
         # every row list in one upload, every value in another: each upload costs the host more than
         # a launch (a small model's decode step is host-bound)
-        ints = _Packed(device, torch.int64, ban_r, ban_t, bias_r, bias_t, penalized, slots, min_p)
+        ints = _Packed(device, torch.int64, ban_r, ban_t, bias_r, bias_t, penalized, slots, min_p, allow_rows, allow_r,
+                       allow_t)
         pen = [items[j].seq.params for j in penalized]
         # p_t < min_p * p_max  <=>  l_t / T < l_max / T + ln(min_p)
         floats = _Packed(device, torch.float32, bias_v,
                          [x for p in pen for x in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)],
                          [items[j].seq.params.temperature * math.log(items[j].seq.params.min_p) for j in min_p])
+        if allow_rows:
+            keep = torch.zeros((len(allow_rows), vocab), dtype=torch.bool, device=device)
+            keep.index_put_((ints[8], ints[9]), keep.new_ones(()))
+            out.index_copy_(0, ints[7], out.index_select(0, ints[7]).masked_fill_(~keep, float("-inf")))
         if ban_r:
             out.index_put_((ints[0], ints[1]), out.new_full((), float("-inf")))
         if bias_r:
@@ -197,6 +212,10 @@ def adjust_reference(logits: torch.Tensor, params: list[SamplingParams], prompts
     vocab = out.shape[1]
     for i, p in enumerate(params):
         row = out[i]
+        if p.allowed_token_ids:
+            for t in range(vocab):
+                if t not in p.allowed_token_ids:
+                    row[t] = float("-inf")
         if len(outputs[i]) < p.min_tokens:
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos[i])):
                 row[t] = float("-inf")

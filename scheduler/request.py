@@ -42,8 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # what the logits go through before sampling, in vLLM's order (engine/logit_adjust.py): stop and
-    # end-of-sequence tokens banned while fewer than min_tokens are out; logit_bias added; the
+    # what the logits go through before sampling, in vLLM's order (engine/logit_adjust.py): tokens
+    # outside allowed_token_ids banned; stop and end-of-sequence tokens banned while fewer than
+    # min_tokens are out; logit_bias added; the
     # repetition penalty (prompt and output tokens), then frequency and presence (output tokens);
     # min_p after the temperature
     min_tokens: int = 0
@@ -52,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     # constrained decoding: every sampled token keeps the output inside this grammar (an llguidance
     # grammar string, built and checked by engine/grammar.py); the grammar lets end-of-sequence
     # through only where its output is complete
@@ -89,6 +91,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be between 0 and 1, got {self.min_p!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted(set(int(t) for t in self.allowed_token_ids))
+            if not self.allowed_token_ids or self.allowed_token_ids[0] < 0:
+                raise ValueError("allowed_token_ids must name at least one token id, all >= 0")
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
         if any(t < 0 or not (-100.0 <= b <= 100.0) for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (>= 0) to biases between -100 and 100")
@@ -105,7 +111,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Anything of engine/logit_adjust.py applies to this request's rows."""
-        return (self.penalizes or self.min_tokens > 0 or bool(self.logit_bias)
+        return (self.penalizes or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
                 or (self.min_p > 0.0 and self.temperature > 0.0))
 
 

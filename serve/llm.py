@@ -100,9 +100,10 @@ class LLM:
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         vocab = self.engine.model_config.vocab_size
         for p in plist:
-            bad = [t for t in p.logit_bias if t >= vocab]
-            if bad:
-                raise ValueError(f"logit_bias: token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or [])):
+                bad = [t for t in ids if t >= vocab]
+                if bad:
+                    raise ValueError(f"{name}: token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         core = self.engine.core
         results: dict[int, GenerationOutput] = {}
         order: list[int] = []

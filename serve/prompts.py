@@ -291,6 +291,9 @@ class RequestPlanner:
         if grammar is not None and req.min_tokens:
             raise APIError(400, "min_tokens cannot go with structured output: the grammar ends the output",
                            param="min_tokens")
+        if grammar is not None and req.allowed_token_ids:
+            raise APIError(400, "allowed_token_ids cannot go with structured output: the grammar decides the tokens",
+                           param="allowed_token_ids")
         self._check_count(len(prompts), req.n)
         if req.truncate_prompt_tokens is not None:  # the last N tokens (vLLM's meaning); echo shows them
             keep = req.truncate_prompt_tokens
@@ -330,6 +333,7 @@ class RequestPlanner:
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             min_p=req.min_p or 0.0,
+            allowed_token_ids=self._allowed(req.allowed_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
@@ -393,6 +397,13 @@ class RequestPlanner:
                                     "and 100", param="logit_bias")
             out[token] = value
         return out
+
+    def _allowed(self, ids: list[int] | None) -> list[int] | None:
+        bad = next((t for t in ids or [] if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"allowed_token_ids: {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="allowed_token_ids")
+        return ids
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
         ids = list(ids or [])

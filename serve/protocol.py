@@ -62,6 +62,8 @@ class SamplingFields(RequestModel):
                                                                   "min_p times the most likely one; default 0")
     min_tokens: int | None = Field(None, ge=0, description="extension (vLLM): no stop token or stop string ends the "
                                                            "output before this many tokens; default 0")
+    allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1,
+                                                      description="extension (vLLM): only these tokens may be sampled")
     user: str | None = None
     # structured output (serve/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(

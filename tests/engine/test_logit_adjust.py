@@ -36,6 +36,8 @@ def _random_params(rng):
         kw["logit_bias"] = {rng.randrange(V): rng.uniform(-100, 100) for _ in range(rng.randrange(1, 4))}
     if rng.random() < 0.4:
         kw["min_p"] = rng.choice([0.05, 0.3, 1.0])
+    if rng.random() < 0.3:
+        kw["allowed_token_ids"] = rng.sample(range(V), rng.randrange(1, 6))
     if rng.random() < 0.4:
         kw["min_tokens"] = rng.randrange(1, 6)
         kw["stop_token_ids"] = [rng.randrange(V)]
@@ -167,6 +169,8 @@ def _params():
         SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, frequency_penalty=-0.8, repetition_penalty=0.9),
         SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logit_bias={17: 3.0, 40: -50.0}),
         SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, min_p=0.5),  # greedy: no effect
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, allowed_token_ids=[9, 40, 77, 300],
+                       presence_penalty=0.8),
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
     ]
 
@@ -180,7 +184,7 @@ def _params():
 def test_engine_greedy_equals_transformers_step_by_step(tiny_models, kw):
     path = tiny_models["llama"]
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in range(6)]
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in _params()]
     params = _params()
     llm = LLM(str(path), dtype="float32", device="cpu", **kw)
     outs = llm.generate(prompts, params)
@@ -205,7 +209,7 @@ def test_gpu_engine_greedy_equals_transformers_step_by_step(tiny_models, steps):
     not): each sampled token is counted on the device as it is sampled."""
     path = tiny_models["llama"]
     rng = random.Random(2)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in range(6)]
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(6, 40))] for _ in _params()]
     params = _params()
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, num_scheduler_steps=steps)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.num_scheduler_steps == steps

@@ -256,6 +256,8 @@ def test_penalties_bias_min_p_and_min_tokens(client, server, offline):
     body = {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0.8, "ignore_eos": True, "return_token_ids": True,
             "logit_bias": {"42": 100}}
     assert server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == [42] * 6
+    body = {**body, "logit_bias": None, "allowed_token_ids": [42, 43, 44], "max_tokens": 12}
+    assert set(server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]) <= {42, 43, 44}
     # min_tokens: the stop token the free output ends on first is held back for 4 tokens
     free = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
