@@ -202,8 +202,9 @@ class RequestPlanner:
             raise APIError(400, "messages is empty; send at least one message", param="messages")
         self._check_continue(req)
         chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message)
-        return self._encode(self._encodable(self._chat_text(chat, ToolPlan())), bool(req.add_special_tokens))
+                                     continue_final_message=req.continue_final_message, tools=req.tools)
+        text = self._chat_text(chat, plan_tools(chat, self.tool_parser))
+        return self._encode(self._encodable(text), bool(req.add_special_tokens))
 
     def detokenize(self, req: DetokenizeRequest) -> str:
         self._id_prompt(req.tokens)  # the ids' range

@@ -315,6 +315,7 @@ class TokenizeRequest(RequestModel):
                                                               "template adds them)")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[Tool] | None = Field(None, description="with messages: rendered as the chat endpoint renders them")
     return_token_strs: bool = False
 
 

@@ -281,6 +281,11 @@ def test_tokenize_detokenize_and_version(server, offline):
     messages = [{"role": "user", "content": "Name a capital."}]
     r = server.http.post("/tokenize", json={"messages": messages}).json()
     assert r["tokens"] == offline.chat_prompt(messages)
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": {"type": "object"}}}]
+    with_tools = server.http.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+    assert with_tools["count"] > r["count"]  # the tools are described to the model, as the chat endpoint does
+    chat = server.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "tools": tools})
+    assert chat.json()["usage"]["prompt_tokens"] == with_tools["count"]
     chat = server.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
     assert chat["usage"]["prompt_tokens"] == r["count"]
     r = server.http.post("/detokenize", json={"tokens": tok.encode(PROMPTS[2], add_special_tokens=False)}).json()
