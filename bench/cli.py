@@ -53,6 +53,17 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def _json_object(text: str) -> dict:
+    """--extra-body: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of request fields, such as '{\"min_p\": 0.05}'")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv = parser.add_argument_group("server")
     srv.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000; "
@@ -88,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request "
                                                                        "(default: %(default)s, greedy)")
     load.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every request (default: %(default)s)")
+    load.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                      help="more request fields for every request, a JSON object, e.g. '{\"repetition_penalty\": 1.1}'")
     load.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                       help="send prompts as token ids, or as text the server tokenizes (decoded with --model's "
                            "tokenizer; default: %(default)s)")
@@ -167,6 +180,9 @@ def _validate(args: argparse.Namespace) -> _Setup:
         raise ValueError(f"--temperature must be in [0, 100], got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    taken = sorted(set(args.extra_body or {}) & set(CompletionTarget.OWN_FIELDS))
+    if taken:
+        raise ValueError(f"--extra-body sets {', '.join(taken)}, which serve bench sets itself; use its options")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.num_gpus is not None and args.num_gpus < 1:
@@ -323,7 +339,8 @@ def _bench(args: argparse.Namespace, setup: _Setup, base_url: str, hw: Measureme
         _error(f"no model name from GET {base_url}/v1/models (is the server up?); pass --served-model-name")
         return 1
     target = CompletionTarget(url=base_url + args.endpoint, model=name, ignore_eos=args.ignore_eos,
-                              api_key=args.api_key, temperature=args.temperature, top_p=args.top_p)
+                              api_key=args.api_key, temperature=args.temperature, top_p=args.top_p,
+                              extra_body=args.extra_body)
     requests = ids = make_requests(setup.workload)
     warmups = warmup_requests(setup.workload, max(1, args.num_warmups))
     if setup.tokenizer is not None:
@@ -401,7 +418,8 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
         served_model_name=target.model, url=base_url, gpu=hw.device, workload=setup.workload,
         concurrency=args.concurrency, request_rate=rate, ignore_eos=args.ignore_eos,
         kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
-        temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format)
+        temperature=args.temperature, top_p=args.top_p, extra_body=args.extra_body,
+        prompt_format=args.prompt_format)
     return Measured(load, metrics, roofline, info, monitor.summary())
 
 
@@ -421,7 +439,8 @@ def _multi_turn(args: argparse.Namespace, setup: _Setup, target: CompletionTarge
         served_model_name=target.model, url=base_url, gpu=hw.device, workload=setup.workload,
         concurrency=args.concurrency, request_rate=None, ignore_eos=args.ignore_eos,
         kv_cache_dtype=args.kv_cache_dtype, server_args=None if setup.url else shlex.join(setup.server_args),
-        temperature=args.temperature, top_p=args.top_p, prompt_format=args.prompt_format,
+        temperature=args.temperature, top_p=args.top_p, extra_body=args.extra_body,
+        prompt_format=args.prompt_format,
         num_turns=args.multi_turn, turn_len=turn_len)
     print(format_report(info, metrics, None, "not computed for --multi-turn runs", split))
     busy = _warn_if_client_bound(load)

@@ -71,6 +71,11 @@ class CompletionTarget:
     api_key: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
+    extra_body: dict | None = None  # more request fields (serve bench --extra-body)
+
+    # the fields payload() sets, which extra_body may not
+    OWN_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stream_options",
+                  "return_token_ids", "ignore_eos")
 
     def payload(self, request: BenchRequest, max_tokens: int | None = None) -> dict:
         body = {
@@ -88,6 +93,8 @@ class CompletionTarget:
             body["top_p"] = self.top_p
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.extra_body:
+            body.update(self.extra_body)
         return body
 
     def headers(self) -> dict[str, str]:

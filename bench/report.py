@@ -28,6 +28,7 @@ class RunInfo:
     server_args: str | None = None  # when the run started its own server
     temperature: float = 0.0
     top_p: float = 1.0
+    extra_body: dict | None = None  # --extra-body
     prompt_format: str = "ids"  # ids: token ids; text: text the server tokenizes
     num_turns: int = 1  # > 1: a multi-turn run of workload.num_prompts conversations (--multi-turn)
     turn_len: int = 0  # new tokens per follow-up turn
@@ -81,6 +82,7 @@ def result_dict(info: RunInfo, metrics: BenchmarkMetrics, results: list[RequestR
         "ignore_eos": info.ignore_eos,
         "temperature": info.temperature,
         "top_p": info.top_p,
+        "extra_body": info.extra_body,
         "prompt_format": info.prompt_format,
         "seed": w.seed,
         "kv_cache_dtype": info.kv_cache_dtype,

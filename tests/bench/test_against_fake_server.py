@@ -149,7 +149,7 @@ def test_warmups_and_probe_share_no_tokens_with_the_measured_prompts(fake_server
 
 
 def test_sampling_and_text_prompts(fake_server, bench, tmp_path):
-    """--temperature/--top-p reach every request; --prompt-format text sends text that the model
+    """--temperature/--top-p/--extra-body reach every request; --prompt-format text sends text that the model
     folder's tokenizer reads as --input-len tokens; the result JSON says which and the chunk gaps."""
     import json
 
@@ -159,14 +159,17 @@ def test_sampling_and_text_prompts(fake_server, bench, tmp_path):
     srv = fake_server(ttft_s=0.01, chunk_interval_s=0.005)
     code, res = bench("--url", srv.base_url, "--model", str(folder), "--num-prompts", "4", "--input-len", "24",
                       "--output-len", "4", "--temperature", "0.8", "--top-p", "0.95", "--prompt-format", "text",
+                      "--extra-body", '{"repetition_penalty": 1.1, "min_p": 0.05}',
                       "--copy-bandwidth", "3", "--matmul-tflops", "800")
     assert code == 0
     body = srv.behaviour.seen[-1]
     assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and isinstance(body["prompt"], str)
+    assert all(b["repetition_penalty"] == 1.1 and b["min_p"] == 0.05 for b in srv.behaviour.seen)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert [len(tok.encode(b["prompt"])) for b in srv.behaviour.seen] == [24] * len(srv.behaviour.seen)
     assert (res["temperature"], res["top_p"], res["prompt_format"]) == (0.8, 0.95, "text")
+    assert res["extra_body"] == {"repetition_penalty": 1.1, "min_p": 0.05}
     assert res["p99_chunk_gap_ms"] is not None and res["serial_bound_fraction"] is not None
     assert json.dumps(res)  # serializable
 

@@ -18,6 +18,7 @@ BAD = [
     ["--url", "http://127.0.0.1:9", "--input-len", "16", "--shared-prefix-len", "17"],
     ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],
     ["--url", "http://127.0.0.1:9", "--num-gpus", "0"],
+    ["--url", "http://127.0.0.1:9", "--extra-body", '{"max_tokens": 5}'],
     ["--url", "http://127.0.0.1:9", "--server-args=--enforce-eager"],
     ["--url", "http://127.0.0.1:9", "--copy-bandwidth", "3"],
     ["--url", "http://127.0.0.1:9", "--result-json", "/no/such/folder/r.json"],
@@ -44,6 +45,15 @@ def test_bad_number_is_one_line_too(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--concurrency" in err[0]
+
+
+@pytest.mark.parametrize("body", ["[1, 2]", "{not json"])
+def test_bad_extra_body_is_one_line_too(capsys, body):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--url", "http://127.0.0.1:9", "--extra-body", body])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--extra-body" in err[0] and "JSON object" in err[0]
 
 
 def test_bad_client_processes_is_one_line_too(capsys):
