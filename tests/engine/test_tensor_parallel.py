@@ -91,6 +91,21 @@ def test_seeded_sampling_is_the_same_on_every_rank(tiny_models):
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 
+def test_penalties_are_the_same_on_every_rank(tiny_models):
+    """Penalized rows count their tokens on every rank (engine/logit_adjust.py): rank 1's counts follow
+    its own samples, which must be rank 0's, so TP=2 equals TP=1 (async scheduling, chunked prompts)."""
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, presence_penalty=1.0,
+                             frequency_penalty=0.5, min_p=0.1, logit_bias={7: 2.0}),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, min_tokens=4, stop_token_ids=[3])] * 2
+    prompts = make_prompts(5)
+    kw = dict(num_kv_blocks=8, max_num_batched_tokens=16, async_scheduling=True, **CPU)
+    one = LLM(str(tiny_models["llama"]), **kw).generate(prompts, params)
+    with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **kw) as llm:
+        two = llm.generate(prompts, params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
 @pytest.mark.parametrize("size, what", [(3, "attention heads"), (8, "attention heads")])
 def test_a_size_that_does_not_split_the_model_is_a_value_error(tiny_models, size, what):
     t0 = time.monotonic()
