@@ -49,6 +49,24 @@ class _Packed:
         return self.data[self.ends[i - 1] if i else 0:self.ends[i]]
 
 
+class _Count:
+    """Called with the tokens sampled from LogitAdjuster.apply()'s logits: adds the penalized rows'
+    tokens to their counts, with the rows and slots apply() already sent to the device."""
+
+    def __init__(self, counts: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None, states: list[_Counted] | None = None) -> None:
+        self.counts, self.rows, self.slots, self.states = counts, rows, slots, states or []
+
+    def __call__(self, tokens: torch.Tensor) -> None:
+        if not self.states:
+            return
+        for state in self.states:
+            state.counted += 1
+        assert self.counts is not None and self.rows is not None and self.slots is not None
+        self.counts.index_put_((self.slots, tokens.index_select(0, self.rows)), self.counts.new_ones(()),
+                               accumulate=True)
+
+
 def _penalize_on_gpu(*args: torch.Tensor) -> None:
     from kernels.penalties import penalize_rows  # Triton: only on a GPU
 
@@ -69,10 +87,10 @@ class LogitAdjuster:
     def needed(items: list[ScheduledSeq]) -> bool:
         return any(it.seq.params.adjusts_logits for it in items)
 
-    def apply(self, logits: torch.Tensor, items: list[ScheduledSeq], step: int = 0) -> torch.Tensor:
-        """logits [N, V] of the sampling rows `items`, in order -> float32 logits with every row's
-        adjustments (a new tensor; logits is not changed). step: the how-manieth step of a multi-step
-        round (each row's output position moves on by it). count() must follow with the tokens sampled."""
+    def apply(self, logits: torch.Tensor, items: list[ScheduledSeq], step: int = 0) -> tuple[torch.Tensor, _Count]:
+        """logits [N, V] of the sampling rows `items`, in order -> (float32 logits with every row's
+        adjustments, a new tensor; count, to be called with the tokens sampled from them). step: the
+        how-manieth step of a multi-step round (each row's output position moves on by it)."""
         device = logits.device
         out = logits.to(torch.float32, copy=True)
         vocab = out.shape[1]
@@ -107,10 +125,11 @@ class LogitAdjuster:
                     bias_t.append(t)
                     bias_v.append(b)
         penalized = [j for j in rows if items[j].seq.params.penalizes]
-        slots: list[int] = []
+        states: list[_Counted] = []
         if penalized:
             self._drop_finished()
-            slots = [self._sync(items[j], step, vocab, device) for j in penalized]
+            states = [self._sync(items[j], step, vocab, device) for j in penalized]
+        slots = [state.slot for state in states]
         min_p = [j for j in rows if items[j].seq.params.min_p > 0.0 and items[j].seq.params.temperature > 0.0]
         # every row list in one upload, every value in another: each upload costs the host more than
         # a launch (a small model's decode step is host-bound)
@@ -129,33 +148,20 @@ class LogitAdjuster:
             out.index_put_((ints[0], ints[1]), out.new_full((), float("-inf")))
         if bias_r:
             out.index_put_((ints[2], ints[3]), floats[0], accumulate=True)
+        count = _Count()
         if penalized:
             assert self._counts is not None and self._prompt is not None
             penalize = _penalize_on_gpu if device.type == "cuda" else penalize_reference
             penalize(out, ints[4], ints[5], floats[1].view(-1, 3), self._counts, self._prompt)
+            count = _Count(self._counts, ints[4], ints[5], states)
         if min_p:
             sub = out.index_select(0, ints[6])
             sub.masked_fill_(sub < sub.amax(dim=1, keepdim=True) + floats[2].unsqueeze(1), float("-inf"))
             out.index_copy_(0, ints[6], sub)
-        return out
+        return out, count
 
-    def count(self, items: list[ScheduledSeq], tokens: torch.Tensor) -> None:
-        """The tokens just sampled for `items` (tokens [N] on the device, in order) into the penalized
-        rows' counts."""
-        rows = [j for j, it in enumerate(items) if it.seq.params.penalizes]
-        if not rows:
-            return
-        slots = []
-        for j in rows:
-            state = self._rows[items[j].seq.seq_id]
-            state.counted += 1
-            slots.append(state.slot)
-        assert self._counts is not None
-        at = _Packed(tokens.device, torch.int64, rows, slots)
-        self._counts.index_put_((at[1], tokens.index_select(0, at[0])), self._counts.new_ones(()), accumulate=True)
-
-    def _sync(self, it: ScheduledSeq, step: int, vocab: int, device: torch.device) -> int:
-        """it's sequence's slot, its counts holding every output token before the one it samples now.
+    def _sync(self, it: ScheduledSeq, step: int, vocab: int, device: torch.device) -> _Counted:
+        """it's sequence's state, its slot's counts holding every output token before the one it samples now.
         Those sampled here were counted as they were sampled; a sequence seen first (or whose tokens
         were taken back) is counted from the tokens the host has."""
         seq = it.seq
@@ -168,8 +174,9 @@ class LogitAdjuster:
             assert self._counts is not None and self._prompt is not None
             self._counts[state.slot].zero_()
             self._prompt[state.slot].zero_()
-            prompt = sorted(set(seq.token_ids[:seq.num_prompt_tokens]))
-            self._prompt[state.slot].index_fill_(0, _upload(prompt, torch.int64, device), True)
+            if seq.params.repetition_penalty != 1.0:  # the only penalty that reads the prompt's tokens
+                prompt = sorted(set(seq.token_ids[:seq.num_prompt_tokens]))
+                self._prompt[state.slot].index_fill_(0, _upload(prompt, torch.int64, device), True)
         if state.counted < before:
             first = seq.num_prompt_tokens + state.counted
             known = seq.token_ids[first:seq.num_prompt_tokens + before]
@@ -179,7 +186,7 @@ class LogitAdjuster:
             self._counts[state.slot].index_put_((_upload(known, torch.int64, device),),
                                                 self._counts.new_ones(()), accumulate=True)
             state.counted = before
-        return state.slot
+        return state
 
     def _take_slot(self, vocab: int, device: torch.device) -> int:
         if not self._free:

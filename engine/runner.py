@@ -1013,13 +1013,7 @@ class ModelRunner:
             masks = self.grammar.masks(items)
             if masks is not None:
                 apply_token_bitmask(logits, *masks)
-        raw = None
-        adjust = LogitAdjuster.needed(items)
-        if adjust:
-            raw, logits = logits, self.adjuster.apply(logits, items)
-        samples = sample_on_device(logits, sbatch, self.generator, raw=raw)
-        if adjust:
-            self.adjuster.count(items, samples.tokens)
+        samples = self._sample_adjusted(logits, items, sbatch)
         if tokens_out is not None:
             tokens_out.copy_(samples.tokens)
         samples.start_copy(self.host_slots)
@@ -1065,7 +1059,7 @@ class ModelRunner:
             draw = None
             if any(p.temperature != 0.0 or p.adjusts_logits for p in params):
                 sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
-                draw = self._step_draw(items, sbatch)
+                draw = lambda logits, step: self._sample_adjusted(logits, items, sbatch, step).tokens  # noqa: E731
             samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None and not p.adjusts_logits
                  for p in params):
@@ -1079,20 +1073,16 @@ class ModelRunner:
         samples.start_copy(self.host_slots)
         return Launched(samples, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
 
-    def _step_draw(self, items: list[ScheduledSeq],
-                   sbatch: SamplingBatch) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        """A multi-step round's sampling of each step's logits (CUDA graph replay_steps' draw)."""
-        adjust = LogitAdjuster.needed(items)
-
-        def draw(logits: torch.Tensor, step: int) -> torch.Tensor:
-            if adjust:
-                logits = self.adjuster.apply(logits, items, step)
-            tokens = sample_on_device(logits, sbatch, self.generator, step).tokens
-            if adjust:
-                self.adjuster.count(items, tokens)
-            return tokens
-
-        return draw
+    def _sample_adjusted(self, logits: torch.Tensor, items: list[ScheduledSeq], sbatch: SamplingBatch,
+                         step: int = 0) -> DeviceSamples:
+        """sample_on_device, after engine/logit_adjust.py's adjustments where a row asks for them (the
+        penalized rows' counts then take the sampled tokens); logprobs from the logits as they came."""
+        if not LogitAdjuster.needed(items):
+            return sample_on_device(logits, sbatch, self.generator, step)
+        adjusted, count = self.adjuster.apply(logits, items, step)
+        samples = sample_on_device(adjusted, sbatch, self.generator, step, raw=logits)
+        count(samples.tokens)
+        return samples
 
     def _graph_inputs(self, items: list[ScheduledSeq], prev: Launched | None, buf: np.ndarray) -> int:
         """A decode step's inputs in kernels/graph_inputs.py's layout, into buf (int64 words) ->

@@ -327,14 +327,14 @@ class RequestPlanner:
             seed=req.seed,
             stop=self._stop_list(req.stop),
             include_stop_str_in_output=req.include_stop_str_in_output,
-            stop_token_ids=self._stop_token_ids(req.stop_token_ids),
+            stop_token_ids=list(self._vocabulary_ids(req.stop_token_ids, "stop_token_ids") or []),
             min_tokens=req.min_tokens or 0,
             logit_bias=self._logit_bias(req.logit_bias),
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             min_p=req.min_p or 0.0,
-            allowed_token_ids=self._allowed(req.allowed_token_ids),
+            allowed_token_ids=self._vocabulary_ids(req.allowed_token_ids, "allowed_token_ids"),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
@@ -399,17 +399,9 @@ class RequestPlanner:
             out[token] = value
         return out
 
-    def _allowed(self, ids: list[int] | None) -> list[int] | None:
+    def _vocabulary_ids(self, ids: list[int] | None, param: str) -> list[int] | None:
+        """ids as they are, once each lies in the vocabulary (a 400 naming param otherwise)."""
         bad = next((t for t in ids or [] if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"allowed_token_ids: {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="allowed_token_ids")
-        return ids
-
-    def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
-        ids = list(ids or [])
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="stop_token_ids")
+            raise APIError(400, f"{param}: {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
         return ids

@@ -55,7 +55,7 @@ def test_apply_equals_reference(seed):
     outputs = [[rng.randrange(V) for _ in range(rng.randrange(0, 9))] for _ in range(n)]
     items = [_row(i, prompts[i], outputs[i], params[i]) for i in range(n)]
     logits = (torch.randn(n, V) * 3).to(torch.bfloat16)
-    got = LogitAdjuster().apply(logits, items)
+    got, _ = LogitAdjuster().apply(logits, items)
     want = adjust_reference(logits, params, prompts, outputs, [frozenset({2})] * n)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -86,11 +86,11 @@ def test_tokens_are_counted_as_sampled_not_when_the_host_has_them(steps):
         items = [_sampling_at(seq, len(sampled[i])) for i, seq in enumerate(seqs)]
         for step in range(steps):
             logits = torch.randn(len(seqs), V)
-            got = adjuster.apply(logits, items, step)
+            got, count = adjuster.apply(logits, items, step)
             want = adjust_reference(logits, params, prompts, sampled, [frozenset({2})] * len(seqs))
             torch.testing.assert_close(got, want)
             tokens = got.argmax(dim=1)
-            adjuster.count(items, tokens)
+            count(tokens)
             for i, t in enumerate(tokens.tolist()):
                 sampled[i].append(t)
         for i, seq in enumerate(seqs):  # the host learns the round's tokens only after the next round
@@ -111,7 +111,7 @@ def test_slots_are_freed_and_taken_again():
     adjuster.apply(torch.zeros(1, V), fresh)
     assert adjuster.num_slots == 5
     items = None
-    got = adjuster.apply(torch.zeros(1, V), fresh)
+    got, _ = adjuster.apply(torch.zeros(1, V), fresh)
     assert adjuster.num_slots == 1  # the others' sequences are gone (a follower drops its copies)
     assert torch.equal(got, torch.zeros(1, V))
 
@@ -128,7 +128,7 @@ def test_same_meaning_as_transformers_processors():
 
     def ours(**kw):
         p = SamplingParams(max_tokens=20, **kw)
-        return LogitAdjuster().apply(logits, [_row(0, prompt, outputs, p, eos=frozenset({5}))])
+        return LogitAdjuster().apply(logits, [_row(0, prompt, outputs, p, eos=frozenset({5}))])[0]
 
     want = RepetitionPenaltyLogitsProcessor(1.4)(ids, logits.clone())
     torch.testing.assert_close(ours(repetition_penalty=1.4), want)
