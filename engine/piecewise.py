@@ -159,9 +159,10 @@ class PiecewiseGraphs:
         return smallest_bucket(self.buckets, n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-            logit_indices: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's forward for a step of n <= max_tokens tokens -> logits [len(logit_indices), V]
-        (a pipeline stage: from the previous stage's carry, and before the last its carry out)."""
+            logit_indices: torch.Tensor | None, carry: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward for a step of n <= max_tokens tokens -> logits [len(logit_indices), V],
+        or with logit_indices None the final hidden states [n, hidden] (a pipeline stage: from the
+        previous stage's carry, and before the last its carry out)."""
         n = input_ids.shape[0]
         t = self.bucket_for(n)
         self.num_runs += 1
@@ -181,4 +182,6 @@ class PiecewiseGraphs:
             graphs[i + 1].replay()
         if self.model.norm is None:
             return torch.stack((b.hidden[:n], b.residual[:n]))
+        if logit_indices is None:
+            return b.hidden[:n]
         return self.model.compute_logits(b.hidden[:n][logit_indices])

@@ -27,6 +27,7 @@ from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
 from engine.piecewise import PiecewiseGraphs
+from engine.prompt_logprobs import PromptRows, PromptSamples, compute_prompt_logprobs, prompt_rows
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs, graph_token_limits, graphed_token_counts, step_buckets
 from engine.upload import HostInputs, UploadRing, take_pending
@@ -212,6 +213,7 @@ class Launched:
     events: tuple | None = None  # CUDA timing events around the step (enable_step_timing)
     sent: Sent | None = None  # a pipeline stage's carry on its way to the next stage
     deferred: DeferredSample | None = None  # constrained rows' sampling, waiting for finish()
+    prompt: PromptSamples | None = None  # prompt logprobs of the step's chunks (engine/prompt_logprobs.py)
 
 
 @dataclass
@@ -550,6 +552,9 @@ class ModelRunner:
             penalize_rows(adjusted, one, one, torch.ones((1, 3), device=self.device),
                           torch.zeros((1, adjusted.shape[1]), device=self.device),
                           torch.zeros((1, adjusted.shape[1]), dtype=torch.bool, device=self.device))
+            from kernels.logprob_stats import logprob_stats  # prompt logprobs' (engine/prompt_logprobs.py)
+
+            logprob_stats(logits, torch.zeros(rows, dtype=torch.int64, device=self.device))
         worst = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
         if sample and self.model.stage.last:
             sample_on_device(logits, SamplingBatch([worst] * rows, [0] * rows), self.generator).to_host()
@@ -947,11 +952,15 @@ class ModelRunner:
             if key is not None:
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
+        prompt = prompt_rows(batch.items)
+        want = None if prompt is not None else logit_idx  # None: the hidden states, for the prompt's rows too
         if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
-            logits = self.piecewise.run(input_ids, positions, meta, logit_idx)
+            out = self.piecewise.run(input_ids, positions, meta, want)
         else:
-            logits = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx)
-        return self._sample(batch, logits, sbatch, sampled)
+            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, want)
+        if prompt is None:
+            return self._sample(batch, out, sbatch, sampled)
+        return self._sample_hidden(batch, out, logit_idx, sbatch, sampled, prompt)
 
     def _launch_stage(self, batch: Batch) -> Launched:
         """launch() on a pipeline stage: the carry from the previous stage (the first embeds), this
@@ -962,7 +971,8 @@ class ModelRunner:
         assert pipe is not None and batch.num_steps == 1
         n = len(batch.items)
         g = self.graphs
-        if g is not None and batch.is_decode_only and n <= g.max_bs:  # decodes: every row samples
+        prompt = prompt_rows(batch.items)  # a one-token chunk of a prompt that asks for its logprobs: eager
+        if g is not None and batch.is_decode_only and n <= g.max_bs and prompt is None:  # decodes: every row samples
             if pipe.next is None:
                 return self._launch_graph(batch, None, self._recv_carry(n))
             words = self._graph_inputs(batch.items, None, g.host_inputs())
@@ -972,13 +982,16 @@ class ModelRunner:
             return Launched(None, {}, [], n, sent=pipe.send_carry(g.replay_carry(n, words).clone()))
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch)
         carry = self._recv_carry(input_ids.shape[0])
+        want = None if prompt is not None else logit_idx
         if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
-            out = self.piecewise.run(input_ids, positions, meta, logit_idx, carry)
+            out = self.piecewise.run(input_ids, positions, meta, want, carry)
         else:
-            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, logit_idx, carry)
+            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, want, carry)
         if pipe.next is not None:
             return Launched(None, {}, [], n, sent=pipe.send_carry(out))
-        return self._sample(batch, out, sbatch, sampled)
+        if prompt is None:
+            return self._sample(batch, out, sbatch, sampled)
+        return self._sample_hidden(batch, out, logit_idx, sbatch, sampled, prompt)
 
     def _recv_carry(self, num_tokens: int) -> torch.Tensor | None:
         """The previous pipeline stage's carry for this step (None on the first stage)."""
@@ -986,6 +999,16 @@ class ModelRunner:
         if pipe is None or pipe.prev is None:
             return None
         return pipe.recv_carry(num_tokens, self.model_cfg.hidden_size, self.dtype, self.device)
+
+    def _sample_hidden(self, batch: Batch, hidden: torch.Tensor, logit_idx: torch.Tensor, sbatch: SamplingBatch,
+                       sampled: list[int], prompt: PromptRows | None) -> Launched:
+        """_sample() of a forward's final hidden states: the sampling rows' logits are taken from them,
+        and the prompt's rows (if any) give prompt logprobs."""
+        launched = self._sample(batch, self.model.compute_logits(hidden[logit_idx]), sbatch, sampled)
+        if prompt is not None:
+            launched.prompt = compute_prompt_logprobs(hidden, prompt, batch.items, self.model.compute_logits,
+                                                      self.cfg.max_num_seqs)
+        return launched
 
     def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
         """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
@@ -1040,8 +1063,8 @@ class ModelRunner:
             assert prev is not None and prev.samples is not None
             pending = prev.samples.tokens
         hidden, logit_rows = self.steps.run(key, host, batch.num_decode, len(items), pending)
-        logits = self.model.compute_logits(hidden[logit_rows])
-        return self._sample(batch, logits, _sampling_batch(items, host.sampled), host.sampled)
+        return self._sample_hidden(batch, hidden, logit_rows, _sampling_batch(items, host.sampled), host.sampled,
+                                   prompt_rows(items))
 
     def _launch_graph(self, batch: Batch, prev: Launched | None, carry: torch.Tensor | None = None) -> Launched:
         """launch() for a decode step in which every row samples, replayed from a decode graph: its
@@ -1103,16 +1126,22 @@ class ModelRunner:
         self.finish(launched)
         if launched.sent is not None:
             launched.sent.wait()
-        if launched.samples is None:
-            return outputs
-        tokens, logprobs = launched.samples.to_host()
-        if launched.samples.steps is not None:  # [steps][n]: each row's first token and the later ones
-            later = list(zip(*tokens[1:]))
+        if launched.samples is not None:
+            tokens, logprobs = launched.samples.to_host()
+            if launched.samples.steps is not None:  # [steps][n]: each row's first token and the later ones
+                later = list(zip(*tokens[1:]))
+                for j, i in enumerate(launched.sampled):
+                    outputs[i] = SampleOutput(tokens[0][j], None, list(later[j]))
+                return outputs
             for j, i in enumerate(launched.sampled):
-                outputs[i] = SampleOutput(tokens[0][j], None, list(later[j]))
-            return outputs
-        for j, i in enumerate(launched.sampled):
-            outputs[i] = SampleOutput(tokens[j], logprobs[j])
+                outputs[i] = SampleOutput(tokens[j], logprobs[j])
+        if launched.prompt is not None:
+            for i, entries in launched.prompt.to_host().items():
+                out = outputs[i]
+                if out is None:
+                    outputs[i] = SampleOutput(-1, prompt=entries)
+                else:
+                    out.prompt = entries
         return outputs
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:

@@ -205,6 +205,15 @@ def penalize_rows(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, para
     x.index_copy_(0, rows, sub)
 
 
+def logprob_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/logprob_stats.py in torch ops: per row the log-sum-exp (float32), the target's logprob
+    and its rank (1 + how many logits are higher)."""
+    x = logits.float()
+    lse = x.logsumexp(dim=-1)
+    xt = x.gather(1, targets.unsqueeze(1))
+    return lse, xt.squeeze(1) - lse, (x > xt).sum(dim=-1) + 1
+
+
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's activation: x @ weight.T holding gate then up -> silu(gate) * up."""
     return silu_and_mul(linear(x, weight))

@@ -154,7 +154,8 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
     return StepOutput(a.seq_id, a.new_token_ids + b.new_token_ids, b.finished, b.finish_reason,
                       a.new_text + b.new_text, a.logprobs + b.logprobs, b.error or a.error,
                       b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens or a.num_output_tokens,
-                      b.num_cached_tokens or a.num_cached_tokens)
+                      b.num_cached_tokens or a.num_cached_tokens,
+                      a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 class OutputStream:

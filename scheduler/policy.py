@@ -299,8 +299,11 @@ class Scheduler:
             if seq.num_pending or (busy and seq.seq_id in busy):
                 break  # preempted while its last step was in flight: wait for that step
             num_tokens = len(seq.token_ids)
-            hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
-            host_hits = bm.match_host(seq.token_ids, seq.block_hashes, len(hits)) if bm.host is not None else []
+            if seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing is read from the cache
+                hits, host_hits = [], []
+            else:
+                hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
+                host_hits = bm.match_host(seq.token_ids, seq.block_hashes, len(hits)) if bm.host is not None else []
             if (len(hits) + len(host_hits)) * bs >= num_tokens:
                 (host_hits or hits).pop()  # compute at least the last block, so the step yields logits
             num_cached = (len(hits) + len(host_hits)) * bs
@@ -344,6 +347,8 @@ class Scheduler:
         for it, sample in zip(batch.items, samples):
             seq = it.seq
             seq.num_pending -= it.samples * steps
+            if sample is not None and sample.prompt is not None and seq.status is not status_finished:
+                seq.add_prompt_logprobs(it.start, sample.prompt)
             if seq.status is status_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             token_ids = seq.token_ids
@@ -364,9 +369,11 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
             # positional: keyword arguments cost more than the rest of the call
+            num_out = len(token_ids) - seq.num_prompt_tokens
             outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, "",
                                       [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
-                                      len(token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens))
+                                      num_out, seq.num_cached_tokens,
+                                      seq.take_prompt_logprobs() if num_out == len(new) else None))
         return outputs
 
     def discard(self, batch: Batch) -> None:

@@ -9,6 +9,8 @@ import enum
 import itertools
 import signal
 import time
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvcache.host_tier import KVMoves
@@ -41,6 +43,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: each prompt token's logprob (its rank, and this many top tokens) from the prompt's own
+    # forward; the first token has none. Such a prompt is computed whole, not read from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # what the logits go through before sampling, in vLLM's order (engine/logit_adjust.py): tokens
     # outside allowed_token_ids banned; stop and end-of-sequence tokens banned while fewer than
@@ -78,8 +83,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
+                raise ValueError(f"{name} must be between 0 and 20, got {k!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -152,6 +159,9 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # params.prompt_logprobs: filled chunk by chunk until the first output token takes them
+    # (take_prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None
     num_prompt_tokens: int = field(init=False)  # a plain attribute: read several times per sequence and step
 
     def __post_init__(self) -> None:
@@ -179,6 +189,25 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_total_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not yet handed out: every prompt token is computed."""
+        return self.params.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, start: int, chunk: PromptChunk) -> None:
+        """The logprobs of prompt tokens start + 1, start + 2, ... (a chunk from position start)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs(self.prompt_token_ids, self.params.prompt_logprobs or 0)
+        self.prompt_logprobs.fill(start + 1, chunk)
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's logprobs, once, with the first output token."""
+        if self.params.prompt_logprobs is None:
+            return None
+        out = self.prompt_logprobs or PromptLogprobs(self.prompt_token_ids, self.params.prompt_logprobs)
+        self.prompt_logprobs = None
+        return out
 
     def last_by_length(self) -> bool:
         """True when the pending token ends the sequence by max_tokens or the context length, so
@@ -264,15 +293,70 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens are more likely (prompt logprobs)
+
+
+@dataclass(slots=True)
+class PromptChunk:
+    """Prompt logprobs of consecutive prompt tokens, as the runner hands them over: compact arrays
+    (array.array: float32 'f', int64 'q'), not an object per token. top_*: k entries a token, flat."""
+    logprobs: array
+    ranks: array
+    top_ids: array
+    top_vals: array
+
+
+class PromptLogprobs:
+    """A prompt's logprobs (SamplingParams.prompt_logprobs), kept as arrays: row j for prompt token j.
+    Reads like a list of TokenLogprob | None (None for the first token, which nothing predicts, and
+    for a row never filled); each entry is built when read, in the API process rather than the engine's."""
+
+    def __init__(self, token_ids: list[int], k: int) -> None:
+        n = len(token_ids)
+        self.token_ids = token_ids
+        self.k = k
+        self.logprobs = array("f", bytes(4 * n))
+        self.ranks = array("q", bytes(8 * n))
+        self.top_ids = array("q", bytes(8 * n * k))
+        self.top_vals = array("f", bytes(4 * n * k))
+        self.filled = bytearray(n)
+
+    def fill(self, at: int, chunk: PromptChunk) -> None:
+        """Rows at, at + 1, ... from chunk (a row computed again, after a preemption, is overwritten)."""
+        c, k = len(chunk.logprobs), self.k
+        self.logprobs[at:at + c] = chunk.logprobs
+        self.ranks[at:at + c] = chunk.ranks
+        self.top_ids[at * k:(at + c) * k] = chunk.top_ids
+        self.top_vals[at * k:(at + c) * k] = chunk.top_vals
+        self.filled[at:at + c] = b"\x01" * c
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, j: int | slice) -> TokenLogprob | None | list[TokenLogprob | None]:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        if j < 0:
+            j += len(self)
+        if not self.filled[j]:
+            return None
+        k = self.k
+        top = list(zip(self.top_ids[j * k:(j + 1) * k], self.top_vals[j * k:(j + 1) * k]))
+        return TokenLogprob(self.token_ids[j], self.logprobs[j], top, self.ranks[j])
+
+    def __iter__(self) -> Iterator[TokenLogprob | None]:
+        return (self[j] for j in range(len(self)))
 
 
 @dataclass(slots=True)
 class SampleOutput:
-    """What the executor returns for an item that samples."""
+    """What the executor returns for an item that samples, or (token_id -1) for a prefill chunk
+    that samples nothing but has prompt logprobs."""
 
     token_id: int
     logprob: TokenLogprob | None = None
     more: list[int] | None = None  # a multi-step batch's later tokens, in order
+    prompt: PromptChunk | None = None  # the chunk's prompt logprobs (SamplingParams.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -290,3 +374,4 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output token, where asked for

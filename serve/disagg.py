@@ -428,7 +428,9 @@ class DisaggregatedSet(Front):
             if d is None:
                 self._fail(req, index, self.failure or "no decode engine is serving")
                 return
-            decode_params = dataclasses.replace(params, kv_transfer=KVTransferParams(remote_tokens=len(ids)))
+            # the prefill engine's first output carried the prompt's logprobs
+            decode_params = dataclasses.replace(params, prompt_logprobs=None,
+                                                kv_transfer=KVTransferParams(remote_tokens=len(ids)))
             try:
                 inner = await self.decode[d].add_requests([(ids + first.new_token_ids, decode_params)])
             except (EngineUnavailable, QueueFull, ValueError) as e:

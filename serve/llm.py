@@ -18,6 +18,8 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), as vLLM's RequestOutput has them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def outputs(self) -> list["GenerationOutput"]:
@@ -127,6 +129,8 @@ class LLM:
                 r.token_ids.extend(out.new_token_ids)
                 r.text += out.new_text
                 r.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     pending.discard(out.seq_id)

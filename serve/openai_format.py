@@ -18,8 +18,8 @@ from scheduler.token_bytes import token_bytes_table
 from serve.prompts import Plan
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptTokensDetails, ToolCall,
-                            TopLogprob, Usage)
+                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob, PromptLogprobs,
+                            PromptTokensDetails, ToolCall, TopLogprob, Usage)
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
@@ -66,20 +66,28 @@ class ChoiceState:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    shows_output: bool = True  # False: an echo-only choice (max_tokens 0), whose one generated token is dropped
 
     def update(self, out: StepOutput) -> None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens + len(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
-        self.logprobs.extend(out.logprobs)
+        if self.shows_output:
+            self.text += out.new_text
+            self.token_ids += out.new_token_ids
+            self.num_output_tokens = out.num_output_tokens or self.num_output_tokens + len(out.new_token_ids)
+            self.logprobs.extend(out.logprobs)
         if out.finished:
-            self.finish_reason = out.finish_reason
+            # an echo-only choice stops at its length of 0, whatever ended its unshown token
+            echo_only_stop = not self.shows_output and out.finish_reason == "stop"
+            self.finish_reason = "length" if echo_only_stop else out.finish_reason
             self.error = out.error
 
 
 def new_choices(plan: Plan) -> list[ChoiceState]:
-    return [ChoiceState(i * plan.n + j, len(p.token_ids)) for i, p in enumerate(plan.prompts) for j in range(plan.n)]
+    return [ChoiceState(i * plan.n + j, len(p.token_ids), shows_output=not plan.echo_only)
+            for i, p in enumerate(plan.prompts) for j in range(plan.n)]
 
 
 def usage(plan: Plan, choices: list[ChoiceState]) -> Usage:
@@ -143,6 +151,27 @@ class Format(Protocol):
     def response(self, choices: list[ChoiceState], u: Usage) -> BaseModel: ...
 
 
+def prompt_logprobs_field(plan: Plan, choices: list[ChoiceState], prompt: int, strings: TokenStrings
+                          ) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs of the prompt-th prompt, where the request asked for them: per token
+    (None for the first) its own entry (logprob, rank) and the top prompt_logprobs tokens' (rank 1, 2, ...)."""
+    k = plan.prompt_logprobs
+    if k is None:
+        return None
+    entries = choices[prompt * plan.n].prompt_logprobs or []
+    out: PromptLogprobs = []
+    for j in range(len(plan.prompts[prompt].token_ids)):
+        lp = entries[j] if j < len(entries) else None
+        if lp is None:
+            out.append(None)
+            continue
+        listed = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=strings(lp.token_id))}
+        for rank, (t, v) in enumerate(lp.top[:k], 1):
+            listed.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=strings(t)))
+        out.append(listed)
+    return out
+
+
 class CompletionFormat(_FormatBase):
     def __init__(self, plan: Plan, model: str, strings: TokenStrings, tokenizer: Any) -> None:
         self.plan = plan
@@ -151,7 +180,10 @@ class CompletionFormat(_FormatBase):
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.echo_texts = [self._echo_text(p.text, p.token_ids, tokenizer) for p in plan.prompts] if plan.echo else None
-        self.plain_text = plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
+        # echo with logprobs: the prompt's tokens lead the logprobs, and a stream's echo waits for them
+        self.echo_logprobs = plan.echo and plan.logprobs is not None
+        self.plain_text = (plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
+                           and not plan.echo_only)
         self._text_events = {}
 
     @staticmethod
@@ -161,8 +193,26 @@ class CompletionFormat(_FormatBase):
     def _prefix(self, index: int) -> str:
         return self.echo_texts[index // self.plan.n] if self.echo_texts else ""
 
-    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+    def _echo_logprobs(self, index: int, entries: list[TokenLogprob | None], out: CompletionLogprobs) -> None:
+        """Echo's share of a choice's logprobs, into out: each prompt token's (the first has none)."""
+        k = self.plan.logprobs or 0
+        offset = 0
+        for j, token_id in enumerate(self.plan.prompts[index // self.plan.n].token_ids):
+            token = self.strings(token_id)
+            lp = entries[j] if j < len(entries) else None
+            top = None
+            if lp is not None:
+                top = {self.strings(t): v for t, v in lp.top[:k]}
+                top.setdefault(token, lp.logprob)
+            out.tokens.append(token)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int, out: CompletionLogprobs | None = None
+                  ) -> CompletionLogprobs:
+        out = out or CompletionLogprobs()
         for lp in lps:
             token = self.strings(lp.token_id)
             top = {self.strings(t): v for t, v in lp.top}
@@ -178,21 +228,27 @@ class CompletionFormat(_FormatBase):
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
 
     def start_chunks(self) -> list[BaseModel]:
-        if not self.echo_texts:
+        if not self.echo_texts or self.echo_logprobs:
             return []
         return [self._response([CompletionChoice(index=i, text=self._prefix(i))], None)
                 for i in range(len(self.plan.prompts) * self.plan.n)]
 
     def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
-        if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
+        shown = choice.shows_output
+        text, token_lps, ids = (out.new_text, out.logprobs, out.new_token_ids) if shown else ("", [], [])
+        lead = self.echo_logprobs and out.prompt_logprobs is not None  # the echo and its logprobs go first
+        if not (text or token_lps or lead or out.finished or (self.plan.return_token_ids and ids)):
             return None  # text held back (a partial character, a possible stop string): nothing to say yet
         lps = None
         if self.plan.logprobs is not None:
-            offset = len(self._prefix(choice.index)) + len(choice.text) - len(out.new_text)
-            lps = self._logprobs(out.logprobs, offset)
-        return self._response([CompletionChoice(index=choice.index, text=out.new_text, logprobs=lps,
+            lps = CompletionLogprobs()
+            if lead:
+                self._echo_logprobs(choice.index, out.prompt_logprobs or [], lps)
+            self._logprobs(token_lps, len(self._prefix(choice.index)) + len(choice.text) - len(text), lps)
+        head = self._prefix(choice.index) if lead else ""
+        return self._response([CompletionChoice(index=choice.index, text=head + text, logprobs=lps,
                                                 finish_reason=out.finish_reason if out.finished else None,
-                                                token_ids=self._ids(out.new_token_ids))], None)
+                                                token_ids=self._ids(ids))], None)
 
     def _text_chunk(self, index: int, text: str) -> BaseModel:
         return self._response([CompletionChoice(index=index, text=text)], None)
@@ -204,9 +260,15 @@ class CompletionFormat(_FormatBase):
         out = []
         for c in choices:
             prefix = self._prefix(c.index)
-            lps = self._logprobs(c.logprobs, len(prefix)) if self.plan.logprobs is not None else None
+            lps = None
+            if self.plan.logprobs is not None:
+                lps = CompletionLogprobs()
+                if self.echo_logprobs:
+                    self._echo_logprobs(c.index, c.prompt_logprobs or [], lps)
+                self._logprobs(c.logprobs, len(prefix), lps)
+            listed = prompt_logprobs_field(self.plan, choices, c.index // self.plan.n, self.strings)
             out.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lps, finish_reason=c.finish_reason,
-                                        token_ids=self._ids(c.token_ids)))
+                                        token_ids=self._ids(c.token_ids), prompt_logprobs=listed))
         return self._response(out, u)
 
 
@@ -307,4 +369,5 @@ class ChatFormat(_FormatBase):
             message, reason = self._message(c)
             out.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
                                   finish_reason=reason, token_ids=self._ids(c.token_ids)))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=u, choices=out)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=u, choices=out,
+                                      prompt_logprobs=prompt_logprobs_field(self.plan, choices, 0, self.strings))

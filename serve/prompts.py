@@ -85,6 +85,8 @@ class Plan:
     params: list[SamplingParams]  # one per choice index within a prompt
     logprobs: int | None = None
     echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt (and its logprobs) only; one token made, unshown
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: the response lists them
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -151,9 +153,9 @@ class RequestPlanner:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must equal n (or be left out): picking the best of several samples is not supported",
                            param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs needs prompt logprobs, which this server does not compute; "
-                                "drop one of them", param="echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens is 0: nothing would be generated; send max_tokens >= 1, or echo: true to "
+                                "score the prompt", param="max_tokens")
         prompts = self._prompt_list(req.prompt)
         self._check_count(len(prompts), req.n)  # before tokenizing what may be a huge list
         texts = [self._encodable(check_text(p, "prompt")) for p in prompts if isinstance(p, str)]
@@ -161,7 +163,9 @@ class RequestPlanner:
         def finish(ids: list[list[int]]) -> Plan:
             encoded = iter(ids)
             inputs = [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in prompts]
-            return self._plan(req, inputs, req.max_tokens, req.logprobs, echo=req.echo)
+            echo_only = req.max_tokens == 0
+            return self._plan(req, inputs, 1 if echo_only else req.max_tokens, req.logprobs, echo=req.echo,
+                              echo_only=echo_only)
         return Draft(texts, True, finish)
 
     def chat_draft(self, req: ChatCompletionRequest) -> Draft:
@@ -275,8 +279,11 @@ class RequestPlanner:
     # -- shared checks -------------------------------------------------------------------------
 
     def _plan(self, req: SamplingFields, prompts: list[PromptInput], max_tokens: int | None,
-              logprobs: int | None, echo: bool = False, tools: ToolPlan | None = None) -> Plan:
+              logprobs: int | None, echo: bool = False, tools: ToolPlan | None = None, echo_only: bool = False) -> Plan:
         self._check_unsupported(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs cannot be streamed; send stream: false (or, on /v1/completions, "
+                                "echo: true with logprobs)", param="prompt_logprobs")
         asked = request_grammar(req)
         grammar = asked[0] if asked is not None else None
         tools = tools or ToolPlan()
@@ -306,14 +313,18 @@ class RequestPlanner:
             self._check_length(len(p.token_ids), max_tokens)
         if max_tokens is None and self.max_tokens_limit < self.max_model_len:
             max_tokens = self.max_tokens_limit
+        # the engine computes prompt logprobs for the response's prompt_logprobs and for echo's logprobs
+        wanted = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
         try:
-            base = replace(self._sampling_params(req, max_tokens, logprobs), grammar=grammar)
+            base = replace(self._sampling_params(req, max_tokens, logprobs), grammar=grammar,
+                           prompt_logprobs=max(wanted) if wanted else None)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         # n samples of one prompt must differ: choice i draws from seed + i.
         params = [base if req.seed is None or i == 0 else replace(base, seed=req.seed + i) for i in range(req.n)]
         opts = req.stream_options
-        return Plan(prompts, params, logprobs=logprobs, echo=echo, stream=req.stream,
+        return Plan(prompts, params, logprobs=logprobs, echo=echo, echo_only=echo_only,
+                    prompt_logprobs=req.prompt_logprobs, stream=req.stream,
                     include_usage=bool(req.stream and opts and opts.include_usage),
                     continuous_usage=bool(req.stream and opts and opts.continuous_usage_stats),
                     return_token_ids=req.return_token_ids, tool_parser=tools.parser, grammars=checks)

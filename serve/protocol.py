@@ -64,6 +64,8 @@ class SamplingFields(RequestModel):
                                                            "output before this many tokens; default 0")
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1,
                                                       description="extension (vLLM): only these tokens may be sampled")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="extension (vLLM): each prompt token's "
+                                                                       "logprob, rank and this many top tokens")
     user: str | None = None
     # structured output (serve/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(
@@ -80,7 +82,7 @@ class SamplingFields(RequestModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt scored, nothing generated")
     logprobs: int | None = Field(None, ge=0, le=20, description="log probabilities of this many top tokens")
     echo: bool = False
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
@@ -186,12 +188,36 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's logprobs: one per token id listed."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _drop_none(out: dict[str, Any], *names: str) -> dict[str, Any]:
+    """A serialized model without the optional fields named that are unset (kept off the wire)."""
+    for name in names:
+        if out.get(name) is None:
+            out.pop(name, None)
+    return out
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -235,10 +261,7 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
+        return _drop_none(handler(self), "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -256,6 +279,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), "prompt_logprobs")
 
 
 class _NoNones(BaseModel):

@@ -196,12 +196,13 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim], set by the runner
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttnMetadata, logit_indices: torch.Tensor, carry: torch.Tensor | None = None,
+                meta: AttnMetadata, logit_indices: torch.Tensor | None, carry: torch.Tensor | None = None,
                 gather: bool = True) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logit_indices), vocab] in the model's dtype (with
-        gather=False this rank's part of the vocabulary: greedy_tokens, gather_logits); a pipeline
-        stage after the first reads carry (the last stage's output) instead of input_ids, and a stage
-        before the last returns its carry [2, T, hidden] instead of logits."""
+        gather=False this rank's part of the vocabulary: greedy_tokens, gather_logits), or with
+        logit_indices None the final hidden states [T, hidden] (compute_logits takes rows of them); a
+        pipeline stage after the first reads carry (the last stage's output) instead of input_ids, and a
+        stage before the last returns its carry [2, T, hidden] instead of logits."""
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(input_ids), None
         else:
@@ -211,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         if self.norm is None:
             return torch.stack((self.comm.all_reduce(x), residual))
         x, _ = self.comm.reduce_norm(ops, x, residual, self.norm.weight, self.norm.eps)
-        return self.compute_logits(x[logit_indices], gather)
+        return x if logit_indices is None else self.compute_logits(x[logit_indices], gather)
 
     @property
     def _head(self) -> nn.Module:

@@ -354,8 +354,9 @@ def test_serving_compiles_no_triton_kernel_after_startup(tiny_models, kv):
                SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, presence_penalty=0.5, min_p=0.05,
                               ignore_eos=True),
                SamplingParams(max_tokens=8, temperature=0, logit_bias={7: 2.0}, repetition_penalty=1.2,
-                              ignore_eos=True)]
-        llm.generate(ps[:30], [mix[i % 3] for i in range(30)])
+                              ignore_eos=True),
+               SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3, ignore_eos=True)]  # scored prompts
+        llm.generate(ps[:40], [mix[i % 4] for i in range(40)])
     finally:
         knobs.runtime.jit_cache_hook = None
     assert compiled == []

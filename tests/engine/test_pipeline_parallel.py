@@ -19,7 +19,7 @@ from scheduler.request import Batch, ExecutorLost, ScheduledSeq, Sequence
 from serve import LLM, SamplingParams
 from tests.engine.test_async_scheduling import params_mix, prompts, summary
 from tests.engine.test_equal_transformers import make_prompts
-from tests.engine.test_tensor_parallel import kill_rank_mid_run
+from tests.engine.test_tensor_parallel import kill_rank_mid_run, same_prompt_logprobs
 from tests.models import hf_greedy
 
 MAX_NEW = 12
@@ -85,6 +85,22 @@ def test_sampling_logprobs_and_stops_equal_pp1(tiny_models):
         got = llm.generate(ps, params_mix())
         check_done(llm)
     assert summary(got) == summary(want)
+
+
+def test_prompt_logprobs_equal_pp1(tiny_models):
+    """The last stage scores the prompt's rows of each chunk (a budget of 13 tokens leaves a chunk of
+    one token), the earlier stages' hidden states carried to it."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=k) for k in (2, 0, None)]
+    params = (params * len(ps))[:len(ps)]
+    kw = dict(max_num_batched_tokens=13, num_kv_blocks=24, **CPU)
+    want = LLM(str(tiny_models["llama"]), **kw).generate(ps, params)
+    with LLM(str(tiny_models["llama"]), pipeline_parallel_size=2, **kw) as llm:
+        got = llm.generate(ps, params)
+        check_done(llm)
+    assert summary(got) == summary(want)
+    assert all((o.prompt_logprobs is not None) == (p.prompt_logprobs is not None) for o, p in zip(got, params))
+    same_prompt_logprobs(want, got)
 
 
 def test_dummy_weights_equal_pp1_with_an_uneven_split(tmp_path, tiny_models):

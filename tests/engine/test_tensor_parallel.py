@@ -163,3 +163,28 @@ def test_generate_raises_when_a_rank_dies_during_generate(tiny_models):
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
         llm.generate(make_prompts(5, 2), GREEDY)
     assert all(not w.proc.is_alive() for w in executor.workers.list)
+
+
+def same_prompt_logprobs(one: list, two: list) -> None:
+    """Two runs' prompt logprobs, output by output: the same tokens and ranks, logprobs within float32 rounding."""
+    for a, b in zip(one, two):
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert (y.token_id, [t for t, _ in y.top]) == (x.token_id, [t for t, _ in x.top])
+                assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_are_the_same_on_every_rank(tiny_models):
+    """Every rank takes the prompt's rows through the vocabulary-parallel head in the same slices (an
+    all-gather each), chunked prompts beside decodes: TP=2 equals TP=1."""
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=k) for k in (3, None, 0)]
+    prompts = make_prompts(5)
+    kw = dict(num_kv_blocks=16, max_num_batched_tokens=16, async_scheduling=True, **CPU)
+    one = LLM(str(tiny_models["llama"]), **kw).generate(prompts, params * 2)
+    with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **kw) as llm:
+        two = llm.generate(prompts, params * 2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert sum(o.prompt_logprobs is not None for o in two) == 4
+    same_prompt_logprobs(one, two)

@@ -293,3 +293,71 @@ def test_tokenize_detokenize_and_version(server, offline):
     v = server.http.get("/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str)
     server.wait_idle()
+
+
+def _offline_prompt_logprobs(offline, ids, k):
+    out = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k))[0]
+    return out.prompt_logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server, offline):
+    """What scoring clients send (lm-evaluation-harness: echo, logprobs 1, max_tokens 1; the legacy
+    form with max_tokens 0): the prompt's tokens lead the logprobs, the first without one."""
+    name = server.state.model_name
+    ids = offline.encode(PROMPTS[1])
+    want = _offline_prompt_logprobs(offline, ids, 2)
+    r = client.completions.create(model=name, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([e.logprob for e in want[1:]], abs=1e-4)
+    for tok, val, top in zip(lp.tokens[1:n], lp.token_logprobs[1:n], lp.top_logprobs[1:n]):
+        assert top[tok] == val and 2 <= len(top) <= 3
+    assert "".join(lp.tokens[:n]) == PROMPTS[1] and r.choices[0].text.startswith(PROMPTS[1])
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:j])) for j in range(n)]
+    # max_tokens 0: the prompt and its logprobs only
+    r0 = client.completions.create(model=name, prompt=ids, max_tokens=0, temperature=0, echo=True, logprobs=2)
+    c0 = r0.choices[0]
+    assert c0.text == PROMPTS[1] and c0.finish_reason == "length" and r0.usage.completion_tokens == 0
+    assert c0.logprobs.token_logprobs == lp.token_logprobs[:n]
+    # streamed: the echo arrives with the prompt's logprobs in the first chunk
+    chunks = list(client.completions.create(model=name, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(PROMPTS[1]) and first.logprobs.token_logprobs[:n] == lp.token_logprobs[:n]
+    assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
+        model=name, prompt=ids, max_tokens=3, temperature=0, echo=True).choices[0].text
+    chunks0 = list(client.completions.create(model=name, prompt=ids, max_tokens=0, echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks0) == PROMPTS[1]
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks0 if c.choices[0].logprobs) == n
+    server.wait_idle()
+
+
+def test_prompt_logprobs_field(client, server, offline):
+    """vLLM's prompt_logprobs: per prompt token (None first) the token's own entry with its rank, then
+    the top ones by rank; on completions per choice, on chat for the response."""
+    name = server.state.model_name
+    ids = offline.encode(PROMPTS[2])
+    want = _offline_prompt_logprobs(offline, ids, 3)
+    r = client.completions.create(model=name, prompt=ids, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for entry, w in zip(got[1:], want[1:]):
+        own = entry[str(w.token_id)]
+        assert own["logprob"] == pytest.approx(w.logprob, abs=1e-4) and own["rank"] == w.rank
+        assert own["decoded_token"] == offline.tokenizer.decode([w.token_id])
+        assert sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
+        assert len(entry) == 3 + (w.rank > 3)  # the top three, and the token itself where it is not among them
+    plain = client.completions.create(model=name, prompt=ids, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra and plain.choices[0].text == r.choices[0].text
+    messages = [{"role": "user", "content": "Name a capital."}]
+    c = client.chat.completions.create(model=name, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    chat_ids = offline.chat_prompt(messages)
+    got = c.model_extra["prompt_logprobs"]
+    assert len(got) == len(chat_ids) and got[0] is None
+    want = _offline_prompt_logprobs(offline, chat_ids, 0)
+    assert [list(e) for e in got[1:]] == [[str(w.token_id)] for w in want[1:]]
+    server.wait_idle()

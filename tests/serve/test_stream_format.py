@@ -165,6 +165,32 @@ def test_echo_and_stop_reason(strings):
     check(plan, text_steps(1, TEXTS[:3], reason="stop"), completion(strings))
 
 
+def _events(writes: list[bytes]) -> list[dict]:
+    body = b"".join(writes).decode()
+    return [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("echo_only", [False, True])
+def test_echo_with_logprobs_leads_with_the_prompt(strings, echo_only):
+    """Echo with logprobs: no start chunk; the first output brings the echo and the prompt tokens'
+    logprobs (the first token's None). Echo only (max_tokens 0): the generated token never shows."""
+    plan = plan_of(echo=True, logprobs=1, echo_only=echo_only, include_usage=True)
+    steps = text_steps(1, ["X", "Y"], logprobs=True)
+    prompt = [None, TokenLogprob(2, -1.5, [(2, -1.5)], 1), TokenLogprob(3, -0.25, [(9, -0.1)], 2)]
+    steps[0][0][1].prompt_logprobs = prompt
+    events = _events(check(plan, steps, completion(strings)))
+    first = events[0]["choices"][0]
+    assert first["text"] == "ab" + ("" if echo_only else "X")
+    lp = first["logprobs"]
+    assert lp["token_logprobs"][:3] == [None, -1.5, -0.25] and lp["top_logprobs"][0] is None
+    assert lp["tokens"][:3] == [strings(1), strings(2), strings(3)]
+    assert lp["top_logprobs"][2] == {strings(9): -0.1, strings(3): -0.25}
+    assert len(lp["tokens"]) == (3 if echo_only else 4)
+    texts = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert texts == ("ab" if echo_only else "abXY")
+    assert events[-1]["usage"]["completion_tokens"] == (0 if echo_only else 2)
+
+
 def test_an_error_ends_the_stream_with_its_event_and_aborts(strings):
     plan = plan_of(n=2)
     steps = text_steps(2, TEXTS[:3])
