@@ -20,6 +20,7 @@ from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatC
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
                             Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob, PromptLogprobs,
                             PromptTokensDetails, ToolCall, TopLogprob, Usage)
+from serve.reasoning import ReasoningParser, split_reasoning
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
@@ -289,8 +290,9 @@ class ChatFormat(_FormatBase):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its tool-call parser (streaming)
+        self.thinking: dict[int, ReasoningParser] = {}  # choice index -> its reasoning parser (streaming)
         self.plain_text = (plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
-                           and plan.tool_parser is None)
+                           and plan.tool_parser is None and plan.reasoning_parser is None)
         self._text_events = {}
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
@@ -317,12 +319,15 @@ class ChatFormat(_FormatBase):
     def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
         if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
             return None
-        delta, reason = Delta(content=out.new_text or None), out.finish_reason
+        text, reasoning = self._thinking(choice.index, out)
+        delta, reason = Delta(content=text or None, reasoning=reasoning, reasoning_content=reasoning), out.finish_reason
         if self.plan.tool_parser is not None:
-            delta, reason = self._tool_delta(choice.index, out)
-            if (delta.content is None and delta.tool_calls is None and not out.finished and not out.logprobs
-                    and not self.plan.return_token_ids):
-                return None  # text held back: it may begin a tool call
+            delta, reason = self._tool_delta(choice.index, text, out)
+            delta.reasoning = delta.reasoning_content = reasoning
+        if (self.plan.tool_parser is not None or self.plan.reasoning_parser is not None) and (
+                delta.content is None and delta.tool_calls is None and reasoning is None and not out.finished
+                and not out.logprobs and not self.plan.return_token_ids):
+            return None  # text held back: it may begin a tool call, or end the thinking
         return self._chunk([ChatChunkChoice(index=choice.index, delta=delta,
                                             logprobs=self._logprobs(out.logprobs),
                                             finish_reason=reason if out.finished else None,
@@ -331,13 +336,28 @@ class ChatFormat(_FormatBase):
     def _text_chunk(self, index: int, text: str) -> BaseModel:
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
-    def _tool_delta(self, index: int, out: StepOutput) -> tuple[Delta, str | None]:
-        """The step's text through the choice's tool-call parser: content, and tool calls in
+    def _thinking(self, index: int, out: StepOutput) -> tuple[str, str | None]:
+        """The step's text through the choice's reasoning parser (if any): (the answer's text, the
+        thinking's or None)."""
+        kind = self.plan.reasoning_parser
+        if kind is None:
+            return out.new_text, None
+        parser = self.thinking.get(index)
+        if parser is None:
+            parser = self.thinking[index] = ReasoningParser(kind, self.plan.thinking_opened)
+        reasoning, text = parser.feed(out.new_text)
+        if out.finished:
+            more_reasoning, more_text = parser.close()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        return text, reasoning or None
+
+    def _tool_delta(self, index: int, text: str, out: StepOutput) -> tuple[Delta, str | None]:
+        """The step's answer text through the choice's tool-call parser: content, and tool calls in
         OpenAI's stream shape (the first delta of a call: its id, type and name; then argument text)."""
         parser = self.parsers.get(index)
         if parser is None:
             parser = self.parsers[index] = ToolCallParser(self.plan.tool_parser)
-        events = parser.feed(out.new_text) + (parser.close() if out.finished else [])
+        events = parser.feed(text) + (parser.close() if out.finished else [])
         content = "".join(e.text for e in events if isinstance(e, Content))
         calls: list[DeltaToolCall] = []
         for e in events:
@@ -353,11 +373,16 @@ class ChatFormat(_FormatBase):
                                                                                            parser.num_calls)
 
     def _message(self, c: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        text, reasoning = c.text, None
+        if self.plan.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.plan.reasoning_parser, self.plan.thinking_opened, text)
+            reasoning = reasoning or None
         if self.plan.tool_parser is None:
-            return AssistantMessage(content=c.text), c.finish_reason
-        content, calls = parse_all(c.text, self.plan.tool_parser)
+            return AssistantMessage(content=text, reasoning=reasoning, reasoning_content=reasoning), c.finish_reason
+        content, calls = parse_all(text, self.plan.tool_parser)
         tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=k.name, arguments=k.arguments)) for k in calls]
-        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None)
+        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None,
+                                   reasoning=reasoning, reasoning_content=reasoning)
         return message, chat_finish_reason(c.finish_reason, len(calls))
 
     def usage_chunk(self, u: Usage) -> BaseModel:

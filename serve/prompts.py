@@ -13,6 +13,7 @@ from typing import Any
 from scheduler.request import SamplingParams
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
+from serve.reasoning import prompt_opens_thinking
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
 from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
@@ -92,6 +93,8 @@ class Plan:
     continuous_usage: bool = False
     return_token_ids: bool = False
     tool_parser: str | None = None  # chat with tools: the format the output's tool calls are parsed in
+    reasoning_parser: str | None = None  # chat, --reasoning-parser: the output's thinking is split from its answer
+    thinking_opened: bool = False  # the rendered prompt left a <think> open for the model (serve/reasoning.py)
     # (grammar, the request field it comes from, whether decoding needs it): each must compile before the
     # request runs (serve/api.py); one not needed only checks the tools' schemas (tool_choice "auto")
     grammars: list[tuple[str, str, bool]] = field(default_factory=list)
@@ -120,6 +123,12 @@ def check_text(value: str, name: str) -> str:
         raise APIError(400, f"{name} contains invalid Unicode (a lone surrogate such as \\ud800); send valid UTF-8 text",
                        param=name) from None
     return value
+
+
+# apply_chat_template's own arguments, which the request's fields set: not for chat_template_kwargs
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class RequestPlanner:
@@ -180,9 +189,13 @@ class RequestPlanner:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         text = self._encodable(self._chat_text(req, tools))
+        reasoning = self.config.reasoning_parser
 
         def finish(ids: list[list[int]]) -> Plan:
-            return self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
+            plan = self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
+            if reasoning is not None:
+                plan.reasoning_parser, plan.thinking_opened = reasoning, prompt_opens_thinking(text)
+            return plan
         return Draft([text], False, finish)
 
     @staticmethod
@@ -206,7 +219,8 @@ class RequestPlanner:
             raise APIError(400, "messages is empty; send at least one message", param="messages")
         self._check_continue(req)
         chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message, tools=req.tools)
+                                     continue_final_message=req.continue_final_message, tools=req.tools,
+                                     chat_template_kwargs=req.chat_template_kwargs)
         text = self._chat_text(chat, plan_tools(chat, self.tool_parser))
         return self._encode(self._encodable(text), bool(req.add_special_tokens))
 
@@ -267,6 +281,12 @@ class RequestPlanner:
                              **({"name": check_text(m.name, f"messages[{i}].name")} if m.name else {})})
         messages = chat_messages(messages, req.messages, tools, self.tool_parser, self.template_has_tools)
         extra = {"tools": tools.tools} if tools.tools and self.template_has_tools else {}
+        kwargs = req.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs: {taken[0]} is set by the request itself; send it as its own "
+                                "field (or leave it out)", param="chat_template_kwargs")
+        extra.update(kwargs)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                       continue_final_message=req.continue_final_message,

@@ -162,6 +162,8 @@ class ChatCompletionRequest(SamplingFields):
                           '"function": {"name": ...}}')
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = Field(True, description="extension (vLLM): end the prompt with the assistant's turn")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension (vLLM): more variables for "
+                                                                         "the chat template, such as enable_thinking")
     continue_final_message: bool = Field(False, description="extension (vLLM): the reply continues the last "
                                                             "(assistant) message instead of starting a new turn")
     echo: bool = Field(False, description="extension (vLLM): not supported")
@@ -258,10 +260,13 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # --reasoning-parser: the thinking before the answer, under vLLM's name and its earlier one
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        return _drop_none(handler(self), "tool_calls")
+        return _drop_none(handler(self), "tool_calls", "reasoning", "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -309,6 +314,8 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
@@ -344,6 +351,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Tool] | None = Field(None, description="with messages: rendered as the chat endpoint renders them")
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

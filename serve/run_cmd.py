@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from serve.cli_args import add_engine_arguments, engine_config_from_args
+from serve.reasoning import REASONING_PARSERS
 from serve.server_config import ServerConfig
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
                    help="the format of the model's tool calls: hermes (<tool_call> tags) or llama3_json; auto: "
                         "llama3_json for a Llama 3 chat template, else hermes")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="a reasoning model's thinking (<think> ... </think>) goes to the chat message's reasoning "
+                        "field, apart from its content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its "
+                        "distills; an output that never closes its thinking is all reasoning)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--engine-loop", default="process", choices=("thread", "process"),
                    help="process (default): the engine runs in a child process of its own, and the server process "
@@ -80,7 +85,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                        max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser)
+                        max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def is_loopback(host: str) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve.reasoning import REASONING_PARSERS
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -19,6 +21,7 @@ class ServerConfig:
     max_stop_strings: int = 8
     max_stop_string_chars: int = 128
     tool_parser: str = "auto"  # the format of the model's tool calls: auto, hermes, llama3_json (serve/tools.py)
+    reasoning_parser: str | None = None  # a reasoning model's thinking, split from its answer (serve/reasoning.py)
     grammar_timeout_s: float = 10.0  # a grammar or schema not compiled within this is refused (400)
 
     def __post_init__(self) -> None:
@@ -33,5 +36,8 @@ class ServerConfig:
             raise ValueError(f"max_request_rate must be > 0; got {self.max_request_rate}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got "
+                             f"{self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")

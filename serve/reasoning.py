@@ -1,0 +1,94 @@
+"""A reasoning model's thinking out of its answer, incrementally (`--reasoning-parser`): text in (any
+split), (reasoning, content) pieces out, the same whatever the split, so streamed deltas assemble to
+the non-streamed message's `reasoning` and `content`.
+
+Both formats write the thinking between `<think>` and `</think>`:
+- qwen3 (Qwen3, QwQ's newer templates): thinking only where the output opens it with `<think>`, or
+  where the prompt left a `<think>` open (templates that write it for the model); with
+  `chat_template_kwargs: {"enable_thinking": false}` the template closes it in the prompt and the
+  whole output is the answer.
+- deepseek_r1 (DeepSeek-R1 and its distills): the output starts in thinking (the template opens it
+  in the prompt, a `<think>` the model writes itself is dropped) and an output that never writes
+  `</think>` is all thinking.
+"""
+from __future__ import annotations
+
+OPEN = "<think>"
+CLOSE = "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin tag (held back until the next piece)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """The rendered prompt ends inside a `<think>` it opened for the model."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+class ReasoningParser:
+    def __init__(self, kind: str, opened: bool) -> None:
+        """opened: the prompt left a <think> open (prompt_opens_thinking)."""
+        if kind not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}; got {kind!r}")
+        # start: "reasoning", "content", or "opening" (an output that may begin with <think>)
+        self.state = "reasoning" if opened or kind == "deepseek_r1" else "opening"
+        # deepseek_r1: a <think> the model writes itself at the start is not text
+        self._drop_open = kind == "deepseek_r1" and not opened
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The next piece of output -> (reasoning, content) it completes."""
+        self._buf += text
+        reasoning, content = [], []
+        while self._buf:
+            buf = self._buf
+            if self.state == "opening":
+                stripped = buf.lstrip()
+                if stripped.startswith(OPEN):
+                    self._buf, self.state = stripped[len(OPEN):], "reasoning"
+                elif OPEN.startswith(stripped):
+                    break  # whitespace, or part of <think>: wait for more
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                if self._drop_open and buf.lstrip().startswith(OPEN):
+                    self._buf = buf.lstrip()[len(OPEN):]
+                    self._drop_open = False
+                    continue
+                if self._drop_open and OPEN.startswith(buf.lstrip()):
+                    break
+                self._drop_open = False
+                at = buf.find(CLOSE)
+                if at >= 0:
+                    reasoning.append(buf[:at])
+                    self._buf, self.state = buf[at + len(CLOSE):], "content"
+                else:
+                    keep = _held(buf, CLOSE)
+                    reasoning.append(buf[:len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    break
+            else:
+                content.append(buf)
+                self._buf = ""
+        return "".join(reasoning), "".join(content)
+
+    def close(self) -> tuple[str, str]:
+        """The end of the output: what was held back, as what it turned out to be."""
+        buf, self._buf = self._buf, ""
+        if self.state == "reasoning":
+            return buf, ""
+        return "", buf
+
+
+def split_reasoning(kind: str, opened: bool, text: str) -> tuple[str, str]:
+    """A whole output -> (reasoning, content)."""
+    parser = ReasoningParser(kind, opened)
+    r1, c1 = parser.feed(text)
+    r2, c2 = parser.close()
+    return r1 + r2, c1 + c2
