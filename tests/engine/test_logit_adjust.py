@@ -162,6 +162,15 @@ def hf_adjusted_greedy(path, prompt, params, eos, steps):
     return out
 
 
+def check_drained(llm, preempted: bool) -> None:
+    """After generate(): nothing left in the engine, every KV block free, and (a small cache) preemptions."""
+    core = llm.engine.core
+    assert not core.has_unfinished()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    if preempted:
+        assert core.stats.num_preemptions > 0
+
+
 def _params():
     return [
         SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, repetition_penalty=1.6),
@@ -188,12 +197,8 @@ def test_engine_greedy_equals_transformers_step_by_step(tiny_models, kw):
     params = _params()
     llm = LLM(str(path), dtype="float32", device="cpu", **kw)
     outs = llm.generate(prompts, params)
-    core = llm.engine.core
-    assert not core.has_unfinished()
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
-    if kw.get("num_kv_blocks"):
-        assert core.stats.num_preemptions > 0
-    eos = core.eos_token_ids
+    check_drained(llm, preempted="num_kv_blocks" in kw)
+    eos = llm.engine.core.eos_token_ids
     for prompt, p, o in zip(prompts, params, outs):
         assert o.token_ids == hf_adjusted_greedy(path, prompt, p, eos, p.max_tokens), p
     # the repetition and presence penalties and the bias do change the output (the third row encourages

@@ -12,6 +12,7 @@ import torch
 from engine.prompt_logprobs import prompt_rows
 from scheduler.request import PromptChunk, PromptLogprobs, SamplingParams, ScheduledSeq, Sequence, TokenLogprob
 from serve import LLM
+from tests.engine.test_logit_adjust import check_drained
 from tests.models import VOCAB
 
 
@@ -65,11 +66,7 @@ def test_prompt_logprobs_equal_transformers(tiny_models, kw):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, prompt_logprobs=k) for k in ks]
     llm = LLM(str(path), dtype="float32", device="cpu", **kw)
     outs = llm.generate(prompts, params)
-    core = llm.engine.core
-    assert not core.has_unfinished()
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
-    if kw.get("num_kv_blocks"):
-        assert core.stats.num_preemptions > 0
+    check_drained(llm, preempted="num_kv_blocks" in kw)
     plain = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     for prompt, k, o, p in zip(prompts, ks, outs, plain):
         assert o.token_ids == p.token_ids  # asking for them changes nothing generated
