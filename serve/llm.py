@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from engine.config import EngineConfig
-from scheduler.request import SamplingParams, TokenLogprob
+from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
 
 
@@ -18,8 +18,9 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    # SamplingParams.prompt_logprobs: per prompt token (None for the first), as vLLM's RequestOutput has them
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token a TokenLogprob (None for the first), as vLLM's
+    # RequestOutput has them
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def outputs(self) -> list["GenerationOutput"]:

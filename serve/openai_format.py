@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from scheduler.request import StepOutput, TokenLogprob
+from scheduler.request import PromptLogprobs, StepOutput, TokenLogprob
 from scheduler.token_bytes import token_bytes_table
 from serve.prompts import Plan
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob, PromptLogprobs,
+                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob, PromptLogprobsField,
                             PromptTokensDetails, ToolCall, TopLogprob, Usage)
 from serve.reasoning import ReasoningParser, split_reasoning
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
@@ -67,7 +67,7 @@ class ChoiceState:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # engine entries (scheduler/request.py), with the first token
     shows_output: bool = True  # False: an echo-only choice (max_tokens 0), whose one generated token is dropped
 
     def update(self, out: StepOutput) -> None:
@@ -153,14 +153,14 @@ class Format(Protocol):
 
 
 def prompt_logprobs_field(plan: Plan, choices: list[ChoiceState], prompt: int, strings: TokenStrings
-                          ) -> PromptLogprobs | None:
+                          ) -> PromptLogprobsField | None:
     """vLLM's prompt_logprobs of the prompt-th prompt, where the request asked for them: per token
     (None for the first) its own entry (logprob, rank) and the top prompt_logprobs tokens' (rank 1, 2, ...)."""
     k = plan.prompt_logprobs
     if k is None:
         return None
     entries = choices[prompt * plan.n].prompt_logprobs or []
-    out: PromptLogprobs = []
+    out: PromptLogprobsField = []
     for j in range(len(plan.prompts[prompt].token_ids)):
         lp = entries[j] if j < len(entries) else None
         if lp is None:
@@ -194,8 +194,9 @@ class CompletionFormat(_FormatBase):
     def _prefix(self, index: int) -> str:
         return self.echo_texts[index // self.plan.n] if self.echo_texts else ""
 
-    def _echo_logprobs(self, index: int, entries: list[TokenLogprob | None], out: CompletionLogprobs) -> None:
+    def _echo_logprobs(self, index: int, entries: PromptLogprobs | None, out: CompletionLogprobs) -> None:
         """Echo's share of a choice's logprobs, into out: each prompt token's (the first has none)."""
+        entries = entries or []
         k = self.plan.logprobs or 0
         offset = 0
         for j, token_id in enumerate(self.plan.prompts[index // self.plan.n].token_ids):
@@ -244,7 +245,7 @@ class CompletionFormat(_FormatBase):
         if self.plan.logprobs is not None:
             lps = CompletionLogprobs()
             if lead:
-                self._echo_logprobs(choice.index, out.prompt_logprobs or [], lps)
+                self._echo_logprobs(choice.index, out.prompt_logprobs, lps)
             self._logprobs(token_lps, len(self._prefix(choice.index)) + len(choice.text) - len(text), lps)
         head = self._prefix(choice.index) if lead else ""
         return self._response([CompletionChoice(index=choice.index, text=head + text, logprobs=lps,
@@ -265,7 +266,7 @@ class CompletionFormat(_FormatBase):
             if self.plan.logprobs is not None:
                 lps = CompletionLogprobs()
                 if self.echo_logprobs:
-                    self._echo_logprobs(c.index, c.prompt_logprobs or [], lps)
+                    self._echo_logprobs(c.index, c.prompt_logprobs, lps)
                 self._logprobs(c.logprobs, len(prefix), lps)
             listed = prompt_logprobs_field(self.plan, choices, c.index // self.plan.n, self.strings)
             out.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lps, finish_reason=c.finish_reason,

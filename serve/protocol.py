@@ -198,7 +198,7 @@ class PromptLogprob(BaseModel):
 
 
 # vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its entry
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
+PromptLogprobsField = list[dict[str, PromptLogprob] | None]
 
 
 def _drop_none(out: dict[str, Any], *names: str) -> dict[str, Any]:
@@ -215,7 +215,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
-    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    prompt_logprobs: PromptLogprobsField | None = None  # with prompt_logprobs
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: Any) -> dict[str, Any]:
@@ -284,7 +284,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    prompt_logprobs: PromptLogprobsField | None = None  # with prompt_logprobs
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: Any) -> dict[str, Any]:
