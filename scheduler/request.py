@@ -324,6 +324,7 @@ class PromptLogprobs:
     def fill(self, at: int, chunk: PromptChunk) -> None:
         """Rows at, at + 1, ... from chunk (a row computed again, after a preemption, is overwritten)."""
         c, k = len(chunk.logprobs), self.k
+        assert len(chunk.top_ids) == len(chunk.top_vals) == c * k, "a chunk of another top-k width"
         self.logprobs[at:at + c] = chunk.logprobs
         self.ranks[at:at + c] = chunk.ranks
         self.top_ids[at * k:(at + c) * k] = chunk.top_ids

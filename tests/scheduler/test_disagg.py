@@ -7,13 +7,14 @@ released; a first token that ends the request keeps nothing."""
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import pytest
 
 from scheduler.core import EngineCore
 from scheduler.disagg import HANDOFF, DecodeCore, PrefillCore
 from scheduler.policy import SchedulerConfig
-from scheduler.request import KVTransferParams, SampleOutput, SamplingParams
+from scheduler.request import KVTransferParams, PromptChunk, SampleOutput, SamplingParams
 from serve.build import TokenIdTokenizer
 
 BS = 4
@@ -23,6 +24,19 @@ EOS = 7
 class FakePool:
     def __init__(self, num_blocks: int) -> None:
         self.pages = [[None] * BS for _ in range(num_blocks)]
+
+
+def fake_prompt_logprobs(it) -> PromptChunk | None:
+    """A chunk's prompt logprobs as the runner hands them over, each prompt token's logprob minus its
+    id (rank 1, no top tokens), for the scored positions engine/prompt_logprobs.py takes."""
+    seq = it.seq
+    if not seq.wants_prompt_logprobs:
+        return None
+    stop = min(it.end, seq.num_prompt_tokens - 1)
+    if stop <= it.start:
+        return None
+    scored = seq.token_ids[it.start + 1:stop + 1]
+    return PromptChunk(array("f", [-float(t) for t in scored]), array("q", [1] * len(scored)), array("q"), array("f"))
 
 
 class FakeExecutor:
@@ -40,13 +54,14 @@ class FakeExecutor:
                 self.pool.pages[table[pos // BS]][pos % BS] = seq.token_ids[pos]
         for it in batch.items:
             seq, table = it.seq, it.seq.block_table
+            prompt = fake_prompt_logprobs(it)
             if not it.samples:
-                out.append(None)
+                out.append(None if prompt is None else SampleOutput(-1, prompt=prompt))
                 continue
             seen = [self.pool.pages[table[p // BS]][p % BS] for p in range(it.end)]
             assert None not in seen, f"seq {seq.seq_id} reads an unwritten slot"
             h = sum((i + 1) * t for i, t in enumerate(seen))
-            out.append(SampleOutput(20 + h % 500))
+            out.append(SampleOutput(20 + h % 500, prompt=prompt))
         return out
 
 

@@ -107,6 +107,28 @@ def test_outputs_equal_one_engines_and_transfers_are_counted(way):
     assert 'pagedserve:num_requests_running{model_name="m",role="decode"}' in rendered
 
 
+def test_prompt_logprobs_come_from_the_prefill_engine_once(way):
+    """The prefill engine scores the prompt (its first output carries the logprobs); the decode engine,
+    which continues from the handed-over KV, adds none."""
+    async def main():
+        s = build(way)
+        await s.start()
+        found = []
+        for prompt in PROMPTS:
+            stream = await s.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0))
+            async for batch in stream:
+                found += [(prompt, out.prompt_logprobs) for _, out in batch if out.prompt_logprobs is not None]
+        await idle(s)
+        await s.stop()
+        return found, s.transfers.num_transfers
+
+    found, moved = asyncio.run(main())
+    assert moved == len(PROMPTS) and len(found) == len(PROMPTS)
+    for prompt, lps in found:
+        assert [None if e is None else (e.token_id, e.logprob) for e in lps] == \
+            [None] + [(t, -float(t)) for t in prompt[1:]]
+
+
 def test_a_full_decode_engine_holds_requests_back(way):
     prompts = PROMPTS * 3
 
