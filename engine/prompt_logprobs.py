@@ -4,8 +4,8 @@ tokens there, from the final hidden states of the step that computes the prompt'
 
 A chunk at positions [start, end) gives the logprobs of prompt tokens start + 1 .. min(end, P - 1):
 the last prompt position's logits sample the first output token instead. The logits are made a slice
-of rows at a time (at most max_num_seqs rows, the most the sampler's own float32 logits take), so a
-long chunk costs no more memory than a full decode step's logprobs.
+of rows at a time (at most max_num_seqs rows, as many as a full decode step's), so a long chunk
+costs no more memory than the sampler's worst case, which start-up measures.
 """
 from __future__ import annotations
 
