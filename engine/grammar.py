@@ -89,6 +89,21 @@ def tool_call_grammar(tools: list[dict[str, Any]], fmt: str, parallel: bool) -> 
     return _llg().LLMatcher.grammar_from_lark(start + "\n" + block + "\n")
 
 
+def after_thinking(grammar: str, close_id: int, open_id: int | None = None, must_open: bool = False) -> str:
+    """grammar, after a reasoning model's thinking: any text up to the close_id token, then the answer,
+    held to grammar. open_id: the output may open its thinking with this token first (must_open: the
+    thinking is there only if opened, else the answer starts at once). The thinking cannot end the
+    output: end-of-sequence is allowed only once the answer is complete."""
+    spec = json.loads(grammar)
+    answer, *rest = spec["grammars"]
+    answer = {**answer, "name": answer.get("name") or "answer_after_thinking"}
+    thought = f"THOUGHT <[{close_id}]>"
+    if open_id is not None:
+        thought = f"(<[{open_id}]> {thought})?" if must_open else f"<[{open_id}]>? {thought}"
+    lark = f"start: {thought} @{answer['name']}\nTHOUGHT: /(?s:.*)/\n"
+    return json.dumps({**spec, "grammars": [{"lark_grammar": lark}, answer, *rest]})
+
+
 def first_line(text: str, limit: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else "unknown error"
     return line[:limit]

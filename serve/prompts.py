@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
+from engine.grammar import after_thinking
 from scheduler.request import SamplingParams
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
-from serve.reasoning import prompt_opens_thinking
+from serve.reasoning import prompt_closes_thinking, prompt_opens_thinking, think_token_ids
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
 from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
@@ -139,6 +141,7 @@ class RequestPlanner:
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser = resolve_tool_parser(config.tool_parser, template if isinstance(template, str) else None)
         self.template_has_tools = template_renders_tools(template if isinstance(template, str) else None)
+        self.think_tokens = think_token_ids(tokenizer) if config.reasoning_parser is not None else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -195,8 +198,22 @@ class RequestPlanner:
             plan = self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
             if reasoning is not None:
                 plan.reasoning_parser, plan.thinking_opened = reasoning, prompt_opens_thinking(text)
+                if plan.params[0].grammar is not None and not prompt_closes_thinking(text):
+                    self._grammar_after_thinking(plan)
             return plan
         return Draft([text], False, finish)
+
+    def _grammar_after_thinking(self, plan: Plan) -> None:
+        """A reasoning model's structured output: the grammar holds from the end of its thinking (the
+        `</think>` token) instead of from its first token, where `<think>` and `</think>` are tokens."""
+        if self.think_tokens is None:
+            return
+        open_id, close_id = self.think_tokens
+        # as serve/reasoning.py reads the output: qwen3 thinks only where <think> opens it
+        wrap = partial(after_thinking, close_id=close_id, open_id=None if plan.thinking_opened else open_id,
+                       must_open=plan.reasoning_parser == "qwen3")
+        plan.params = [replace(p, grammar=wrap(p.grammar)) for p in plan.params]
+        plan.grammars = [(wrap(g) if needed else g, name, needed) for g, name, needed in plan.grammars]
 
     @staticmethod
     def _check_continue(req: ChatCompletionRequest | TokenizeRequest) -> None:

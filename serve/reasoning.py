@@ -13,6 +13,8 @@ Both formats write the thinking between `<think>` and `</think>`:
 """
 from __future__ import annotations
 
+from typing import Any
+
 OPEN = "<think>"
 CLOSE = "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -29,6 +31,25 @@ def _held(text: str, tag: str) -> int:
 def prompt_opens_thinking(prompt: str) -> bool:
     """The rendered prompt ends inside a `<think>` it opened for the model."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def prompt_closes_thinking(prompt: str) -> bool:
+    """The rendered prompt ends with a thinking it closed for the model (Qwen3's enable_thinking: false)."""
+    return prompt.rstrip().endswith(CLOSE)
+
+
+def think_token_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` where each is one token of the vocabulary, else None."""
+    ids = []
+    for tag in (OPEN, CLOSE):
+        try:
+            encoded = list(tokenizer.encode(tag, add_special_tokens=False))
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the tags has no such tokens
+            return None
+        if len(encoded) != 1:
+            return None
+        ids.append(encoded[0])
+    return ids[0], ids[1]
 
 
 class ReasoningParser:

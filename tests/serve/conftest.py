@@ -12,6 +12,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def strings(model_dir):
+    """The tiny model's token strings, as the formats of serve/openai_format.py take them."""
+    from serve.build import load_tokenizer
+    from serve.openai_format import TokenStrings
+
+    return TokenStrings(load_tokenizer(model_dir))
+
+
+@pytest.fixture(scope="session")
 def server(model_dir):
     """A shared server with default limits. Tests that change its state use their own."""
     with ServerThread(build(model_dir)) as srv:

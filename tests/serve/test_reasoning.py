@@ -13,7 +13,7 @@ from serve.openai_format import ChatFormat, new_choices, usage
 from serve.prompts import Plan, PromptInput
 from serve.protocol import ChatCompletionRequest, TokenizeRequest
 from serve.reasoning import ReasoningParser, prompt_opens_thinking, split_reasoning
-from tests.serve.test_stream_format import check, strings  # noqa: F401 - the fixture
+from tests.serve.test_stream_format import check
 from tests.serve.test_tool_calls import _planner
 
 CASES = [  # (parser, prompt left <think> open, output, (reasoning, content))
@@ -64,7 +64,7 @@ def _steps(texts, reason="stop"):
 
 
 @pytest.mark.parametrize("tools", [False, True])
-def test_streamed_deltas_assemble_to_the_message(strings, tools):  # noqa: F811
+def test_streamed_deltas_assemble_to_the_message(strings, tools):
     texts = ["<th", "ink>", "The user", " wants", " </thi", "nk>", "\n\n", "Sunny", " today."]
     if tools:
         texts += [" <tool_call>", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "</tool_call>"]
@@ -90,7 +90,7 @@ def test_streamed_deltas_assemble_to_the_message(strings, tools):  # noqa: F811
         assert "tool_calls" not in message.model_dump() and "reasoning" in message.model_dump()
 
 
-def test_no_parser_no_reasoning_fields(strings):  # noqa: F811
+def test_no_parser_no_reasoning_fields(strings):
     plan = _plan()
     choices = new_choices(plan)
     for step in _steps(["<think>x</think>y"]):
@@ -158,3 +158,67 @@ def test_served_through_the_openai_client(model_dir):
         assert message.content == ""
         chunks = list(client.chat.completions.create(**kw, stream=True))
         assert "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks if c.choices) == want
+
+
+@pytest.fixture(scope="module")
+def thinking_model(model_dir, tmp_path_factory):
+    """The tiny model with `<think>` and `</think>` as tokens of its vocabulary (plain added tokens, as
+    Qwen3's are: they stay in the text)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("thinking") / "llama"
+    shutil.copytree(model_dir, out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(out))
+    return out
+
+
+DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+         "additionalProperties": False}
+
+
+def test_structured_output_holds_after_the_thinking(thinking_model):
+    from transformers import AutoTokenizer
+
+    from serve.prompts import RequestPlanner
+    from serve.reasoning import think_token_ids
+    from serve.server_config import ServerConfig
+
+    tok = AutoTokenizer.from_pretrained(str(thinking_model))
+    open_id, close_id = think_token_ids(tok)
+    assert open_id < 384 and close_id < 384
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DIGIT}}}
+    tok.chat_template = QWEN3_LIKE
+    plan = RequestPlanner(tok, 384, 4096, ServerConfig(reasoning_parser="qwen3")).chat(ChatCompletionRequest.model_validate(body))
+    grammar = plan.params[0].grammar
+    assert f"(<[{open_id}]> THOUGHT <[{close_id}]>)?" in grammar
+    assert [g for g, _, need in plan.grammars if need] == [grammar]
+    off = RequestPlanner(tok, 384, 4096, ServerConfig(reasoning_parser="qwen3")).chat(
+        ChatCompletionRequest.model_validate({**body, "chat_template_kwargs": {"enable_thinking": False}}))
+    assert "THOUGHT" not in off.params[0].grammar  # the template closed the thinking: the answer starts at once
+    plain = RequestPlanner(tok, 384, 4096, ServerConfig()).chat(ChatCompletionRequest.model_validate(body))
+    assert "THOUGHT" not in plain.params[0].grammar
+
+
+@pytest.mark.parametrize("kind, opened", [("qwen3", False), ("deepseek_r1", True), ("deepseek_r1", False)])
+def test_the_engine_thinks_then_answers_in_the_schema(thinking_model, kind, opened):
+    """The composed grammar in the engine, as the planner composes it: the thinking (its tags pushed by
+    a bias so the random model gets there), then JSON in the schema, then the end; the reasoning
+    parser then finds the JSON as the content."""
+    from engine.grammar import after_thinking, json_schema_grammar
+    from serve.llm import LLM
+    from serve.reasoning import think_token_ids
+
+    llm = LLM(str(thinking_model), dtype="float32", device="cpu")
+    open_id, close_id = think_token_ids(llm.tokenizer)
+    grammar = after_thinking(json_schema_grammar(DIGIT), close_id, None if opened else open_id,
+                             must_open=kind == "qwen3")
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=grammar, logit_bias={open_id: 8.0, close_id: 8.0})
+    for out in llm.generate([[5, 9, 33, 70], [101, 7, 7]], params):
+        assert close_id in out.token_ids and out.finish_reason == "stop", out
+        reasoning, content = split_reasoning(kind, opened, out.text)
+        assert 0 <= json.loads(content)["a"] <= 9 and "think>" not in reasoning + content

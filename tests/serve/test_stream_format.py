@@ -13,19 +13,12 @@ from hypothesis import given, settings, strategies as st
 
 from scheduler.loop import OutputStream
 from scheduler.request import SamplingParams, StepOutput, TokenLogprob
-from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, new_choices, usage
+from serve.openai_format import ChatFormat, CompletionFormat, Format, new_choices, usage
 from serve.prompts import Plan, PromptInput
 from serve.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, Delta)
 from serve.streaming import DONE, sse, sse_error, sse_events
 
 TEXTS = ["Hello", " wörld", ' "quoted" \\ back\\slash', "\n\t\r\x00\x1f\x7f", "東京🚀", "\u2028\u2029", "</script>", " "]
-
-
-@pytest.fixture(scope="module")
-def strings(model_dir):
-    from serve.build import load_tokenizer
-
-    return TokenStrings(load_tokenizer(model_dir))
 
 
 class FedStream(OutputStream):
