@@ -952,15 +952,16 @@ class ModelRunner:
             if key is not None:
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
-        prompt = prompt_rows(batch.items)
-        want = None if prompt is not None else logit_idx  # None: the hidden states, for the prompt's rows too
+        hidden = self._forward(input_ids, positions, meta)
+        return self._sample_hidden(batch, hidden, logit_idx, sbatch, sampled, prompt_rows(batch.items))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                 carry: torch.Tensor | None = None) -> torch.Tensor:
+        """An eager or piecewise forward -> the final hidden states of every row (_sample_hidden takes
+        the logits it needs from them), or a pipeline stage's carry for the next stage."""
         if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
-            out = self.piecewise.run(input_ids, positions, meta, want)
-        else:
-            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, want)
-        if prompt is None:
-            return self._sample(batch, out, sbatch, sampled)
-        return self._sample_hidden(batch, out, logit_idx, sbatch, sampled, prompt)
+            return self.piecewise.run(input_ids, positions, meta, None, carry)
+        return self.model(self.ops, input_ids, positions, self.pool.layers, meta, None, carry)
 
     def _launch_stage(self, batch: Batch) -> Launched:
         """launch() on a pipeline stage: the carry from the previous stage (the first embeds), this
@@ -981,16 +982,9 @@ class ModelRunner:
             # a copy: the next replay overwrites the static output while the send may still read it
             return Launched(None, {}, [], n, sent=pipe.send_carry(g.replay_carry(n, words).clone()))
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch)
-        carry = self._recv_carry(input_ids.shape[0])
-        want = None if prompt is not None else logit_idx
-        if self.piecewise is not None and input_ids.shape[0] <= self.piecewise.max_tokens:
-            out = self.piecewise.run(input_ids, positions, meta, want, carry)
-        else:
-            out = self.model(self.ops, input_ids, positions, self.pool.layers, meta, want, carry)
+        out = self._forward(input_ids, positions, meta, self._recv_carry(input_ids.shape[0]))
         if pipe.next is not None:
             return Launched(None, {}, [], n, sent=pipe.send_carry(out))
-        if prompt is None:
-            return self._sample(batch, out, sbatch, sampled)
         return self._sample_hidden(batch, out, logit_idx, sbatch, sampled, prompt)
 
     def _recv_carry(self, num_tokens: int) -> torch.Tensor | None:
@@ -1011,7 +1005,7 @@ class ModelRunner:
         return launched
 
     def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
-        """Queue the sampling of an eager or piecewise step's logits and the tokens' copy back."""
+        """Queue the sampling of a step's logits (a row per sampling item) and the tokens' copy back."""
         n = len(batch.items)
         if not sampled:
             return Launched(None, {}, [], n)
