@@ -7,10 +7,10 @@ python -m lab.logit_adjust_cost --model .models/qwen2.5-0.5b [--num-prompts 64 -
 """
 from __future__ import annotations
 
-import argparse
-import random
 import statistics
 import time
+
+from lab.arms import DummyEngine, arm_arguments, interleave
 
 ARMS = {
     "greedy": {"temperature": 0.0},
@@ -24,29 +24,20 @@ ARMS = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=512)
+    p = arm_arguments(__doc__, num_prompts=64, rounds=2)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", default=None)
     a = p.parse_args()
     import torch
 
     from lab.kernels import write_json
-    from serve import LLM, SamplingParams
+    from serve import SamplingParams
 
-    llm = LLM(a.model, load_format="dummy")
-    vocab = llm.engine.model_config.vocab_size
-    rng = random.Random(0)
-
-    def prompts():  # fresh tokens each run: nothing from the prefix cache
-        return [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    engine = DummyEngine(a.model)
+    llm = engine.llm
 
     def run(kw: dict) -> float:
         params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, **kw)
-        ps = prompts()
+        ps = engine.prompts(a.num_prompts, a.input_len)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(ps, params)
@@ -54,11 +45,8 @@ def main() -> None:
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
     for kw in ARMS.values():  # warm-up: every arm once, short
-        llm.generate(prompts()[:8], SamplingParams(max_tokens=8, ignore_eos=True, **kw))
-    rates: dict[str, list[float]] = {name: [] for name in ARMS}
-    for _ in range(a.rounds):
-        for name, kw in ARMS.items():
-            rates[name].append(run(kw))
+        llm.generate(engine.prompts(8, a.input_len), SamplingParams(max_tokens=8, ignore_eos=True, **kw))
+    rates = interleave(ARMS, a.rounds, run)
     base = {"greedy": statistics.median(rates["greedy"]), "sampled": statistics.median(rates["sampled"])}
     rows = {}
     for name, r in rates.items():

@@ -8,36 +8,26 @@ python -m lab.prompt_logprobs_cost --model .models/llama3-8b [--num-prompts 256 
 """
 from __future__ import annotations
 
-import argparse
-import random
 import statistics
 import time
+
+from lab.arms import DummyEngine, arm_arguments, interleave
 
 ARMS = {"plain": None, "prompt_logprobs=1": 1, "prompt_logprobs=5": 5, "prompt_logprobs=20": 20}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
+    a = arm_arguments(__doc__, num_prompts=256, rounds=3).parse_args()
     import torch
 
     from lab.kernels import write_json
-    from serve import LLM, SamplingParams
+    from serve import SamplingParams
 
-    llm = LLM(a.model, load_format="dummy")
-    vocab = llm.engine.model_config.vocab_size
-    rng = random.Random(0)
-
-    def prompts(n: int) -> list[list[int]]:  # fresh tokens each run: nothing from the prefix cache
-        return [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(n)]
+    engine = DummyEngine(a.model)
+    llm, vocab = engine.llm, engine.vocab
 
     def run(k: int | None) -> tuple[float, float]:
-        ps = prompts(a.num_prompts)
+        ps = engine.prompts(a.num_prompts, a.input_len)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -49,14 +39,10 @@ def main() -> None:
         return rate, torch.cuda.max_memory_allocated() / 2**30
 
     for k in ARMS.values():  # warm-up: every arm once, short
-        llm.generate(prompts(8), SamplingParams(max_tokens=1, prompt_logprobs=k))
-    rates: dict[str, list[float]] = {name: [] for name in ARMS}
-    peaks: dict[str, float] = {name: 0.0 for name in ARMS}
-    for _ in range(a.rounds):
-        for name, k in ARMS.items():
-            rate, peak = run(k)
-            rates[name].append(rate)
-            peaks[name] = max(peaks[name], peak)
+        llm.generate(engine.prompts(8, a.input_len), SamplingParams(max_tokens=1, prompt_logprobs=k))
+    runs = interleave(ARMS, a.rounds, run)
+    rates = {name: [rate for rate, _ in r] for name, r in runs.items()}
+    peaks = {name: max(peak for _, peak in r) for name, r in runs.items()}
     base = statistics.median(rates["plain"])
     rows = {}
     for name, r in rates.items():
