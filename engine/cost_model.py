@@ -45,8 +45,14 @@ MAX_ROWS = 2048  # the largest forward measured
 # the engine loop's host work per scheduling round (schedule, launch, process, send), measured
 # 0.6-1.2 ms a step on H100 hosts (bench/NOTES.md, 2026-11-24); multi-step rounds pay it once for K steps
 HOST_STEP_MS = 1.0
-# a forward shorter than this is paced by the host: multi-step rounds and whole-step graphs pay there
+# a forward shorter than this is paced by the host: whole-step graphs pay there
 HOST_BOUND_MS = 4 * HOST_STEP_MS
+# a decode forward shorter than this takes multi-step rounds (and no prompt budget). Between 2 and
+# 4 ms single steps served as much and far more evenly: Llama-3-8B with FP8 weights on an H200
+# (decode forward ~3.9 ms) 0.98x the tokens/s of 4-step rounds, median TTFT 52 against 292 ms, p99
+# chunk gap 11 against 123 ms; Llama-3-8B at TP=2 (3.8 ms) had the same stalls (bench/NOTES.md,
+# 2026-11-26 and 2026-11-28). Qwen2.5-0.5B's ~1.1 ms keeps its rounds.
+MULTI_STEP_MS = 2 * HOST_STEP_MS
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class StepCostModel:
     def scheduler_steps(self, decodes: int, auto_steps: int) -> int:
         """Decode steps per scheduling round: several where the host's per-round work is a large
         share of a decode step (a small model), one where the GPU step dwarfs it."""
-        return auto_steps if self.forward(decodes) < HOST_BOUND_MS else 1
+        return auto_steps if self.forward(decodes) < MULTI_STEP_MS else 1
 
     def host_bound_rows(self) -> int:
         """The largest bucket whose forward takes less than HOST_BOUND_MS (0 if none): steps up to it

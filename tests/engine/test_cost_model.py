@@ -81,6 +81,8 @@ def test_largest_mixed_step_and_multi_step_choice():
     assert m.scheduler_steps(64, 4) == 1  # a 5 ms step dwarfs the host's work
     small = StepCostModel((16, 64, 512), (0.6, 0.7, 1.5), 0.0, 8192)
     assert small.scheduler_steps(64, 4) == 4
+    # a 3.5 ms step (Llama-3-8B in FP8, or at TP=2) hides the host's work: single steps, a prompt budget
+    assert StepCostModel((16, 64, 512), (3.3, 3.5, 9.0), 0.0, 8192).scheduler_steps(64, 4) == 1
 
 
 def test_the_runner_measures_every_size_and_builds_a_model(tiny_models):
