@@ -133,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "to line the client's view up with the server's (PAGEDSERVE_STEP_TRACE)")
     out.add_argument("--kv-cache-dtype", default="auto",
                      help="KV storage dtype the roofline assumes: auto, bfloat16, fp8, int8 (default: %(default)s)")
+    out.add_argument("--quantization", choices=["fp8"], default=None,
+                     help="the weights the roofline assumes: fp8 where the server (--url) runs with --quantization "
+                          "fp8 (read from --server-args and from an FP8 checkpoint's config otherwise)")
     out.add_argument("--copy-bandwidth", type=float, metavar="TB/s",
                      help="roofline copy bandwidth instead of measuring it on this machine's GPU")
     out.add_argument("--matmul-tflops", type=float, metavar="TFLOP/s",
@@ -272,6 +275,14 @@ def roofline_gpus(num_gpus: int | None, server_args: list[str]) -> int:
             * _size_flag(server_args, "--data-parallel-size", "-dp"))
 
 
+def roofline_fp8(quantization: str | None, server_args: list[str]) -> bool:
+    """Whether the server quantizes the weights to FP8: --quantization fp8 here, or in server_args."""
+    if quantization == "fp8":
+        return True
+    return any(a in ("--quantization", "-q") and server_args[i + 1:i + 2] == ["fp8"] or a == "--quantization=fp8"
+               for i, a in enumerate(server_args))
+
+
 def _size_flag(server_args: list[str], name: str, short: str) -> int:
     """The positive integer given to a `serve run` flag in server_args; 1 when absent or not one."""
     for i, arg in enumerate(server_args):
@@ -409,7 +420,7 @@ def _measure(args: argparse.Namespace, setup: _Setup, target: CompletionTarget, 
         gpus = roofline_gpus(args.num_gpus, setup.server_args)
         burst = rates.matmul_flops_burst * gpus if rates.matmul_flops_burst else None
         rates = HardwareRates(rates.copy_bandwidth * gpus, rates.matmul_flops * gpus, burst)
-        cost = ModelCost.of(setup.model, args.kv_cache_dtype)
+        cost = ModelCost.of(setup.model, args.kv_cache_dtype, fp8=roofline_fp8(args.quantization, setup.server_args))
         roofline = Roofline(estimate(cost, lengths, rates, args.concurrency, rate), rates, gpus,
                             estimate(cost, lengths, HardwareRates(rates.copy_bandwidth, burst), args.concurrency, rate)
                             if burst else None)

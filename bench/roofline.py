@@ -54,12 +54,18 @@ class ModelCost:
     model: ModelConfig
     weight_bytes: int
     kv_bytes_per_token: int
+    # weights held in FP8 (engine/quant.py): one byte each, and their matmuls at twice the 16-bit
+    # rate (Hopper's FP8 tensor cores), counted below as half their FLOPs against that rate
+    fp8_params: int = 0
 
     @classmethod
-    def of(cls, model: ModelConfig, kv_cache_dtype: str = "auto") -> "ModelCost":
+    def of(cls, model: ModelConfig, kv_cache_dtype: str = "auto", fp8: bool = False) -> "ModelCost":
+        """fp8: the server quantizes the projections (--quantization fp8); an FP8 checkpoint is FP8 anyway."""
         spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size=16,
                                      dtype=resolve_kv_dtype(kv_cache_dtype, model.torch_dtype))
-        return cls(model, model.weight_bytes(model.torch_dtype), spec.bytes_per_token)
+        fp8_params = model.projection_params() if fp8 or model.fp8 is not None else 0
+        weight_bytes = model.weight_bytes(model.torch_dtype) - fp8_params * (DTYPE_BYTES[model.torch_dtype] - 1)
+        return cls(model, weight_bytes, spec.bytes_per_token, fp8_params)
 
     def step_weight_bytes(self, tokens: int) -> float:
         """Weight bytes a step of `tokens` tokens reads: all of a dense model's; a mixture of
@@ -80,7 +86,7 @@ class ModelCost:
         context, so the sum over the prompt is prompt_len times its value at the mean context.
         """
         mean_context = (prompt_len + 1) / 2
-        return prompt_len * (2.0 * self.model.active_params() + self.attention_flops(mean_context))
+        return prompt_len * (2.0 * self.model.active_params() - self.fp8_params + self.attention_flops(mean_context))
 
     def attention_flops(self, context: float) -> float:
         """QK^T and PV of one token over `context` positions."""
@@ -88,7 +94,7 @@ class ModelCost:
 
     def decode_flops(self, tokens: int, positions: int) -> float:
         """FLOPs of `tokens` decode tokens attending over `positions` context positions in all."""
-        return tokens * 2.0 * self.model.active_params() + self.attention_flops(positions)
+        return tokens * (2.0 * self.model.active_params() - self.fp8_params) + self.attention_flops(positions)
 
 
 @dataclass(frozen=True)

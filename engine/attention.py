@@ -58,6 +58,10 @@ class Ops:
     # (logits [N, V] of vocabulary entries offset.., offset) -> int64 [N] keys whose maximum over the
     # tensor-parallel ranks holds the greedy token (kernels/argmax.py)
     argmax_keys: Callable = reference.argmax_keys
+    # (x, weight FP8 [N, K], weight_scale, bias=None, out=None) -> x @ dequantized weight.T + bias, x
+    # quantized per token (kernels/fp8.py); and the MLP's activation with an FP8 gate_up weight
+    fp8_linear: Callable = reference.fp8_linear
+    fp8_gate_up_silu: Callable = reference.fp8_gate_up_silu
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

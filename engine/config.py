@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.quant import QUANTIZATION_METHODS, Fp8Format, QuantizationError, checkpoint_format
 from kvcache.calc import pipeline_parallel_problem, tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
 
@@ -47,6 +48,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a mixture-of-experts model
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    fp8: Fp8Format | None = None  # an FP8 checkpoint's format (engine/quant.py)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -72,6 +74,10 @@ class ModelConfig:
                     rope_scaling = rope_params
             model_type = cfg.get("model_type", "")
             moe = _moe_fields(cfg, arch)
+            try:
+                fp8 = checkpoint_format(cfg)
+            except QuantizationError as e:
+                raise ModelConfigError(str(e)) from None
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -91,6 +97,7 @@ class ModelConfig:
                 torch_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                fp8=fp8,
                 raw=cfg,
                 **moe,
             )
@@ -169,6 +176,13 @@ class ModelConfig:
         per_layer = attn + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + (self.num_layers - moe) * 3 * h * i + moe_mlp + embed + h
+
+    def projection_params(self) -> int:
+        """The weights of the dense layers' q/k/v, o, gate/up and down projections: what an FP8
+        model holds in FP8 (engine/quant.py)."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        return self.num_layers * attn + (self.num_layers - self.num_moe_layers) * 3 * h * self.intermediate_size
 
     def active_params(self) -> int:
         """The parameters one token's forward reads: top-k experts of each MoE layer."""
@@ -268,6 +282,9 @@ class EngineConfig:
     # GiB of host memory for a second tier of the prefix cache (kvcache/host_tier.py), per GPU (each
     # tensor/pipeline-parallel rank keeps its shard); 0: off
     kv_offload_gib: float = 0.0
+    # "fp8": a 16-bit checkpoint's projections quantized to FP8 as they load (engine/quant.py); None:
+    # the checkpoint's own weights (an FP8 checkpoint stays FP8)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple[str, ...]) -> None:
@@ -288,6 +305,8 @@ class EngineConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         choice("load_format", LOAD_FORMATS)
         choice("backend", BACKENDS)
+        if self.quantization is not None:
+            choice("quantization", QUANTIZATION_METHODS)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "pipeline_parallel_size"):
             positive(name)

@@ -11,6 +11,9 @@ from tqdm import tqdm
 
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.layers import Shard
+from engine.quant import FP8_GROUP, UNUSED_SUFFIXES, quantize_weight
+
+FP8 = torch.float8_e4m3fn
 
 
 class WeightLoadError(ValueError):
@@ -37,7 +40,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     """Each tensor of the checkpoint into its parameter; a sharded parameter (tensor parallel)
     reads only this rank's slice of it, and another pipeline stage's tensors are not read at all."""
     params = dict(model.named_parameters())
+    params.update(fp8_scales(model))
     shards = model.param_shards()
+    fp8 = model.fp8
     wmap = model.hf_weight_map()
     emap = model.hf_expert_map()  # None: another rank's expert
     eshards = model.expert_shards()
@@ -56,6 +61,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                         bar.update(1)
                     continue
                 if name not in wmap:
+                    if fp8 is not None and name.endswith(UNUSED_SUFFIXES):
+                        continue
                     if model.held_elsewhere(name):
                         continue
                     if name == "lm_head.weight" and model.global_cfg.tie_word_embeddings:
@@ -64,7 +71,12 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                         continue
                     raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
                 ours, seg = wmap[name]
-                _load_one(f, name, params[ours], None if seg is None else (shards[ours], seg))
+                if ours.endswith("weight_scale"):
+                    weight = ours[:-len("_scale")]
+                    _load_scale(f, name, params[ours], params[weight], shards[weight], seg, fp8.blocked)
+                else:
+                    _load_one(f, name, params[ours], None if seg is None else (shards[ours], seg),
+                              params.get(ours + "_scale"))
                 loaded[name] = 1
                 bar.update(1)
     bar.close()
@@ -74,8 +86,65 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     _zero_padding(model, shards)
 
 
-def _load_one(f, name: str, param: torch.Tensor, part: tuple[Shard, int] | None) -> None:
-    """Tensor `name` of the open file f into param, or into segment part[1] of a sharded param."""
+def fp8_scales(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our FP8 weights' scale buffers by name ("...proj.weight_scale"), {} for a 16-bit model."""
+    return {n: b for n, b in model.named_buffers() if n.endswith("weight_scale")}
+
+
+def _scale_view(scale: torch.Tensor, shard: Shard, i: int, rows_per_scale: int, name: str) -> torch.Tensor:
+    """The part of a weight's scales that segment i of its shard owns: its rows' (one scale or
+    row of block scales per weight row) or its 128-row blocks' along the output dimension; all of
+    them where the shard cuts the input dimension."""
+    seg, off = shard.segments[i], shard.local_offset(i)
+    if shard.dim == 1:
+        if rows_per_scale > 1 and seg.start % FP8_GROUP:
+            raise WeightLoadError(f"{name}: this rank's part ({seg.length} of {seg.global_size} from {seg.start}) "
+                                  f"does not align with the checkpoint's {FP8_GROUP} x {FP8_GROUP} FP8 blocks; "
+                                  "use fewer ranks")
+        return scale
+    if rows_per_scale == 1:
+        return scale.narrow(0, off, seg.length)
+    return scale.narrow(0, off // FP8_GROUP, -(-seg.length // FP8_GROUP))  # blocks_align() held
+
+
+def _load_scale(f, name: str, scale: torch.Tensor, weight: torch.Tensor, shard: Shard, i: int, blocked: bool) -> None:
+    """A checkpoint's FP8 scale tensor (one per tensor, per channel or per block) into segment i's
+    part of our scale buffer."""
+    src = f.get_tensor(name).float()
+    seg = shard.segments[i]
+    per_row = scale.shape[0] == weight.shape[0]
+    dst = _scale_view(scale, shard, i, 1 if per_row else FP8_GROUP, name)
+    if src.numel() == 1:
+        dst.fill_(src.item())
+        return
+    if not blocked:
+        src = src.reshape(-1, 1)
+        part = src[seg.start:seg.start + seg.length] if shard.dim == 0 else src
+    elif shard.dim == 0:
+        a, n = seg.start // FP8_GROUP, -(-seg.length // FP8_GROUP)
+        part = src.repeat_interleave(FP8_GROUP, 0)[seg.start:seg.start + seg.length] if per_row else src[a:a + n]
+    else:
+        a, n = seg.start // FP8_GROUP, -(-seg.length // FP8_GROUP)
+        part = src[:, a:a + n]
+    if tuple(part.shape) != tuple(dst.shape):
+        raise WeightLoadError(f"{name}: FP8 scales of shape {tuple(src.shape)} do not fit the weight "
+                              f"({'128 x 128 blocks' if blocked else 'one per tensor or output channel'} expected)")
+    dst.copy_(part)
+
+
+def _quantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
+    """A 16/32-bit src into the FP8 dst, quantized per channel, its scales into scale [len(dst), 1]."""
+    if scale is None or scale.shape != (dst.shape[0], 1):
+        raise WeightLoadError(f"{name}: a 16-bit tensor where the checkpoint's FP8 weights have block scales")
+    q, s = quantize_weight(src.to(dst.device), blocked=False)
+    dst.copy_(q)
+    scale.copy_(s)
+
+
+def _load_one(f, name: str, param: torch.Tensor, part: tuple[Shard, int] | None,
+              scale: torch.Tensor | None = None) -> None:
+    """Tensor `name` of the open file f into param, or into segment part[1] of a sharded param; into
+    an FP8 param a 16-bit tensor goes quantized per channel, its scales into scale."""
     if part is None:
         src = f.get_tensor(name)
         if tuple(src.shape) != tuple(param.shape):
@@ -91,7 +160,12 @@ def _load_one(f, name: str, param: torch.Tensor, part: tuple[Shard, int] | None)
         raise WeightLoadError(f"{name}: shape {tuple(whole.get_shape())} does not match the config's {tuple(want)}")
     cut = slice(seg.start, seg.start + seg.length)
     src = whole[cut] if shard.dim == 0 else whole[:, cut]
-    param.narrow(shard.dim, shard.local_offset(i), seg.length).copy_(src)
+    dst = param.narrow(shard.dim, shard.local_offset(i), seg.length)
+    if dst.dtype == FP8 and src.dtype != FP8:
+        per_row = scale is not None and scale.shape[1] == 1
+        _quantize_into(dst, src, _scale_view(scale, shard, i, 1, name) if per_row else None, name)
+    else:
+        dst.copy_(src)
 
 
 def _zero_padding(model: LlamaForCausalLM, shards: dict[str, Shard]) -> None:
@@ -112,12 +186,19 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     shards = model.param_shards()
     eshards = model.expert_shards()
+    scales = fp8_scales(model)
     for name, p in model.named_parameters():
         shard = shards.get(name)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name in eshards:
             _dummy_experts(p, eshards[name], g)
+        elif p.dtype == FP8:
+            shape = list(p.shape)
+            shape[shard.dim] = shard.global_size
+            full = torch.empty(shape, dtype=model.embed_tokens.weight.dtype, device=p.device)
+            _dummy_fp8(p, shard.take(full.uniform_(-0.02, 0.02, generator=g)), scales[name + "_scale"], model.fp8)
+            del full
         elif shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]:
             p.uniform_(-0.02, 0.02, generator=g)
         else:
@@ -127,6 +208,13 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
             p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
             del full
     _zero_padding(model, shards)
+
+
+def _dummy_fp8(p: torch.Tensor, local: torch.Tensor, scale: torch.Tensor, fp8) -> None:
+    """An FP8 parameter from its rank's part of a 16-bit draw, quantized as the model's format says."""
+    q, s = quantize_weight(local, fp8.blocked)
+    p.copy_(q)
+    scale.copy_(s.repeat_interleave(FP8_GROUP, 0)[:len(p)] if fp8.blocked and len(scale) == len(p) else s)
 
 
 def _dummy_experts(p: torch.Tensor, shard, g: torch.Generator) -> None:
@@ -145,12 +233,13 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
     """init_dummy_weights for one pipeline stage: the whole model's parameters are drawn in the
     whole model's order (from a copy of it on the meta device), those of other stages thrown away,
     so the stages together hold the model that one GPU would (a tied LM head takes the embedding's)."""
-    some = next(model.parameters())
+    some = next(p for p in model.parameters() if p.dtype != FP8)
     device, dtype = some.device, some.dtype
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
-        whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel)
+        whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel, fp8=model.fp8)
     ours = dict(model.named_parameters())
+    scales = fp8_scales(model)
     shards, whole_shards = model.param_shards(), whole.param_shards()
     eshards = whole.expert_shards()
     start = model.stage.start
@@ -177,7 +266,9 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
             shape[shard.dim] = shard.global_size
         full = torch.empty(shape, dtype=dtype, device=device)
         full.uniform_(-0.02, 0.02, generator=g)
-        if p is not None:
+        if p is not None and p.dtype == FP8:
+            _dummy_fp8(p, shard.take(full), scales[local + "_scale"], model.fp8)
+        elif p is not None:
             p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full)) if shard is not None else p.copy_(full)
         del full
     _zero_padding(model, shards)

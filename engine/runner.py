@@ -27,6 +27,7 @@ from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
 from engine.piecewise import PiecewiseGraphs
+from engine.quant import AT_LOAD
 from engine.prompt_logprobs import PromptRows, PromptSamples, compute_prompt_logprobs, prompt_rows
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs, graph_token_limits, graphed_token_counts, step_buckets
@@ -238,7 +239,9 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
                 if t is None:
                     continue
                 if id(t) not in made:
-                    new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    # FP8 weights and their float32 scales (engine/quant.py) keep their dtypes
+                    keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or name == "weight_scale"
+                    new = torch.empty(t.shape, dtype=t.dtype if keep else dtype, device=device)
                     made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
                 table[name] = made[id(t)]
     return model
@@ -285,7 +288,8 @@ class ModelRunner:
             clock = now
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage, cfg.enable_expert_parallel)
+            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage, cfg.enable_expert_parallel,
+                                     model_cfg.fp8 or (AT_LOAD if cfg.quantization == "fp8" else None))
         model = materialize(model, self.device, self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)

@@ -232,3 +232,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
     """dst[:, dst_blocks] = src[:, src_blocks] (kernels/copy_pages.py)."""
     dst.index_copy_(1, dst_blocks.long(), src.index_select(1, src_blocks.long()))
+
+
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+FP8_GROUP = 128
+
+
+def fp8_group(w: torch.Tensor, w_scale: torch.Tensor) -> int:
+    """kernels/fp8.py's group_of: the input's quantization group, K for one scale per row of w
+    (w_scale [N or ceil(N/128), 1]), else 128."""
+    return w.shape[1] if w_scale.shape[1] == 1 else FP8_GROUP
+
+
+def quantize_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]): each row's groups of
+    `group` columns scaled by their largest magnitude / 448 (kernels/fp8.py's quantize)."""
+    M, K = x.shape
+    groups = -(-K // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - K)).view(M, groups, group)
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, groups * group)[:, :K], scale
+
+
+def dequantize_fp8(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 values [R, K] -> float32, with scales per row or per block of 128 rows ([R or
+    ceil(R / 128), ...]) and for the whole row or per group of 128 columns ([..., 1 or ceil(K / 128)])."""
+    R, K = v.shape
+    row_group = 1 if scale.shape[0] == R else FP8_GROUP
+    col_group = K if scale.shape[1] == 1 else FP8_GROUP
+    s = scale.float().repeat_interleave(row_group, 0)[:R].repeat_interleave(col_group, 1)[:, :K]
+    return v.float() * s
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the FP8 weight w [N, K].T (+ bias) with x quantized per row (and group of 128
+    columns for block scales): what kernels/fp8.py computes, in float32, rounded to x's dtype."""
+    group = fp8_group(w, w_scale)
+    xq, xs = quantize_fp8(x, group)
+    y = dequantize_fp8(xq, xs) @ dequantize_fp8(w, w_scale).t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """gate_up_silu with an FP8 gate_up weight (kernels/fp8.py)."""
+    return silu_and_mul(fp8_linear(x, weight, weight_scale))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stall-free batching on the GPU: `serve bench` with `serve run` defaults at the workloads of the
 # overlap issue, for this tree and, with BASE=DIR, for a baseline tree in the same call.
-#   lab/overlap.sh [STAGE...]   stages: 8b-64 8b-256 70b-64 70b-256 qwen-64 8b-sampled qwen-sampled 8b-text qwen-text 8b-ragged
+#   lab/overlap.sh [STAGE...]   stages: 8b-64 8b-256 70b-64 70b-256 qwen-64 8b-fp8 8b-sampled qwen-sampled 8b-text qwen-text 8b-ragged
 # MODELS_DIR holds llama3-8b/, llama3-70b/ and qwen2.5-0.5b/ (a config.json with the shapes, tokenizer files);
 # results go to $OUT/overlap/*.json and, packed, $OUT/overlap.tar.gz.
 set -uo pipefail
@@ -50,6 +50,9 @@ for stage in "$@"; do
     70b-64) both 70b-64 llama3-70b 64 192 ;;
     70b-256) both 70b-256 llama3-70b 256 768 ;;
     qwen-64) both qwen-64 qwen2.5-0.5b 64 640 ;;
+    8b-fp8)  # --quantization fp8 against the 16-bit weights, same call
+      bench . 8b-bf16 llama3-8b 64 192
+      SERVER_ARGS="--quantization fp8" bench . 8b-fp8 llama3-8b 64 192 ;;
     8b-sampled)
       bench . 8b-greedy llama3-8b 64 192
       bench . 8b-sampled llama3-8b 64 192 --temperature 0.8 --top-p 0.95 ;;

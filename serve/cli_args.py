@@ -67,6 +67,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
                    help="keep KV blocks evicted from the GPU's prefix cache in GIB of (pinned) host memory, and copy "
                         "them back on a prefix hit instead of recomputing them (default: 0, off)")
+    g.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: quantize a 16-bit checkpoint's projections to FP8 per output channel as it loads "
+                        "(half the weight memory and bytes a decode step reads; inputs quantized per token). "
+                        "FP8 checkpoints are read as FP8 without it")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -84,4 +88,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel,
                         disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed,
-                        kv_offload_gib=args.kv_offload_gib)
+                        kv_offload_gib=args.kv_offload_gib, quantization=args.quantization)

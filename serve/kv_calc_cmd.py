@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig, Model
 from engine.cost_model import MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.presets import resolve_model
+from engine.quant import AT_LOAD
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
                           DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most sequences in one step: sizes the logits in the estimate (default %(default)s)")
     parser.add_argument("--kv-offload-gib", default=None, metavar="GIB",
                         help="also show what a host tier of GIB GiB (serve run --kv-offload-gib) holds")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: the projections quantized as they load (serve run --quantization fp8); an FP8 "
+                             "checkpoint is counted in FP8 without it")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
@@ -130,9 +134,12 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         raise KVCalcInputError("--gpu-memory is required on a machine without a GPU: a size such as 80GiB or a GPU "
                                "such as H100")
     model = resolve_model(args.model)
+    config = model.config
+    if getattr(args, "quantization", None) == "fp8" and config.fp8 is None:
+        config = replace(config, fp8=AT_LOAD)
     max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
     req = CalcRequest(
-        model_name=model.name, model=model.config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
+        model_name=model.name, model=config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
         memory_utilization=_parse_fraction("--memory-utilization", args.memory_utilization),
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), dtype=str(args.dtype).lower(),
         block_size=None if args.block_size in (None, "") else _parse_int("--block-size", args.block_size),
@@ -258,7 +265,8 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
     lines = [
         f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
         f" = {format_bytes(base.budget_bytes)}{tp}",
-        _line(f"weights ({base.dtype})", format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
+        _line(f"weights ({base.dtype}{', projections fp8' if req.model.fp8 is not None else ''})",
+              format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
               + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
         _line("activations", format_bytes(base.activation_bytes), act),
         _line("CUDA graphs", format_bytes(base.graph_bytes),
@@ -360,7 +368,8 @@ def _run_measure(args: argparse.Namespace) -> int:
                            max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
                            gpu_memory_utilization=req.memory_utilization,
                            tensor_parallel_size=req.tensor_parallel_size,
-                           pipeline_parallel_size=req.pipeline_parallel_size)
+                           pipeline_parallel_size=req.pipeline_parallel_size,
+                           quantization="fp8" if req.model.fp8 is not None and req.model.fp8.at_load else None)
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
         # read before shutdown, which frees the graphs

@@ -38,7 +38,8 @@ class LLM:
                  step_graph_max_tokens: int = EngineConfig.step_graph_max_tokens, num_scheduler_steps: int | None = None,
                  max_step_ms: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
-                 disable_custom_all_reduce: bool = False, show_progress: bool = False) -> None:
+                 disable_custom_all_reduce: bool = False, quantization: str | None = None,
+                 show_progress: bool = False) -> None:
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -51,7 +52,7 @@ class LLM:
                                    tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size, seed=seed,
                                    enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib,
-                                   disable_custom_all_reduce=disable_custom_all_reduce)
+                                   disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization)
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 

@@ -1,7 +1,6 @@
 """Tiny random-weight Hugging Face checkpoints built inside the tests (no downloads)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -63,15 +62,16 @@ ARCHS = {
 }
 
 
-def build_model(arch: str, out: Path, seed: int = 0, shard: bool | None = None) -> Path:
-    """Save a 2-layer random model of `arch` with a trained BPE tokenizer into out; return out."""
+def build_model(arch: str, out: Path, seed: int = 0, shard: bool | None = None, **sizes) -> Path:
+    """Save a 2-layer random model of `arch` with a trained BPE tokenizer into out; return out.
+    sizes: config fields over the defaults (hidden_size=256, ...)."""
     import transformers
 
     spec = dict(ARCHS[arch])
     cls = getattr(transformers, spec.pop("cls"))
     cfg = cls(**{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                        pad_token_id=0), **spec})
+                        pad_token_id=0), **spec, **sizes})
     cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -34,6 +34,7 @@ from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowPar
                                     VocabParallelEmbedding, even_split, gather_logits, head_split, vocab_argmax,
                                     vocab_logits)
 from engine.parallel.stage import Stage, whole_model
+from engine.quant import Fp8Format, QuantizationError
 from kvcache.pool import LayerCache
 
 
@@ -85,8 +86,16 @@ def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // comm.size)
 
 
+def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by ops.fp8_linear."""
+    bias = getattr(layer, "bias", None)
+    if layer.weight_scale is None:
+        return ops.linear(x, layer.weight, bias, out=out)
+    return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, fp8: Fp8Format | None = None) -> None:
         super().__init__()
         q_part = head_split(cfg.num_heads, cfg.head_dim, comm.rank, comm.size)
         kv_part = head_split(cfg.num_kv_heads, cfg.head_dim, comm.rank, comm.size)
@@ -94,8 +103,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = q_part.length, kv_part.length
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], cfg.attention_bias, fp8)
+        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size, fp8)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -105,7 +114,7 @@ class Attention(nn.Module):
         engine/attention.py applies with the KV write); views of one qkv tensor (`out`
         [T, q + 2 kv] when given: the piecewise CUDA graphs' static buffer)."""
         t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, out=out)
+        qkv = project(ops, self.qkv_proj, x, out=out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -122,25 +131,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, fp8: Fp8Format | None = None) -> None:
         super().__init__()
         part = even_split(cfg.intermediate_size, comm.rank, comm.size)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=False)
-        self.down_proj = RowParallelLinear(part, cfg.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], False, fp8)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, fp8)
         self.comm = comm
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         """-> this rank's part of the output (a sum over the ranks)."""
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
-        h = ops.gate_up_silu(x, self.gate_up_proj.weight, prefetch=self.comm.fused_sums)
-        return ops.linear(h, self.down_proj.weight)
+        gate_up = self.gate_up_proj
+        if gate_up.weight_scale is not None:
+            h = ops.fp8_gate_up_silu(x, gate_up.weight, gate_up.weight_scale)
+        else:
+            h = ops.gate_up_silu(x, gate_up.weight, prefetch=self.comm.fused_sums)
+        return project(ops, self.down_proj, h)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int = 0, expert_parallel: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int = 0, expert_parallel: bool = False,
+                 fp8: Fp8Format | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, comm)
-        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm)
+        self.self_attn = Attention(cfg, comm, fp8)
+        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm, fp8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.comm = comm
@@ -158,7 +172,7 @@ class DecoderLayer(nn.Module):
     def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual), x
         this rank's part of the MLP's output."""
-        h = ops.linear(attn_out, self.self_attn.o_proj.weight)
+        h = project(ops, self.self_attn.o_proj, attn_out)
         ln = self.post_attention_layernorm
         h, residual = self.comm.reduce_norm(ops, h, residual, ln.weight, ln.eps)
         return self.mlp(ops, h), residual
@@ -179,17 +193,22 @@ class LlamaForCausalLM(nn.Module):
     MoE layers' experts are split over the tensor-parallel ranks (engine/models/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm | None = None, stage: Stage | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, fp8: Fp8Format | None = None) -> None:
         super().__init__()
         self.comm = comm = comm or Comm()
         self.stage = stage = stage or whole_model(cfg.num_layers)
         self.expert_parallel = expert_parallel
+        if fp8 is not None and cfg.num_experts:
+            raise QuantizationError(f"FP8 weights for {cfg.architecture} (a mixture of experts) are not supported yet; "
+                                    "serve its 16-bit checkpoint")
+        self.fp8 = fp8
         self.global_cfg = cfg
         self.cfg = rank_config(cfg, comm)
         # the parameters are left empty (no normal_ init, which imports torch._dynamo and with it
         # triton wherever that is installed); the loader fills every weight
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm) if stage.first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, i, expert_parallel) for i in range(stage.start, stage.end))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, i, expert_parallel, fp8)
+                                    for i in range(stage.start, stage.end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
         own_head = stage.last and not (cfg.tie_word_embeddings and stage.first)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm) if own_head else None
@@ -293,4 +312,8 @@ class LlamaForCausalLM(nn.Module):
             if cfg.qk_norm:
                 for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                     m[hf + name] = (our + name, None)
+        if self.fp8 is not None and not self.fp8.at_load:  # each FP8 weight's scale beside it
+            scale = self.fp8.scale_name
+            m.update({hf[:-len("weight")] + scale: (ours + "_scale", seg) for hf, (ours, seg) in list(m.items())
+                      if ours.endswith("proj.weight")})
         return m

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.parallel.comm import Comm
+from engine.quant import Fp8Format, blocks_align, scale_shape
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,27 @@ def vocab_split(vocab: int, rank: int, ranks: int) -> tuple[Segment, int]:
     return Segment(vocab, start, min(per, vocab - start)), per
 
 
+def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, fp8: Fp8Format | None) -> None:
+    """module.weight [rows, cols], and with fp8 its FP8 values and the buffer weight_scale
+    (engine/quant.py); weight_scale None for a 16-bit weight. Block scales whose blocks would
+    straddle two packed segments (q|k|v of small heads) or a rank's cut are held per row instead."""
+    module.fp8 = fp8
+    module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn if fp8 else None),
+                                 requires_grad=fp8 is None)
+    scale = None
+    if fp8 is not None:
+        scale = torch.empty(scale_shape(rows, cols, fp8.blocked, shard.dim == 1 or blocks_align(shard.segments)))
+    module.register_buffer("weight_scale", scale)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W_r^T (+ b_r): this rank's rows of the output (of each packed segment); no collective."""
 
-    def __init__(self, in_features: int, segments: list[Segment], bias: bool) -> None:
+    def __init__(self, in_features: int, segments: list[Segment], bias: bool, fp8: Fp8Format | None = None) -> None:
         super().__init__()
         self.shard = Shard(0, tuple(segments))
         out = self.shard.local_size
-        self.weight = nn.Parameter(torch.empty(out, in_features))
+        _weight(self, self.shard, out, in_features, fp8)
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
 
@@ -90,10 +104,10 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T: this rank's input columns; x_r W_r^T is this rank's part of
     y, which the caller sums over the ranks (Comm.reduce_norm, with the norm after it)."""
 
-    def __init__(self, segment: Segment, out_features: int) -> None:
+    def __init__(self, segment: Segment, out_features: int, fp8: Fp8Format | None = None) -> None:
         super().__init__()
         self.shard = Shard(1, (segment,))
-        self.weight = nn.Parameter(torch.empty(out_features, segment.length))
+        _weight(self, self.shard, out_features, segment.length, fp8)
 
 
 class VocabRows(nn.Module):

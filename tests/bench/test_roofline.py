@@ -112,3 +112,22 @@ def test_burst_rate_is_reported_beside_the_sustained_bound():
     assert physical == pytest.approx(1000.0 / cold.output_throughput)
     assert serial == pytest.approx(1000.0 / cold.serial_output_throughput)
     assert Roofline(est, HardwareRates(3.01e12, 660e12), 1).burst_fractions(1000.0) is None
+
+
+def test_fp8_weights_halve_the_projections_bytes_and_their_matmul_time():
+    """--quantization fp8: the projections' weights one byte each, their matmuls at twice the rate
+    (half their FLOPs against the 16-bit rate); embedding, LM head and KV unchanged."""
+    from bench.cli import roofline_fp8
+
+    model = ModelConfig.from_path(resolve_model("llama3-8b"))
+    bf16, fp8 = ModelCost.of(model), ModelCost.of(model, fp8=True)
+    p = model.projection_params()
+    h, i, layers = model.hidden_size, model.intermediate_size, model.num_layers
+    assert p == layers * (h * (model.q_size + 2 * model.kv_size) + model.q_size * h + 3 * h * i)
+    assert bf16.weight_bytes - fp8.weight_bytes == p  # two bytes a weight -> one
+    assert bf16.prefill_flops(512) - fp8.prefill_flops(512) == 512 * p
+    assert bf16.decode_flops(64, 1000) - fp8.decode_flops(64, 1000) == 64 * p
+    slow, fast = (estimate(c, WORKLOAD, H100, concurrency=64) for c in (bf16, fp8))
+    assert fast.decode_step_s < 0.7 * slow.decode_step_s and fast.output_throughput > slow.output_throughput
+    assert roofline_fp8(None, ["--quantization", "fp8"]) and roofline_fp8(None, ["-q", "fp8", "-tp", "2"])
+    assert roofline_fp8("fp8", []) and not roofline_fp8(None, ["--kv-cache-dtype", "fp8"])
