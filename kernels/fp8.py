@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import arrival_counters, cdiv, launch, next_pow2
-from kernels.linear import _finish
+from kernels.linear import _finish, grouped_tile
 from kernels.pdl import wait_for_prior
 
 FP8 = torch.float8_e4m3fn
@@ -119,14 +119,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, count_p
                  GROUP_M: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # tiles in groups of GROUP_M row tiles, so programs running together share weight columns in L2
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_here
-    pid_n = (pid % per_group) // rows_here
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

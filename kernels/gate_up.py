@@ -24,7 +24,7 @@ import triton.language as tl
 from kernels.attn_common import mma
 from kernels.fused import silu_and_mul
 from kernels.launch import TensorDescriptor, cdiv, launch, next_pow2
-from kernels.linear import MAX_M, linear
+from kernels.linear import MAX_M, grouped_tile, linear
 from kernels.pdl import prefetch_l2, wait_for_prior
 
 
@@ -39,16 +39,7 @@ def _gate_up_kernel(x_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_o
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr,
                     PDL: tl.constexpr, LINES: tl.constexpr):
-    # consecutive programs take GROUP_M row tiles of one column tile, so the weight tiles they
-    # share are read from L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, I, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     if PDL and LINES > 0:

@@ -78,6 +78,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid's (row tile, column tile) of an [M, N] output: consecutive programs take GROUP_M
+    row tiles of one column tile, so the weight tiles they share are read from L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def _finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n, M, N, split, stride_om,
             HAS_BIAS: tl.constexpr, SPLIT_ONE: tl.constexpr):
     """The program's [BLOCK_M, BLOCK_N] float32 tile into out, or, with a K split, into its partial;

@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, fused, gate_up, linear, paged_attention, prefill_ws  # noqa: E402
+from kernels import cache_write, fp8, fused, gate_up, linear, paged_attention, prefill_ws  # noqa: E402
 from kernels.launch import TensorDescriptor  # noqa: E402
 
 if prefill_ws.gluon is not None:
@@ -99,7 +99,7 @@ def cases() -> list[tuple]:
     """(fn, args, kwargs) of one launch of each wrapper the decode step calls."""
     calls: list = []
     rec = _record(calls)
-    for mod in (linear, fused, gate_up, cache_write, paged_attention):
+    for mod in (linear, fused, gate_up, cache_write, paged_attention, fp8):
         mod.launch = rec
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -108,6 +108,10 @@ def cases() -> list[tuple]:
     linear.skinny_linear(torch.randn(64, 4864, generator=g).to(bf), torch.randn(896, 4864, generator=g).to(bf))
     fused.rms_norm(x, torch.randn(896, generator=g).to(bf), 1e-6, x.clone())
     fused.silu_and_mul(torch.randn(64, 2 * 4864, generator=g).to(bf))
+    # FP8 weights (kernels/fp8.py): the input's quantization and the FP8 GEMM, per-channel and block scales
+    w8 = torch.randn(1152, 896, generator=g).to(torch.float8_e4m3fn)
+    fp8.fp8_linear(x, w8, torch.ones(1152, 1))
+    fp8.fp8_linear(x, w8, torch.ones(9, 7))
     # the fused gate/up kernel after a cross-GPU sum (prefetch: with PDL)
     gate_up.gate_up_silu(x, torch.randn(2 * 4864, 896, generator=g).to(bf), prefetch=True)
     q = torch.randn(64, 14, 64, generator=g).to(bf)
@@ -121,8 +125,8 @@ def cases() -> list[tuple]:
         cache_write.write_kv_cache(k, k.clone(), kc.to(storage), vt.to(storage), slots, ks, ks.clone(), kv_dtype, q=q)
     bt = torch.arange(64 * 8, dtype=torch.int32).view(64, 8) % 32
     sl = torch.full((64,), 100, dtype=torch.int32)
-    fp8 = torch.float8_e4m3fn
-    for kc_, vc_, scales in ((kc, kc.clone(), (None, None)), (kc.to(fp8), vt.to(fp8), (ks, ks))):
+    e4m3 = torch.float8_e4m3fn
+    for kc_, vc_, scales in ((kc, kc.clone(), (None, None)), (kc.to(e4m3), vt.to(e4m3), (ks, ks))):
         paged_attention.paged_decode_attention(q, kc_, vc_, bt, sl, 0.125, *scales, config={"num_splits": 2})
     paged_attention.rotary_decode_attention(q, k, k.clone(), torch.arange(64), torch.randn(128, 2, 64, generator=g),
                                             kc, kc.clone(), slots, bt, sl, 0.125, config={"num_splits": 2})
