@@ -227,11 +227,14 @@ CUBLAS_MIN_ROWS = 64  # more rows than this go to cuBLAS's FP8 GEMM where the sc
 
 def cublas_scales(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor | None:
     """w_scale as torch._scaled_mm takes it for w.t() (row-wise [1, N], or 128 x 128 blocks
-    [ceil(K/128), ceil(N/128)]), None for per-row block scales, which only w8a8_matmul reads."""
-    N = w.shape[0]
+    [K/128, N/128]), None where cuBLAS can't (per-row block scales, partial blocks, sizes that are
+    not multiples of 16): w8a8_matmul takes those."""
+    N, K = w.shape
+    if N % 16 or K % 16:  # cuBLASLt's FP8 GEMM
+        return None
     if w_scale.shape[1] == 1 and w_scale.shape[0] == N:
         return w_scale.view(1, N)
-    if w_scale.shape[0] == cdiv(N, GROUP):
+    if w_scale.shape[0] == cdiv(N, GROUP) and N % GROUP == 0 and K % GROUP == 0:  # whole blocks only
         return w_scale.t()
     return None
 

@@ -69,3 +69,14 @@ def test_fp8_linear_real_shapes(M, shape, form):
     w, s = _weight(N, K, form, seed=M, device="cuda")
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     _close(fp8.fp8_linear(x, w, s), ref.fp8_linear(x, w, s))
+
+
+def test_which_scales_cublas_takes():
+    """Row-wise scales and whole 128 x 128 blocks go to cuBLAS for many rows; per-row block scales,
+    partial blocks and sizes off cuBLASLt's multiples of 16 stay on the Triton kernel."""
+    w = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
+    assert fp8.cublas_scales(w, torch.ones(256, 1)).shape == (1, 256)
+    assert fp8.cublas_scales(w, torch.ones(2, 3)).shape == (3, 2)
+    assert fp8.cublas_scales(w, torch.ones(256, 3)) is None  # a row of block scales per weight row
+    assert fp8.cublas_scales(torch.zeros(200, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 3)) is None
+    assert fp8.cublas_scales(torch.zeros(200, 390, dtype=torch.float8_e4m3fn), torch.ones(200, 1)) is None
