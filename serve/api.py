@@ -9,6 +9,7 @@ process`, serve.engine_process.ProcessEngine (its core runs in a child process).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
 from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
+from serve.generation_config import model_folder, sampling_defaults
 from serve.grammar_check import GrammarChecker
 from serve.guards import ApiKeyGuard, BodyLimit
 from serve.metrics import RECEIVED, HttpMetricsMiddleware, Metrics
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from serve.build import Engine
     from serve.engine_process import ProcessEngine
 
+log = logging.getLogger("pagedserve")
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in ((400, "bad request"), (401, "missing or wrong API key"), (404, "unknown model"),
@@ -83,7 +86,11 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
     loop = engine.loop(loop_config) if several else AsyncEngine(engine.core, loop_config,
                                                                 seq_ids=getattr(engine, "seq_ids", None))
     name = config.served_model_name or engine.model_name
-    planner = RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config)
+    defaults = sampling_defaults(config.generation_config, model_folder(getattr(engine, "config", None)))
+    if defaults:
+        log.info("requests that leave them out take the model's generation_config.json defaults %s "
+                 "(--generation-config vllm: pagedserve's own)", defaults)
+    planner = RequestPlanner(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len, config, defaults)
     pool = TokenizePool.for_tokenizer(engine.tokenizer) if planner.thread_safe else None
     state = ServerState(engine, loop, Metrics(name, loop, getattr(engine, "api_process", None)), config, planner,
                         TokenStrings(engine.tokenizer), name, time.time(), pool,

@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from engine.config import EngineConfig
 from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
+from serve.generation_config import model_folder, sampling_defaults
 
 
 @dataclass
@@ -39,7 +40,9 @@ class LLM:
                  max_step_ms: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
                  disable_custom_all_reduce: bool = False, quantization: str | None = None,
-                 show_progress: bool = False) -> None:
+                 generation_config: str = "auto", show_progress: bool = False) -> None:
+        """generation_config: where generate() without SamplingParams takes its defaults from
+        (serve/generation_config.py): auto, the model's generation_config.json; vllm, SamplingParams()'s."""
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -53,6 +56,7 @@ class LLM:
                                    pipeline_parallel_size=pipeline_parallel_size, seed=seed,
                                    enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib,
                                    disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization)
+        self.defaults = sampling_defaults(generation_config, model_folder(self.config))
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
 
@@ -60,6 +64,7 @@ class LLM:
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "LLM":
         self = cls.__new__(cls)
         self.config = config
+        self.defaults = sampling_defaults("auto", model_folder(config))
         self.engine = build_engine(config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         return self
@@ -97,8 +102,8 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if params is None:
-            params = SamplingParams()
+        if params is None:  # the model's generation_config.json defaults, as vLLM takes them
+            params = SamplingParams(**self.defaults)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")

@@ -134,8 +134,11 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
 
 
 class RequestPlanner:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: ServerConfig) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: ServerConfig,
+                 defaults: dict[str, Any] | None = None) -> None:
+        """defaults: the model's sampling defaults for fields a request leaves out (serve/generation_config.py)."""
         self.tokenizer = tokenizer
+        self.defaults = defaults or {}
         # plain encodes straight from the Rust tokenizer where that gives the same ids (None: tokenizer.encode)
         self.rust_encode = rust_encoder(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
@@ -367,21 +370,28 @@ class RequestPlanner:
                     return_token_ids=req.return_token_ids, tool_parser=tools.parser, grammars=checks)
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        d = self.defaults
+
+        def given(name: str, default: Any) -> Any:  # the request's value, else the model's, else ours
+            value = getattr(req, name)
+            return d.get(name, default) if value is None else value
+
+        top_k = given("top_k", -1)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k if req.top_k and req.top_k < self.vocab_size else -1,  # >= vocab: no filter
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=top_k if top_k and top_k < self.vocab_size else -1,  # >= vocab: no filter
             seed=req.seed,
             stop=self._stop_list(req.stop),
             include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=list(self._vocabulary_ids(req.stop_token_ids, "stop_token_ids") or []),
             min_tokens=req.min_tokens or 0,
             logit_bias=self._logit_bias(req.logit_bias),
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
-            min_p=req.min_p or 0.0,
+            min_p=given("min_p", 0.0),
             allowed_token_ids=self._vocabulary_ids(req.allowed_token_ids, "allowed_token_ids"),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,

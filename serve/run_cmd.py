@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a reasoning model's thinking (<think> ... </think>) goes to the chat message's reasoning "
                         "field, apart from its content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its "
                         "distills; an output that never closes its thinking is all reasoning)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="auto (default): fields a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty) take the values of the model's generation_config.json, as vLLM does; "
+                        "vllm: pagedserve's own defaults (temperature 1, no filters); DIR: the generation_config.json "
+                        "of that folder")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--engine-loop", default="process", choices=("thread", "process"),
                    help="process (default): the engine runs in a child process of its own, and the server process "
@@ -86,7 +91,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, generation_config=args.generation_config)
 
 
 def is_loopback(host: str) -> bool:
@@ -204,6 +209,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     server_cfg = server_config_from_args(args)
     engine_cfg = engine_config_from_args(args)
+    from serve.generation_config import model_folder, sampling_defaults
+    sampling_defaults(server_cfg.generation_config, model_folder(engine_cfg))  # a bad file says so before start-up
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535; got {args.port}")
     if args.data_parallel_size < 1:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from serve.reasoning import REASONING_PARSERS
 
@@ -23,6 +24,9 @@ class ServerConfig:
     tool_parser: str = "auto"  # the format of the model's tool calls: auto, hermes, llama3_json (serve/tools.py)
     reasoning_parser: str | None = None  # a reasoning model's thinking, split from its answer (serve/reasoning.py)
     grammar_timeout_s: float = 10.0  # a grammar or schema not compiled within this is refused (400)
+    # request defaults from the model's generation_config.json (serve/generation_config.py): auto, vllm
+    # (pagedserve's own), or a folder holding one
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_sequences_per_request",
@@ -39,5 +43,8 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got "
                              f"{self.reasoning_parser!r}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
+                             f"got {self.generation_config!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
