@@ -112,6 +112,7 @@ def cases() -> list[tuple]:
     w8 = torch.randn(1152, 896, generator=g).to(torch.float8_e4m3fn)
     fp8.fp8_linear(x, w8, torch.ones(1152, 1))
     fp8.fp8_linear(x, w8, torch.ones(9, 7))
+    fp8.quantize(torch.randn(4, 28672, generator=g).to(bf), 28672)  # a row longer than one read
     # the fused gate/up kernel after a cross-GPU sum (prefetch: with PDL)
     gate_up.gate_up_silu(x, torch.randn(2 * 4864, 896, generator=g).to(bf), prefetch=True)
     q = torch.randn(64, 14, 64, generator=g).to(bf)

@@ -45,6 +45,16 @@ def test_fp8_linear(form, M, bias):
     _close(fp8.fp8_linear(x, w, s, b), ref.fp8_linear(x, w, s, b))
 
 
+def test_quantize_a_row_longer_than_one_read(monkeypatch):
+    """Per-channel weights with K past MAX_BLOCK (Llama-3-70B's down at 28,672): the row in pieces."""
+    monkeypatch.setattr(fp8, "MAX_BLOCK", 64)
+    x = (torch.randn(3, 300) * torch.logspace(-2, 1, 300)).to(torch.bfloat16).to(DEVICE)
+    for group in (300, 128):
+        q, s = fp8.quantize(x, group)
+        q_ref, s_ref = ref.quantize_fp8(x, group)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
 def test_fp8_linear_into_out_and_a_short_k():
     w, s = _weight(64, 96, "blocks", seed=3)  # K below one block: one scale per row's K
     x = torch.randn(3, 96).to(torch.bfloat16).to(DEVICE)
