@@ -1,9 +1,10 @@
 """FP8 weights: which checkpoint formats the engine reads, and the quantization of 16-bit weights.
 
 Every dense projection (q/k/v, o, gate/up, down) of an FP8 model holds float8_e4m3fn values and a
-float32 `weight_scale` in one of the two forms kernels/fp8.py multiplies: per output channel [N, 1],
-or per 128 x 128 block [ceil(N/128), ceil(K/128)]. The embedding, the LM head, the norms and the
-router stay in the model's dtype, as in every FP8 checkpoint.
+float32 `weight_scale` in a form kernels/fp8.py multiplies: per output channel [N, 1], per 128 x
+128 block [ceil(N/128), ceil(K/128)], or a row of block scales per weight row [N, ceil(K/128)]
+where a packed q|k|v's heads straddle the blocks (scale_shape, blocks_align). The embedding, the
+LM head and the norms stay in the model's dtype, as in every FP8 checkpoint.
 
 Read from a config.json's `quantization_config`:
 - `quant_method: fp8` with `weight_block_size: [128, 128]` (DeepSeek-V3, Qwen3-*-FP8): FP8 weights
