@@ -277,23 +277,23 @@ def roofline_gpus(num_gpus: int | None, server_args: list[str]) -> int:
 
 def roofline_fp8(quantization: str | None, server_args: list[str]) -> bool:
     """Whether the server quantizes the weights to FP8: --quantization fp8 here, or in server_args."""
-    if quantization == "fp8":
-        return True
-    return any(a in ("--quantization", "-q") and server_args[i + 1:i + 2] == ["fp8"] or a == "--quantization=fp8"
-               for i, a in enumerate(server_args))
+    return quantization == "fp8" or _flag(server_args, "--quantization", "-q") == "fp8"
 
 
 def _size_flag(server_args: list[str], name: str, short: str) -> int:
     """The positive integer given to a `serve run` flag in server_args; 1 when absent or not one."""
+    value = _flag(server_args, name, short)
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else 1
+
+
+def _flag(server_args: list[str], name: str, short: str) -> str | None:
+    """The value given to a `serve run` flag in server_args (`--name V`, `-s V` or `--name=V`), None when absent."""
     for i, arg in enumerate(server_args):
         if arg in (name, short) and i + 1 < len(server_args):
-            value = server_args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
-        return int(value) if value.isdigit() and int(value) > 0 else 1
-    return 1
+            return server_args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def no_roofline_reason(hw: Measurement, model: ModelConfig | None) -> str:

@@ -117,14 +117,13 @@ def _load_scale(f, name: str, scale: torch.Tensor, weight: torch.Tensor, shard: 
     if src.numel() == 1:
         dst.fill_(src.item())
         return
+    a, n = seg.start // FP8_GROUP, -(-seg.length // FP8_GROUP)  # the segment's blocks
     if not blocked:
         src = src.reshape(-1, 1)
         part = src[seg.start:seg.start + seg.length] if shard.dim == 0 else src
     elif shard.dim == 0:
-        a, n = seg.start // FP8_GROUP, -(-seg.length // FP8_GROUP)
         part = src.repeat_interleave(FP8_GROUP, 0)[seg.start:seg.start + seg.length] if per_row else src[a:a + n]
     else:
-        a, n = seg.start // FP8_GROUP, -(-seg.length // FP8_GROUP)
         part = src[:, a:a + n]
     if tuple(part.shape) != tuple(dst.shape):
         raise WeightLoadError(f"{name}: FP8 scales of shape {tuple(src.shape)} do not fit the weight "
@@ -193,19 +192,17 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
             p.fill_(1.0)
         elif name in eshards:
             _dummy_experts(p, eshards[name], g)
-        elif p.dtype == FP8:
-            shape = list(p.shape)
-            shape[shard.dim] = shard.global_size
-            full = torch.empty(shape, dtype=model.embed_tokens.weight.dtype, device=p.device)
-            _dummy_fp8(p, shard.take(full.uniform_(-0.02, 0.02, generator=g)), scales[name + "_scale"], model.fp8)
-            del full
-        elif shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]:
+        elif p.dtype != FP8 and (shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]):
             p.uniform_(-0.02, 0.02, generator=g)
-        else:
+        else:  # drawn whole and cut; an FP8 weight drawn in the model's dtype and quantized
             shape = list(p.shape)
             shape[shard.dim] = shard.global_size
-            full = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
-            p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
+            dtype = model.embed_tokens.weight.dtype if p.dtype == FP8 else p.dtype
+            full = torch.empty(shape, dtype=dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
+            if p.dtype == FP8:
+                _dummy_fp8(p, shard.take(full), scales[name + "_scale"], model.fp8)
+            else:
+                p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
             del full
     _zero_padding(model, shards)
 

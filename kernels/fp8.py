@@ -24,12 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import arrival_counters, cdiv, launch, next_pow2
-from kernels.linear import _finish, grouped_tile
+from kernels.fused import silu_and_mul
+from kernels.launch import cdiv, launch, next_pow2, sm_count
+from kernels.linear import _finish, grouped_tile, split_buffers
 from kernels.pdl import wait_for_prior
+from kernels.reference import FP8_GROUP
 
 FP8 = torch.float8_e4m3fn
-GROUP = 128  # the block size of block-scaled weights, along N and K
+GROUP = FP8_GROUP  # the block size of block-scaled weights, along N and K
 
 
 def group_of(w: torch.Tensor, w_scale: torch.Tensor) -> int:
@@ -226,17 +228,13 @@ def w8a8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scal
     if M == 0:
         return out
     if p is None:
-        p = plan(M, N, K, torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 132)
+        p = plan(M, N, K, sm_count(xq.device) if xq.is_cuda else 132)
         if out.dtype == torch.float32:
             p = replace(p, imprecise=0)
     k_per_split = cdiv(cdiv(K, GROUP), p.split) * GROUP
     split = cdiv(K, k_per_split)
     tiles = cdiv(M, p.block_m) * cdiv(N, p.block_n)
-    if split == 1:
-        part, counters = out, out
-    else:
-        part = torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-        counters = arrival_counters(out.device, tiles)
+    part, counters = split_buffers(out, split, tiles)
     pdl = pdl and xq.is_cuda
     launch(_w8a8_kernel, (tiles, split), xq, x_scale, w, w_scale, bias if bias is not None else out, out, part,
            counters, M, N, K, k_per_split, split, xq.stride(0), x_scale.stride(0), w.stride(0), w_scale.stride(0),
@@ -288,6 +286,4 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 def fp8_gate_up_silu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """The MLP's activation with an FP8 gate_up weight [2I, K]: silu(gate) * up [M, I] in x's dtype."""
-    from kernels.fused import silu_and_mul
-
     return silu_and_mul(fp8_linear(x, w, w_scale, pdl=pdl), pdl=pdl)

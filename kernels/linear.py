@@ -167,14 +167,19 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> Plan | None:
 def k_split(out: torch.Tensor, K: int, p: Plan) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
     """A launch of plan p into out [M, N] over K: (column tiles, K per split, splits, the float32
     partials and the arrival counters, out itself for both where K is not split)."""
-    M, N = out.shape
-    tiles = cdiv(N, p.block_n)
+    tiles = cdiv(out.shape[1], p.block_n)
     k_per_split = cdiv(K // p.block_k, p.split) * p.block_k
     split = cdiv(K, k_per_split)
+    return tiles, k_per_split, split, *split_buffers(out, split, tiles)
+
+
+def split_buffers(out: torch.Tensor, split: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What _finish sums a K split of `tiles` output tiles in: the float32 partials [split, M, N] and
+    the tiles' arrival counters; out itself for both where K is not split."""
     if split == 1:
-        return tiles, k_per_split, split, out, out
-    part = torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    return tiles, k_per_split, split, part, arrival_counters(out.device, tiles)
+        return out, out
+    part = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    return part, arrival_counters(out.device, tiles)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
