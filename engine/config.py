@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.quant import QUANTIZATION_METHODS, Fp8Format, QuantizationError, checkpoint_format
+from engine.quant import QUANTIZATION_METHODS, QuantizationError, WeightFormat, checkpoint_format
 from kvcache.calc import pipeline_parallel_problem, tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
 
@@ -48,7 +48,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a mixture-of-experts model
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    fp8: Fp8Format | None = None  # an FP8 checkpoint's format (engine/quant.py)
+    quant: WeightFormat | None = None  # a quantized checkpoint's format: FP8 or 4-bit (engine/quant.py)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -75,7 +75,7 @@ class ModelConfig:
             model_type = cfg.get("model_type", "")
             moe = _moe_fields(cfg, arch)
             try:
-                fp8 = checkpoint_format(cfg)
+                quant = checkpoint_format(cfg)
             except QuantizationError as e:
                 raise ModelConfigError(str(e)) from None
             return cls(
@@ -97,7 +97,7 @@ class ModelConfig:
                 torch_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                fp8=fp8,
+                quant=quant,
                 raw=cfg,
                 **moe,
             )
@@ -178,8 +178,8 @@ class ModelConfig:
         return self.num_layers * per_layer + (self.num_layers - moe) * 3 * h * i + moe_mlp + embed + h
 
     def projection_params(self) -> int:
-        """The weights of the dense layers' q/k/v, o, gate/up and down projections: what an FP8
-        model holds in FP8 (engine/quant.py)."""
+        """The weights of the dense layers' q/k/v, o, gate/up and down projections: what a
+        quantized model holds in FP8 or 4 bits (engine/quant.py)."""
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         return self.num_layers * attn + (self.num_layers - self.num_moe_layers) * 3 * h * self.intermediate_size

@@ -9,11 +9,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine import int4
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.layers import Shard
-from engine.quant import FP8_GROUP, UNUSED_SUFFIXES, quantize_weight
+from engine.quant import FP8_GROUP, INT4_PACK, UNUSED_SUFFIXES, Int4Format, quantize_weight
 
 FP8 = torch.float8_e4m3fn
+INT4 = torch.int32  # a 4-bit weight's dtype: eight values a word (engine/int4.py)
+# a 4-bit checkpoint's tensors the engine does not read: GPTQ's group index (groups in order, as
+# desc_act false says), compressed-tensors' weight shape
+INT4_UNUSED_SUFFIXES = (".g_idx", ".weight_shape")
 
 
 class WeightLoadError(ValueError):
@@ -40,9 +45,13 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     """Each tensor of the checkpoint into its parameter; a sharded parameter (tensor parallel)
     reads only this rank's slice of it, and another pipeline stage's tensors are not read at all."""
     params = dict(model.named_parameters())
-    params.update(fp8_scales(model))
+    params.update(quant_buffers(model))
     shards = model.param_shards()
-    fp8 = model.fp8
+    quant = model.quant
+    if isinstance(quant, Int4Format) and not quant.tensor_names()[2]:  # symmetric: zero points of 8
+        for name, b in quant_buffers(model).items():
+            if name.endswith("weight_zero"):
+                b.fill_(8)
     wmap = model.hf_weight_map()
     emap = model.hf_expert_map()  # None: another rank's expert
     eshards = model.expert_shards()
@@ -61,8 +70,10 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                         bar.update(1)
                     continue
                 if name not in wmap:
-                    if fp8 is not None and name.endswith(UNUSED_SUFFIXES):
+                    if quant is not None and name.endswith(UNUSED_SUFFIXES + INT4_UNUSED_SUFFIXES):
                         continue
+                    if isinstance(quant, Int4Format) and name.endswith("proj.bias") and not f.get_tensor(name).any():
+                        continue  # GPTQ's zero biases of layers without one
                     if model.held_elsewhere(name):
                         continue
                     if name == "lm_head.weight" and model.global_cfg.tie_word_embeddings:
@@ -71,9 +82,11 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                         continue
                     raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
                 ours, seg = wmap[name]
-                if ours.endswith("weight_scale"):
+                if isinstance(quant, Int4Format) and ours.endswith(("proj.weight", "_scale", "_zero")):
+                    _load_int4(f, name, params[ours], shards[ours.rsplit(".", 1)[0] + ".weight"], seg, quant)
+                elif ours.endswith("weight_scale"):
                     weight = ours[:-len("_scale")]
-                    _load_scale(f, name, params[ours], params[weight], shards[weight], seg, fp8.blocked)
+                    _load_scale(f, name, params[ours], params[weight], shards[weight], seg, quant.blocked)
                 else:
                     _load_one(f, name, params[ours], None if seg is None else (shards[ours], seg),
                               params.get(ours + "_scale"))
@@ -86,9 +99,36 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     _zero_padding(model, shards)
 
 
-def fp8_scales(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our FP8 weights' scale buffers by name ("...proj.weight_scale"), {} for a 16-bit model."""
-    return {n: b for n, b in model.named_buffers() if n.endswith("weight_scale")}
+def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our quantized weights' scale and zero-point buffers by name ("...proj.weight_scale",
+    "...proj.weight_zero"), {} for a 16-bit model."""
+    return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero"))}
+
+
+def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4Format) -> None:
+    """One tensor of a 4-bit checkpoint (packed values, scales or zero points of one projection)
+    into segment i's part of our weight, weight_scale or weight_zero (engine/int4.py's layout):
+    turned into column order, cut, and packed or transposed."""
+    kind = 0 if dst.dtype == INT4 else 1 if dst.dtype == torch.float16 else 2
+    src = int4.to_engine(fmt, kind, f.get_tensor(name).to(dst.device))  # [N, K] values, or [N, K/G]
+    seg = shard.segments[i]
+    rows = dst if kind == 0 else dst.t()  # [N, ...] as src
+    if shard.dim == 0:
+        part, rows = src[seg.start:seg.start + seg.length], rows.narrow(0, shard.local_offset(i), seg.length)
+    elif kind and src.shape[1] == 1:  # one group a row: every rank's K part keeps the row's scale
+        part = src
+    else:
+        per = seg.global_size // src.shape[1]  # input columns a value (1) or a group holds
+        if seg.global_size % src.shape[1] or seg.start % per or seg.length % per:
+            raise WeightLoadError(f"{name}: this rank's input columns ({seg.length} of {seg.global_size} from "
+                                  f"{seg.start}) do not align with the checkpoint's 4-bit groups; use fewer ranks")
+        part = src[:, seg.start // per:(seg.start + seg.length) // per]
+    if kind == 0:
+        part = int4.pack(part)
+    if tuple(part.shape) != tuple(rows.shape):
+        raise WeightLoadError(f"{name}: shape {tuple(part.shape)} in the engine's layout does not match the "
+                              f"config's {tuple(rows.shape)} (a {fmt.method} checkpoint with groups of {fmt.group})")
+    rows.copy_(part)
 
 
 def _scale_view(scale: torch.Tensor, shard: Shard, i: int, rows_per_scale: int, name: str) -> torch.Tensor:
@@ -185,33 +225,52 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     g = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     shards = model.param_shards()
     eshards = model.expert_shards()
-    scales = fp8_scales(model)
+    buffers = quant_buffers(model)
     for name, p in model.named_parameters():
         shard = shards.get(name)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name in eshards:
             _dummy_experts(p, eshards[name], g)
-        elif p.dtype != FP8 and (shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]):
+        elif model.quant is None and (shard is None or shard.local_size == shard.global_size == p.shape[shard.dim]):
             p.uniform_(-0.02, 0.02, generator=g)
-        else:  # drawn whole and cut; an FP8 weight drawn in the model's dtype and quantized
-            shape = list(p.shape)
-            shape[shard.dim] = shard.global_size
-            dtype = model.embed_tokens.weight.dtype if p.dtype == FP8 else p.dtype
-            full = torch.empty(shape, dtype=dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
-            if p.dtype == FP8:
-                _dummy_fp8(p, shard.take(full), scales[name + "_scale"], model.fp8)
-            else:
-                p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full))
+        else:  # drawn whole and cut; a quantized weight drawn in the model's dtype and quantized
+            dtype = model.embed_tokens.weight.dtype
+            full = torch.empty(_draw_shape(p, shard), dtype=dtype, device=p.device).uniform_(-0.02, 0.02, generator=g)
+            _take_dummy(p, shard, full, name, buffers, model.quant)
             del full
     _zero_padding(model, shards)
 
 
-def _dummy_fp8(p: torch.Tensor, local: torch.Tensor, scale: torch.Tensor, fp8) -> None:
-    """An FP8 parameter from its rank's part of a 16-bit draw, quantized as the model's format says."""
-    q, s = quantize_weight(local, fp8.blocked)
-    p.copy_(q)
-    scale.copy_(s.repeat_interleave(FP8_GROUP, 0)[:len(p)] if fp8.blocked and len(scale) == len(p) else s)
+def _draw_shape(p: torch.Tensor, shard: Shard | None) -> list[int]:
+    """The whole 16-bit tensor a dummy parameter is cut from (a 4-bit weight's eight values a word)."""
+    shape = list(p.shape)
+    if p.dtype == INT4:
+        shape[1] *= INT4_PACK
+    if shard is not None:
+        shape[shard.dim] = shard.global_size
+    return shape
+
+
+def _take_dummy(p: torch.Tensor, shard: Shard | None, full: torch.Tensor, name: str,
+                buffers: dict[str, torch.Tensor], quant) -> None:
+    """p from its rank's part of the dummy draw `full`, quantized where p is (its scales and zero
+    points into buffers[name + "_scale"], ["_zero"])."""
+    local = shard.take(full) if shard is not None else full
+    if p.dtype == FP8:
+        scale = buffers[name + "_scale"]
+        q, s = quantize_weight(local, quant.blocked)
+        p.copy_(q)
+        scale.copy_(s.repeat_interleave(FP8_GROUP, 0)[:len(p)] if quant.blocked and len(scale) == len(p) else s)
+    elif p.dtype == INT4:
+        q, s, z = int4.quantize(local, -1 if quant.group == -1 else quant.group)
+        p.copy_(q)
+        buffers[name + "_scale"].copy_(s)
+        buffers[name + "_zero"].copy_(z)
+    elif shard is not None:
+        p.narrow(shard.dim, 0, shard.local_size).copy_(local)
+    else:
+        p.copy_(local)
 
 
 def _dummy_experts(p: torch.Tensor, shard, g: torch.Generator) -> None:
@@ -230,13 +289,13 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
     """init_dummy_weights for one pipeline stage: the whole model's parameters are drawn in the
     whole model's order (from a copy of it on the meta device), those of other stages thrown away,
     so the stages together hold the model that one GPU would (a tied LM head takes the embedding's)."""
-    some = next(p for p in model.parameters() if p.dtype != FP8)
+    some = next(p for p in model.parameters() if p.is_floating_point() and p.dtype != FP8)
     device, dtype = some.device, some.dtype
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
-        whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel, fp8=model.fp8)
+        whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel, quant=model.quant)
     ours = dict(model.named_parameters())
-    scales = fp8_scales(model)
+    buffers = quant_buffers(model)
     shards, whole_shards = model.param_shards(), whole.param_shards()
     eshards = whole.expert_shards()
     start = model.stage.start
@@ -258,14 +317,9 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
                            eshards[name], g)
             continue
         shard = whole_shards.get(name) if p is None else shards.get(local)
-        shape = list(meta_p.shape)
-        if shard is not None:
-            shape[shard.dim] = shard.global_size
-        full = torch.empty(shape, dtype=dtype, device=device)
+        full = torch.empty(_draw_shape(meta_p, shard), dtype=dtype, device=device)
         full.uniform_(-0.02, 0.02, generator=g)
-        if p is not None and p.dtype == FP8:
-            _dummy_fp8(p, shard.take(full), scales[local + "_scale"], model.fp8)
-        elif p is not None:
-            p.narrow(shard.dim, 0, shard.local_size).copy_(shard.take(full)) if shard is not None else p.copy_(full)
+        if p is not None:
+            _take_dummy(p, shard, full, local, buffers, model.quant)
         del full
     _zero_padding(model, shards)

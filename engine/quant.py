@@ -1,4 +1,6 @@
-"""FP8 weights: which checkpoint formats the engine reads, and the quantization of 16-bit weights.
+"""Quantized weights: which checkpoint formats the engine reads, and the quantization of 16-bit weights.
+
+Two kinds: FP8 (W8A8, below) and 4-bit integers with 16-bit activations (W4A16, Int4Format).
 
 Every dense projection (q/k/v, o, gate/up, down) of an FP8 model holds float8_e4m3fn values and a
 float32 `weight_scale` in a form kernels/fp8.py multiplies: per output channel [N, 1], per 128 x
@@ -15,6 +17,14 @@ Read from a config.json's `quantization_config`:
 A per-tensor scale is held per channel (the q, k and v tensors packed into one weight each keep
 theirs). Static input scales (`input_scale`) are not used: inputs are quantized per token on the
 fly. `--quantization fp8` quantizes a 16-bit checkpoint (or dummy weights) per channel as it loads.
+
+4-bit (Int4Format; engine/int4.py turns each layout into the engine's, kernels/int4.py multiplies):
+- `quant_method: awq` (AutoAWQ's GEMM layout: Qwen2.5-*-AWQ and most AWQ checkpoints);
+- `quant_method: gptq` (AutoGPTQ, GPTQModel, optimum; Qwen2.5-*-GPTQ-Int4), without act-order;
+- `quant_method: compressed-tensors` with 4-bit integer weights in groups, symmetric (llm-compressor's
+  W4A16, RedHatAI/*-quantized.w4a16).
+Each holds, per projection, the 4-bit values packed eight to an int32 along K, a scale and a zero
+point per group of `group` input columns and output row: w = (q - zero) * scale.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ FP8_GROUP = 128
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 QUANTIZATION_METHODS = ("fp8",)
+INT4_PACK = 8  # 4-bit values per int32
 # checkpoint tensors of an FP8 model that the engine does not read: static input scales (inputs are
 # quantized per token) and KV-cache scales (the cache computes its own, kvcache/quant.py)
 UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
@@ -48,11 +59,42 @@ class Fp8Format:
         return not self.scale_name
 
 
+    @property
+    def bytes_per_weight(self) -> float:
+        return 1.0  # the float32 scales (one a row or 128 x 128 block) left out
+
+
 AT_LOAD = Fp8Format(blocked=False, scale_name="")
 
 
-def checkpoint_format(cfg: dict[str, Any]) -> Fp8Format | None:
-    """config.json's quantization_config -> its Fp8Format, None for a 16-bit checkpoint; a method
+@dataclass(frozen=True)
+class Int4Format:
+    """A 4-bit checkpoint's layout: method "awq" (qweight [K, N/8] packed along N in AWQ's order,
+    qzeros [K/G, N/8] alike, scales [K/G, N]), "gptq" (qweight [K/8, N] packed along K, qzeros
+    [K/G, N/8] holding zero - 1 unless gptq_v2, scales [K/G, N], g_idx [K]) or "compressed-tensors"
+    (weight_packed [N, K/8] packed along K, values + 8, weight_scale [N, K/G])."""
+    method: str
+    group: int  # input columns a scale covers; -1: the whole row
+    zero_minus_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
+
+    @property
+    def bytes_per_weight(self) -> float:
+        g = self.group if self.group > 0 else 4096
+        return 0.5 + 3.0 / g  # a float16 scale and a uint8 zero a group
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The checkpoint's tensors of one projection, by suffix, in the order engine/int4.py maps
+        them: the packed values, the scales, the zero points (or "" where there are none)."""
+        if self.method == "compressed-tensors":
+            return "weight_packed", "weight_scale", ""
+        return "qweight", "scales", "qzeros"
+
+
+WeightFormat = Fp8Format | Int4Format
+
+
+def checkpoint_format(cfg: dict[str, Any]) -> WeightFormat | None:
+    """config.json's quantization_config -> its format, None for a 16-bit checkpoint; a method
     or layout the engine does not read is a QuantizationError that names it."""
     q = cfg.get("quantization_config")
     if not q:
@@ -66,9 +108,42 @@ def checkpoint_format(cfg: dict[str, Any]) -> Fp8Format | None:
         return Fp8Format(blocked=block is not None, scale_name="weight_scale_inv" if block else "weight_scale")
     if method == "compressed-tensors":
         return _compressed_tensors(q)
+    if method in ("awq", "gptq"):
+        return _int4(q, method)
     raise QuantizationError(f"checkpoints quantized with {method!r} are not supported; pagedserve reads FP8 "
-                            "checkpoints (quant_method fp8 or compressed-tensors) and quantizes 16-bit ones "
-                            "with --quantization fp8")
+                            "(quant_method fp8 or compressed-tensors), AWQ and GPTQ 4-bit checkpoints and "
+                            "quantizes 16-bit ones with --quantization fp8")
+
+
+def _int4(q: dict[str, Any], method: str) -> Int4Format:
+    bits = q.get("bits", q.get("w_bit"))
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    if bits != 4:
+        raise QuantizationError(f"{method.upper()} checkpoints of {bits} bits are not supported (4 bits are)")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(f"AWQ checkpoints of version {version!r} are not supported (gemm is)")
+        if not q.get("zero_point", True):
+            raise QuantizationError("AWQ checkpoints without zero points are not supported")
+        _check_skipped(q.get("modules_to_not_convert") or [])
+    else:
+        if q.get("desc_act"):
+            raise QuantizationError("GPTQ checkpoints with desc_act (act-order) are not supported; one quantized "
+                                    "without it loads")
+        fmt = str(q.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise QuantizationError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq and gptq_v2 are)")
+        _check_skipped(q.get("modules_to_not_convert") or [])
+        return Int4Format("gptq", _group(group), zero_minus_one=fmt == "gptq")
+    return Int4Format("awq", _group(group))
+
+
+def _group(group: int) -> int:
+    if group != -1 and (group < 16 or group & (group - 1)):
+        raise QuantizationError(f"4-bit groups of {group} columns are not supported (a power of two from 16, or "
+                                "-1, are)")
+    return group
 
 
 def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
@@ -77,9 +152,11 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
         raise QuantizationError(f"compressed-tensors checkpoints with {len(groups)} quantization groups are not "
                                 "supported (one FP8 group is)")
     w = groups[0].get("weights") or {}
+    if w.get("type") == "int" and w.get("num_bits") == 4:
+        return _compressed_tensors_int4(q, w)
     if w.get("type") != "float" or w.get("num_bits") != 8:
         raise QuantizationError(f"compressed-tensors weights of {w.get('num_bits')}-bit {w.get('type')} are not "
-                                "supported (8-bit float, FP8, is)")
+                                "supported (8-bit float, FP8, and 4-bit int are)")
     strategy = w.get("strategy")
     if strategy == "block" and list(w.get("block_structure") or []) != [FP8_GROUP, FP8_GROUP]:
         raise QuantizationError(f"FP8 blocks of {w.get('block_structure')} are not supported (128 x 128 are)")
@@ -88,6 +165,28 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
                                 "(per tensor, channel or 128 x 128 block are)")
     _check_skipped(q.get("ignore") or [])
     return Fp8Format(blocked=strategy == "block", scale_name="weight_scale")
+
+
+def _compressed_tensors_int4(q: dict[str, Any], w: dict[str, Any]) -> Int4Format:
+    fmt = q.get("format")
+    if fmt not in (None, "pack-quantized"):
+        raise QuantizationError(f"compressed-tensors 4-bit weights in format {fmt!r} are not supported "
+                                "(pack-quantized is)")
+    if not w.get("symmetric", True):
+        raise QuantizationError("compressed-tensors 4-bit weights with zero points (asymmetric) are not supported; "
+                                "symmetric ones are")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group = _group(int(w.get("group_size") or 0))
+    else:
+        raise QuantizationError(f"compressed-tensors 4-bit weights scaled per {strategy!r} are not supported "
+                                "(per group or channel are)")
+    if (w.get("actorder") or "static") not in ("static", "weight"):
+        raise QuantizationError("compressed-tensors 4-bit weights with activation order groups are not supported")
+    _check_skipped(q.get("ignore") or [])
+    return Int4Format("compressed-tensors", group)
 
 
 def _check_skipped(names: list[str]) -> None:

@@ -239,7 +239,7 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
                 if t is None:
                     continue
                 if id(t) not in made:
-                    # FP8 weights and their float32 scales (engine/quant.py) keep their dtypes
+                    # quantized weights and their scales (engine/quant.py) keep their dtypes
                     keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or name == "weight_scale"
                     new = torch.empty(t.shape, dtype=t.dtype if keep else dtype, device=device)
                     made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
@@ -289,7 +289,7 @@ class ModelRunner:
 
         with torch.device("meta"):
             model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage, cfg.enable_expert_parallel,
-                                     model_cfg.fp8 or (AT_LOAD if cfg.quantization == "fp8" else None))
+                                     model_cfg.quant or (AT_LOAD if cfg.quantization == "fp8" else None))
         model = materialize(model, self.device, self.dtype)
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)

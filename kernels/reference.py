@@ -251,7 +251,10 @@ def quantize_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     M, K = x.shape
     groups = -(-K // group)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group - K)).view(M, groups, group)
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    amax = xf.abs().amax(dim=-1)
+    # a tensor divisor: CUDA torch multiplies by the reciprocal of a scalar one, which is not always
+    # the IEEE quotient the kernel takes (and moves an input across an FP8 rounding boundary)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(M, groups * group)[:, :K], scale
 
@@ -282,3 +285,50 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """gate_up_silu with an FP8 gate_up weight (kernels/fp8.py)."""
     return silu_and_mul(fp8_linear(x, weight, weight_scale))
+
+
+INT4_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def int4_block(K: int) -> int:
+    """The columns a 4-bit weight's words interleave over (engine/int4.py): 128, or the largest
+    power of two from 8 that divides K."""
+    block = 128
+    while K % block:
+        block //= 2
+    assert block >= 8, f"a 4-bit weight's K ({K}) must be a multiple of 8"
+    return block
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The engine's 4-bit words int32 [R, K/8] -> uint8 [R, K] in column order: in each block of B =
+    int4_block(K) columns, word c's nibble j (bits 4j..4j+3) holds column j * B/8 + c of the block,
+    so each nibble position of the block's B/8 words covers B/8 consecutive columns."""
+    R, words = packed.shape
+    B = int4_block(words * 8)
+    vals = (packed.to(torch.int32)[..., None] >> INT4_SHIFTS.to(packed.device)) & 0xF  # [R, words, 8]
+    return vals.view(R, words * 8 // B, B // 8, 8).transpose(2, 3).reshape(R, words * 8).to(torch.uint8)
+
+
+def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """A 4-bit weight int32 [N, K/8] with float16 scales and uint8 zero points [K/G, N] -> float32
+    [N, K]: (q - zero) * scale, group by group."""
+    q = unpack_int4(w).float()
+    group = q.shape[1] // scale.shape[0]
+    return (q - zero.t().float().repeat_interleave(group, 1)) * scale.t().float().repeat_interleave(group, 1)
+
+
+def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the 4-bit weight w [N, K/8] dequantized, .T (+ bias): float32 sums, rounded to x's
+    dtype (kernels/int4.py)."""
+    y = x.float() @ dequantize_int4(w, scale, zero).t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def int4_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """gate_up_silu with a 4-bit gate_up weight (kernels/int4.py)."""
+    return silu_and_mul(int4_linear(x, weight, scale, zero))

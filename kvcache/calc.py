@@ -228,17 +228,20 @@ def stage_weight_bytes(model: ModelShape, dtype: str, tensor_parallel_size: int,
     params = num_layers * per_layer + mlp + (vocab_rows if first else 0) + (h + vocab_rows if last else 0)
     if first and last and getattr(model, "tie_word_embeddings", False):
         params -= vocab_rows
-    return params * DTYPE_BYTES[dtype] - fp8_saving(model, dtype, tp, num_layers)
+    return params * DTYPE_BYTES[dtype] - quant_saving(model, dtype, tp, num_layers)
 
 
-def fp8_saving(model: ModelShape, dtype: str, tensor_parallel_size: int = 1, num_layers: int | None = None) -> int:
-    """The bytes one rank does not hold where the projections are FP8 (engine/quant.py: an FP8
-    checkpoint, or --quantization fp8): one byte a weight instead of dtype's, over the rank's share
-    of num_layers layers (all of them by default); the scales (4 bytes a row or block) left out."""
-    if getattr(model, "fp8", None) is None:
+def quant_saving(model: ModelShape, dtype: str, tensor_parallel_size: int = 1, num_layers: int | None = None) -> int:
+    """The bytes one rank does not hold where the projections are quantized (engine/quant.py: an
+    FP8 or 4-bit checkpoint, or --quantization fp8): the format's bytes a weight instead of dtype's
+    (FP8 one, its scales left out; 4-bit half a byte and its groups' scales and zero points), over
+    the rank's share of num_layers layers (all of them by default)."""
+    quant = getattr(model, "quant", None)
+    if quant is None:
         return 0
     layers = model.num_layers if num_layers is None else num_layers
-    return model.projection_params() * layers // model.num_layers // tensor_parallel_size * (DTYPE_BYTES[dtype] - 1)
+    params = model.projection_params() * layers // model.num_layers // tensor_parallel_size
+    return int(params * (DTYPE_BYTES[dtype] - quant.bytes_per_weight))
 
 
 def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
@@ -246,14 +249,14 @@ def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: in
     rank, and KV projections copied to each rank that shares a KV head."""
     tp = tensor_parallel_size
     if tp == 1:
-        return model.weight_bytes(dtype) - fp8_saving(model, dtype)
+        return model.weight_bytes(dtype) - quant_saving(model, dtype)
     h, hd = model.hidden_size, model.head_dim
     experts, _, _, moe_layers = _moe(model)
     replicated = model.num_layers * (2 * h + (2 * hd if model.qk_norm else 0)) + h + moe_layers * experts * h
     kv_copies = max(1, model.num_kv_heads // tp) * tp - model.num_kv_heads
     kv_copy_params = model.num_layers * 2 * kv_copies * hd * (h + (1 if model.attention_bias else 0))
     sharded = model.num_params() - replicated + kv_copy_params
-    return (-(-sharded // tp) + replicated) * DTYPE_BYTES[dtype] - fp8_saving(model, dtype, tp)
+    return (-(-sharded // tp) + replicated) * DTYPE_BYTES[dtype] - quant_saving(model, dtype, tp)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig, Model
 from engine.cost_model import MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.presets import resolve_model
-from engine.quant import AT_LOAD
+from engine.quant import AT_LOAD, Fp8Format
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
                           DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
@@ -135,8 +135,8 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
                                "such as H100")
     model = resolve_model(args.model)
     config = model.config
-    if getattr(args, "quantization", None) == "fp8" and config.fp8 is None:
-        config = replace(config, fp8=AT_LOAD)
+    if getattr(args, "quantization", None) == "fp8" and config.quant is None:
+        config = replace(config, quant=AT_LOAD)
     max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
     req = CalcRequest(
         model_name=model.name, model=config, gpu_label=gpu.label, gpu_memory_bytes=gpu.total_bytes,
@@ -250,6 +250,12 @@ def _table_rows(base: KVPlan, block_size: int | None) -> list[KVPlan]:
     return [base.with_kv_dtype(d, block_size or default_block_size(d)) for d in table_kv_dtypes(base)]
 
 
+def _projections(quant) -> str:
+    if quant is None:
+        return ""
+    return ", projections fp8" if isinstance(quant, Fp8Format) else ", projections 4-bit"
+
+
 def _line(label: str, value: str, note: str = "") -> str:
     return f"  {label:<30}{value:>14}" + (f"  {note}" if note else "")
 
@@ -265,7 +271,7 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
     lines = [
         f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
         f" = {format_bytes(base.budget_bytes)}{tp}",
-        _line(f"weights ({base.dtype}{', projections fp8' if req.model.fp8 is not None else ''})",
+        _line(f"weights ({base.dtype}{_projections(req.model.quant)})",
               format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
               + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
         _line("activations", format_bytes(base.activation_bytes), act),
@@ -369,7 +375,7 @@ def _run_measure(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=req.memory_utilization,
                            tensor_parallel_size=req.tensor_parallel_size,
                            pipeline_parallel_size=req.pipeline_parallel_size,
-                           quantization="fp8" if req.model.fp8 is not None and req.model.fp8.at_load else None)
+                           quantization="fp8" if req.model.quant == AT_LOAD else None)
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
         # read before shutdown, which frees the graphs

@@ -34,7 +34,7 @@ from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowPar
                                     VocabParallelEmbedding, even_split, gather_logits, head_split, vocab_argmax,
                                     vocab_logits)
 from engine.parallel.stage import Stage, whole_model
-from engine.quant import Fp8Format, QuantizationError
+from engine.quant import Fp8Format, Int4Format, QuantizationError, WeightFormat
 from kvcache.pool import LayerCache
 
 
@@ -87,15 +87,18 @@ def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
 
 
 def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by ops.fp8_linear."""
+    """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by
+    ops.fp8_linear, a 4-bit one by ops.int4_linear."""
     bias = getattr(layer, "bias", None)
     if layer.weight_scale is None:
         return ops.linear(x, layer.weight, bias, out=out)
+    if layer.weight_zero is not None:
+        return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
     return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm, fp8: Fp8Format | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, quant: WeightFormat | None = None) -> None:
         super().__init__()
         q_part = head_split(cfg.num_heads, cfg.head_dim, comm.rank, comm.size)
         kv_part = head_split(cfg.num_kv_heads, cfg.head_dim, comm.rank, comm.size)
@@ -103,8 +106,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = q_part.length, kv_part.length
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], cfg.attention_bias, fp8)
-        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size, fp8)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_part, kv_part, kv_part], cfg.attention_bias, quant)
+        self.o_proj = RowParallelLinear(q_part, cfg.hidden_size, quant)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -131,18 +134,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm, fp8: Fp8Format | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, quant: WeightFormat | None = None) -> None:
         super().__init__()
         part = even_split(cfg.intermediate_size, comm.rank, comm.size)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], False, fp8)
-        self.down_proj = RowParallelLinear(part, cfg.hidden_size, fp8)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], False, quant)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, quant)
         self.comm = comm
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         """-> this rank's part of the output (a sum over the ranks)."""
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
         gate_up = self.gate_up_proj
-        if gate_up.weight_scale is not None:
+        if gate_up.weight_zero is not None:
+            h = ops.int4_gate_up_silu(x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero)
+        elif gate_up.weight_scale is not None:
             h = ops.fp8_gate_up_silu(x, gate_up.weight, gate_up.weight_scale)
         else:
             h = ops.gate_up_silu(x, gate_up.weight, prefetch=self.comm.fused_sums)
@@ -151,10 +156,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, layer: int = 0, expert_parallel: bool = False,
-                 fp8: Fp8Format | None = None) -> None:
+                 quant: WeightFormat | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, comm, fp8)
-        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm, fp8)
+        self.self_attn = Attention(cfg, comm, quant)
+        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.comm = comm
@@ -193,21 +198,22 @@ class LlamaForCausalLM(nn.Module):
     MoE layers' experts are split over the tensor-parallel ranks (engine/models/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm | None = None, stage: Stage | None = None,
-                 expert_parallel: bool = False, fp8: Fp8Format | None = None) -> None:
+                 expert_parallel: bool = False, quant: WeightFormat | None = None) -> None:
         super().__init__()
         self.comm = comm = comm or Comm()
         self.stage = stage = stage or whole_model(cfg.num_layers)
         self.expert_parallel = expert_parallel
-        if fp8 is not None and cfg.num_experts:
-            raise QuantizationError(f"FP8 weights for {cfg.architecture} (a mixture of experts) are not supported yet; "
-                                    "serve its 16-bit checkpoint")
-        self.fp8 = fp8
+        if quant is not None and cfg.num_experts:
+            kind = "4-bit" if isinstance(quant, Int4Format) else "FP8"
+            raise QuantizationError(f"{kind} weights for {cfg.architecture} (a mixture of experts) are not supported "
+                                    "yet; serve its 16-bit checkpoint")
+        self.quant = quant
         self.global_cfg = cfg
         self.cfg = rank_config(cfg, comm)
         # the parameters are left empty (no normal_ init, which imports torch._dynamo and with it
         # triton wherever that is installed); the loader fills every weight
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm) if stage.first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, i, expert_parallel, fp8)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, i, expert_parallel, quant)
                                     for i in range(stage.start, stage.end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
         own_head = stage.last and not (cfg.tie_word_embeddings and stage.first)
@@ -312,8 +318,15 @@ class LlamaForCausalLM(nn.Module):
             if cfg.qk_norm:
                 for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                     m[hf + name] = (our + name, None)
-        if self.fp8 is not None and not self.fp8.at_load:  # each FP8 weight's scale beside it
-            scale = self.fp8.scale_name
-            m.update({hf[:-len("weight")] + scale: (ours + "_scale", seg) for hf, (ours, seg) in list(m.items())
+        q = self.quant
+        if isinstance(q, Fp8Format) and not q.at_load:  # each FP8 weight's scale beside it
+            m.update({hf[:-len("weight")] + q.scale_name: (ours + "_scale", seg) for hf, (ours, seg) in list(m.items())
                       if ours.endswith("proj.weight")})
+        elif isinstance(q, Int4Format):  # a 4-bit projection's packed values, scales and zero points
+            for hf, (ours, seg) in list(m.items()):
+                if ours.endswith("proj.weight"):
+                    del m[hf]
+                    for name, suffix in zip(q.tensor_names(), ("", "_scale", "_zero")):
+                        if name:
+                            m[hf[:-len("weight")] + name] = (ours + suffix, seg)
         return m

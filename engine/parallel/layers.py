@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.parallel.comm import Comm
-from engine.quant import Fp8Format, blocks_align, scale_shape
+from engine.quant import INT4_PACK, Fp8Format, Int4Format, QuantizationError, WeightFormat, blocks_align, scale_shape
 
 
 @dataclass(frozen=True)
@@ -76,27 +76,41 @@ def vocab_split(vocab: int, rank: int, ranks: int) -> tuple[Segment, int]:
     return Segment(vocab, start, min(per, vocab - start)), per
 
 
-def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, fp8: Fp8Format | None) -> None:
-    """module.weight [rows, cols], and with fp8 its FP8 values and the buffer weight_scale
-    (engine/quant.py); weight_scale None for a 16-bit weight. Block scales whose blocks would
-    straddle two packed segments (q|k|v of small heads) or a rank's cut are held per row instead."""
-    module.fp8 = fp8
-    module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn if fp8 else None),
-                                 requires_grad=fp8 is None)
-    scale = None
-    if fp8 is not None:
-        scale = torch.empty(scale_shape(rows, cols, fp8.blocked, shard.dim == 1 or blocks_align(shard.segments)))
+def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: WeightFormat | None) -> None:
+    """module.weight [rows, cols] in the checkpoint's format (engine/quant.py), and the buffers
+    weight_scale (None for a 16-bit weight) and weight_zero (4-bit weights only):
+    - FP8: FP8 values with float32 scales. Block scales whose blocks would straddle two packed
+      segments (q|k|v of small heads) or a rank's cut are held per row instead;
+    - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
+      (engine/int4.py)."""
+    module.quant = quant
+    scale = zero = None
+    if isinstance(quant, Int4Format):
+        group = cols if quant.group == -1 else quant.group
+        if cols % group or cols % INT4_PACK:
+            raise QuantizationError(f"a 4-bit weight of {cols} input columns on this rank does not split into "
+                                    f"groups of {group}; use fewer ranks")
+        module.weight = nn.Parameter(torch.empty(rows, cols // INT4_PACK, dtype=torch.int32), requires_grad=False)
+        scale = torch.empty(cols // group, rows, dtype=torch.float16)
+        zero = torch.empty(cols // group, rows, dtype=torch.uint8)
+    else:
+        module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn if quant else None),
+                                     requires_grad=quant is None)
+        if isinstance(quant, Fp8Format):
+            scale = torch.empty(scale_shape(rows, cols, quant.blocked, shard.dim == 1 or blocks_align(shard.segments)))
     module.register_buffer("weight_scale", scale)
+    module.register_buffer("weight_zero", zero)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W_r^T (+ b_r): this rank's rows of the output (of each packed segment); no collective."""
 
-    def __init__(self, in_features: int, segments: list[Segment], bias: bool, fp8: Fp8Format | None = None) -> None:
+    def __init__(self, in_features: int, segments: list[Segment], bias: bool,
+                 quant: WeightFormat | None = None) -> None:
         super().__init__()
         self.shard = Shard(0, tuple(segments))
         out = self.shard.local_size
-        _weight(self, self.shard, out, in_features, fp8)
+        _weight(self, self.shard, out, in_features, quant)
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
 
@@ -104,10 +118,10 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T: this rank's input columns; x_r W_r^T is this rank's part of
     y, which the caller sums over the ranks (Comm.reduce_norm, with the norm after it)."""
 
-    def __init__(self, segment: Segment, out_features: int, fp8: Fp8Format | None = None) -> None:
+    def __init__(self, segment: Segment, out_features: int, quant: WeightFormat | None = None) -> None:
         super().__init__()
         self.shard = Shard(1, (segment,))
-        _weight(self, self.shard, out_features, segment.length, fp8)
+        _weight(self, self.shard, out_features, segment.length, quant)
 
 
 class VocabRows(nn.Module):

@@ -102,7 +102,7 @@ def hf_w8a8(path, weights: dict[str, torch.Tensor], blocked: bool, ranks: int = 
     return model
 
 
-def check_prompt_logprobs(llm: LLM, model, prompts) -> None:
+def check_prompt_logprobs(llm: LLM, model, prompts, max_gap: float = 0.2) -> None:
     """The engine's logprob of every prompt token equals the model's (log-softmax of its logits):
     within float32 rounding at nearly every position (median), and within 0.2 where a rounding
     difference moved an input across an FP8 rounding boundary. Without the inputs quantized the
@@ -114,7 +114,7 @@ def check_prompt_logprobs(llm: LLM, model, prompts) -> None:
             want = model(torch.tensor([p])).logits[0].log_softmax(-1)[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0]
             diffs.append((torch.tensor(list(o.prompt_logprobs.logprobs[1:])) - want).abs())
     d = torch.cat(diffs)
-    assert d.median() < 1e-4 and d.max() < 0.2, (d.median(), d.max())
+    assert d.median() < 1e-4 and d.max() < max_gap, (d.median(), d.max())
 
 
 def prompts_of(n: int, length: int, seed: int) -> list[list[int]]:
@@ -213,11 +213,11 @@ def test_dummy_weights_in_fp8(tiny_models, tmp_path):
 
 def test_unsupported_quantization_is_one_clear_error(tiny_models):
     cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
-    for q, words in (({"quant_method": "awq", "bits": 4}, "'awq' are not supported"),
+    for q, words in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' are not supported"),
                      ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "blocks of [64, 64]"),
                      ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.mlp"]}, "unquantized"),
                      ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
-                         "num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int")):
+                         "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "8-bit int")):
         with pytest.raises(ModelConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             ModelConfig.from_dict({**cfg, "quantization_config": q})
     with pytest.raises(ValueError, match="quantization must be one of fp8"):
@@ -245,12 +245,16 @@ def test_gpu_fp8_checkpoint_equals_transformers(wide_llama, tmp_path, fmt):
         assert runner.steps is not None and runner.piecewise is not None
         check_prompt_logprobs(llm, model, prompts)
         outs = llm.generate(prompts, GREEDY)
+    check_greedy_near_best(model, prompts, outs, 0.2)
+
+
+def check_greedy_near_best(model, prompts, outs, max_gap: float) -> None:
+    """Each greedy token is the model's best, or within max_gap (float rounding) of its logprob."""
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             logprobs = model(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
             chosen = logprobs.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
-            assert (logprobs.max(-1).values - chosen).max() < 0.2
-
+            assert (logprobs.max(-1).values - chosen).max() < max_gap
 
 
 def test_kv_calc_counts_fp8_projections(tiny_models):
@@ -260,16 +264,17 @@ def test_kv_calc_counts_fp8_projections(tiny_models):
 
     from engine.quant import AT_LOAD
     from engine.presets import resolve_model
-    from kvcache.calc import fp8_saving, stage_weight_bytes, weight_bytes_per_gpu
+    from kvcache.calc import quant_saving, stage_weight_bytes, weight_bytes_per_gpu
 
     bf16 = resolve_model("Llama-3-8B").config
-    fp8 = replace(bf16, fp8=AT_LOAD)
+    fp8 = replace(bf16, quant=AT_LOAD)
     p = bf16.projection_params()
     assert weight_bytes_per_gpu(bf16, "bfloat16") - weight_bytes_per_gpu(fp8, "bfloat16") == p
     assert weight_bytes_per_gpu(bf16, "bfloat16", 2) - weight_bytes_per_gpu(fp8, "bfloat16", 2) == p // 2
     half = bf16.num_layers // 2
     assert (stage_weight_bytes(bf16, "bfloat16", 1, half, True, False)
-            - stage_weight_bytes(fp8, "bfloat16", 1, half, True, False)) == fp8_saving(fp8, "bfloat16", 1, half) == p // 2
+            - stage_weight_bytes(fp8, "bfloat16", 1, half, True, False)) \
+        == quant_saving(fp8, "bfloat16", 1, half) == p // 2
     cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
     checkpoint = ModelConfig.from_dict({**cfg, "quantization_config": FORMATS["fp8-blocks"][0]})
-    assert checkpoint.fp8 is not None and fp8_saving(checkpoint, "bfloat16") == checkpoint.projection_params()
+    assert checkpoint.quant is not None and quant_saving(checkpoint, "bfloat16") == checkpoint.projection_params()

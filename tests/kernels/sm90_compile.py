@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, fp8, fused, gate_up, linear, paged_attention, prefill_ws  # noqa: E402
+from kernels import cache_write, fp8, fused, gate_up, int4, linear, paged_attention, prefill_ws  # noqa: E402
 from kernels.launch import TensorDescriptor  # noqa: E402
 
 if prefill_ws.gluon is not None:
@@ -99,7 +99,7 @@ def cases() -> list[tuple]:
     """(fn, args, kwargs) of one launch of each wrapper the decode step calls."""
     calls: list = []
     rec = _record(calls)
-    for mod in (linear, fused, gate_up, cache_write, paged_attention, fp8):
+    for mod in (linear, fused, gate_up, cache_write, paged_attention, fp8, int4):
         mod.launch = rec
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
@@ -113,6 +113,13 @@ def cases() -> list[tuple]:
     fp8.fp8_linear(x, w8, torch.ones(1152, 1))
     fp8.fp8_linear(x, w8, torch.ones(9, 7))
     fp8.quantize(torch.randn(4, 28672, generator=g).to(bf), 28672)  # a row longer than one read
+    # 4-bit weights (kernels/int4.py): decode's W4A16 GEMM (groups of 128, and one group a row), and
+    # the dequantization that prompts' steps take before cuBLAS
+    w4 = torch.randint(-2**31, 2**31 - 1, (1152, 112), generator=g, dtype=torch.int32)
+    for groups in (7, 1):
+        int4.int4_linear(x, w4, torch.ones(groups, 1152, dtype=torch.float16),
+                         torch.full((groups, 1152), 8, dtype=torch.uint8))
+    int4.dequantize(w4, torch.ones(7, 1152, dtype=torch.float16), torch.full((7, 1152), 8, dtype=torch.uint8), bf)
     # the fused gate/up kernel after a cross-GPU sum (prefetch: with PDL)
     gate_up.gate_up_silu(x, torch.randn(2 * 4864, 896, generator=g).to(bf), prefetch=True)
     q = torch.randn(64, 14, 64, generator=g).to(bf)

@@ -1,0 +1,75 @@
+"""kernels/int4.py against reference.int4_linear: 4-bit weights in groups of 32-128 columns and one
+group a row, few rows (K split over programs, the weight as the wide MMA operand) and many, with
+and without bias; the dequantization kernel against reference.dequantize_int4."""
+import pytest
+import torch
+
+from engine.int4 import quantize
+from kernels import int4
+from kernels import reference as ref
+from tests.kernels.util import DEVICE, gpu
+
+
+def _weight(N, K, group, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return [t.to(device) for t in quantize(torch.randn(N, K, generator=g) / K ** 0.5, group)]
+
+
+def _close(got, want, ulps: int = 1):
+    tol = ulps * {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -20}[got.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("group", [32, 128, -1])
+@pytest.mark.parametrize("M", [1, 16, 40, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_matmul(group, M, dtype):
+    N, K = 200, 512  # a partial column tile; K split over programs for few rows
+    w, s, z = _weight(N, K, group, seed=M)
+    g = torch.Generator().manual_seed(M + 1)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE)
+    for bias in (None, b):
+        ulps = 1 if dtype != torch.float32 else 8
+        _close(int4.w4a16_matmul(x, w, s, z, bias), ref.int4_linear(x, w, s, z, bias), ulps=ulps)
+
+
+def test_zero_points_and_scales_are_per_row_and_group():
+    """Distinct zero points a group (0 and 15 included) move exactly their columns."""
+    w, s, z = _weight(64, 256, 64, seed=5)
+    z = torch.randint(0, 16, z.shape, generator=torch.Generator().manual_seed(6), dtype=torch.uint8).to(DEVICE)
+    x = torch.randn(3, 256).to(DEVICE)
+    _close(int4.w4a16_matmul(x, w, s, z), ref.int4_linear(x, w, s, z), ulps=8)
+
+
+def test_int4_linear_into_out():
+    w, s, z = _weight(96, 256, 128, seed=3)
+    x = torch.randn(5, 256).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(5, 96, dtype=torch.bfloat16, device=DEVICE)
+    assert int4.int4_linear(x, w, s, z, out=out) is out
+    _close(out, ref.int4_linear(x, w, s, z))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize(dtype):
+    w, s, z = _weight(80, 384, 128, seed=7)
+    # one rounding to dtype (which Triton's CPU interpreter truncates: within one unit)
+    _close(int4.dequantize(w, s, z, dtype), ref.dequantize_int4(w, s, z).to(dtype), ulps=1)
+
+
+def test_gate_up_silu():
+    w, s, z = _weight(2 * 128, 256, 64, seed=4)
+    x = torch.randn(6, 256).to(torch.bfloat16).to(DEVICE)
+    _close(int4.int4_gate_up_silu(x, w, s, z), ref.int4_gate_up_silu(x, w, s, z), ulps=4)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 64, 256, 512, 2048])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (1152, 896)])
+def test_int4_linear_real_shapes(M, shape):
+    """Llama-3-8B's and Qwen2.5-0.5B's projections on the GPU, through both paths (W4A16 GEMM,
+    dequantization + cuBLAS)."""
+    N, K = shape
+    w, s, z = _weight(N, K, 128, seed=M, device="cuda")
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    _close(int4.int4_linear(x, w, s, z), ref.int4_linear(x, w, s, z), ulps=2)
