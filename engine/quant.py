@@ -58,7 +58,6 @@ class Fp8Format:
     def at_load(self) -> bool:
         return not self.scale_name
 
-
     @property
     def bytes_per_weight(self) -> float:
         return 1.0  # the float32 scales (one a row or 128 x 128 block) left out
