@@ -28,12 +28,12 @@ Nothing is assumed cached (no prefix caching of a shared prefix).
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from engine.config import ModelConfig
 from engine.quant import AT_LOAD, Fp8Format
-from kvcache.calc import expected_experts
+from kvcache.calc import expected_experts, quant_saving
 from kvcache.spec import DTYPE_BYTES, KVCacheSpec, resolve_kv_dtype
 
 
@@ -64,12 +64,11 @@ class ModelCost:
         """fp8: the server quantizes the projections (--quantization fp8); an FP8 checkpoint is FP8 anyway."""
         spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size=16,
                                      dtype=resolve_kv_dtype(kv_cache_dtype, model.torch_dtype))
-        quant = AT_LOAD if fp8 and model.quant is None else model.quant
-        weight_bytes = model.weight_bytes(model.torch_dtype)
-        if quant is not None:
-            weight_bytes -= int(model.projection_params() * (DTYPE_BYTES[model.torch_dtype] - quant.bytes_per_weight))
+        if fp8 and model.quant is None:
+            model = replace(model, quant=AT_LOAD)
+        weight_bytes = model.weight_bytes(model.torch_dtype) - quant_saving(model, model.torch_dtype)
         # 4-bit weights multiply as 16-bit ones (kernels/int4.py)
-        fp8_params = model.projection_params() if isinstance(quant, Fp8Format) else 0
+        fp8_params = model.projection_params() if isinstance(model.quant, Fp8Format) else 0
         return cls(model, weight_bytes, spec.bytes_per_token, fp8_params)
 
     def step_weight_bytes(self, tokens: int) -> float:

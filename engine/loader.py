@@ -45,11 +45,12 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     """Each tensor of the checkpoint into its parameter; a sharded parameter (tensor parallel)
     reads only this rank's slice of it, and another pipeline stage's tensors are not read at all."""
     params = dict(model.named_parameters())
-    params.update(quant_buffers(model))
+    buffers = quant_buffers(model)
+    params.update(buffers)
     shards = model.param_shards()
     quant = model.quant
     if isinstance(quant, Int4Format) and not quant.tensor_names()[2]:  # symmetric: zero points of 8
-        for name, b in quant_buffers(model).items():
+        for name, b in buffers.items():
             if name.endswith("weight_zero"):
                 b.fill_(8)
     wmap = model.hf_weight_map()

@@ -58,6 +58,8 @@ class Fp8Format:
     def at_load(self) -> bool:
         return not self.scale_name
 
+    label = "FP8"
+
     @property
     def bytes_per_weight(self) -> float:
         return 1.0  # the float32 scales (one a row or 128 x 128 block) left out
@@ -75,10 +77,11 @@ class Int4Format:
     method: str
     group: int  # input columns a scale covers; -1: the whole row
     zero_minus_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
+    label = "4-bit"
 
     @property
     def bytes_per_weight(self) -> float:
-        g = self.group if self.group > 0 else 4096
+        g = self.group if self.group > 0 else 4096  # one group a row: counted as a row of 4,096
         return 0.5 + 3.0 / g  # a float16 scale and a uint8 zero a group
 
     def tensor_names(self) -> tuple[str, ...]:

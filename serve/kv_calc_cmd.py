@@ -14,7 +14,7 @@ from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig, Model
 from engine.cost_model import MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.presets import resolve_model
-from engine.quant import AT_LOAD, Fp8Format
+from engine.quant import AT_LOAD
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
                           DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
@@ -250,12 +250,6 @@ def _table_rows(base: KVPlan, block_size: int | None) -> list[KVPlan]:
     return [base.with_kv_dtype(d, block_size or default_block_size(d)) for d in table_kv_dtypes(base)]
 
 
-def _projections(quant) -> str:
-    if quant is None:
-        return ""
-    return ", projections fp8" if isinstance(quant, Fp8Format) else ", projections 4-bit"
-
-
 def _line(label: str, value: str, note: str = "") -> str:
     return f"  {label:<30}{value:>14}" + (f"  {note}" if note else "")
 
@@ -268,10 +262,11 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
     act = (f"estimate: {req.max_num_batched_tokens:,} batched tokens + CUDA runtime; --measure measures it"
            if base.activation_estimated else "measured")
     seq_len = f"{base.max_model_len:,}"
+    quant = req.model.quant
     lines = [
         f"{req.model_name} on {req.gpu_label}: {format_bytes(base.gpu_memory_bytes)} x {base.memory_utilization:.2f}"
         f" = {format_bytes(base.budget_bytes)}{tp}",
-        _line(f"weights ({base.dtype}{_projections(req.model.quant)})",
+        _line(f"weights ({base.dtype}{'' if quant is None else ', projections ' + quant.label.lower()})",
               format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
               + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
         _line("activations", format_bytes(base.activation_bytes), act),

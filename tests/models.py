@@ -94,6 +94,11 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model_greedy(model, prompts, max_new_tokens)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy with a transformers model already built (its weights replaced, say)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []

@@ -204,9 +204,8 @@ class LlamaForCausalLM(nn.Module):
         self.stage = stage = stage or whole_model(cfg.num_layers)
         self.expert_parallel = expert_parallel
         if quant is not None and cfg.num_experts:
-            kind = "4-bit" if isinstance(quant, Int4Format) else "FP8"
-            raise QuantizationError(f"{kind} weights for {cfg.architecture} (a mixture of experts) are not supported "
-                                    "yet; serve its 16-bit checkpoint")
+            raise QuantizationError(f"{quant.label} weights for {cfg.architecture} (a mixture of experts) are not "
+                                    "supported yet; serve its 16-bit checkpoint")
         self.quant = quant
         self.global_cfg = cfg
         self.cfg = rank_config(cfg, comm)

@@ -14,7 +14,7 @@ from engine.quant import QuantizationError, quantize_weight
 from kernels import reference
 from serve import LLM, SamplingParams
 from tests.engine.test_equal_transformers import make_prompts
-from tests.models import VOCAB, build_model
+from tests.models import VOCAB, build_model, model_greedy
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -149,13 +149,7 @@ def test_fp8_checkpoint_with_qkv_bias_and_small_heads(tiny_models, tmp_path):
     dst = tmp_path / "qwen2"
     weights = dict(write_fp8_checkpoint(tiny_models["qwen2"], dst, "fp8-blocks"))
     prompts = make_prompts(3, n=4)
-    model = hf_w8a8(tiny_models["qwen2"], weights, True)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        want = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+    want = model_greedy(hf_w8a8(tiny_models["qwen2"], weights, True), prompts, MAX_NEW)
     with LLM(str(dst), dtype="float32", device="cpu", num_kv_blocks=64) as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want

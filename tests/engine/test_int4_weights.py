@@ -16,7 +16,7 @@ from kernels import reference
 from serve import LLM, SamplingParams
 from tests.engine.test_equal_transformers import make_prompts
 from tests.engine.test_fp8_weights import PROJ, _is_proj, check_greedy_near_best, check_prompt_logprobs, prompts_of
-from tests.models import build_model
+from tests.models import build_model, model_greedy
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -133,13 +133,7 @@ def test_int4_checkpoint_equals_transformers(wide_llama, tmp_path, fmt, group):
         hf = hf_with(wide_llama, weights)
         check_prompt_logprobs(llm, hf, prompts_of(4, 60, 3), max_gap=1e-3)
         prompts = make_prompts(3, n=4)
-        hf.generation_config.eos_token_id = None
-        hf.generation_config.pad_token_id = 0
-        with torch.no_grad():
-            want = [hf.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist()
-                    for p in prompts]
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == model_greedy(hf, prompts, MAX_NEW)
 
 
 def test_int4_checkpoint_with_qkv_bias(tmp_path):
