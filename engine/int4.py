@@ -16,7 +16,7 @@ import torch
 
 from engine.quant import INT4_PACK, Int4Format
 from kernels.reference import INT4_SHIFTS as SHIFTS
-from kernels.reference import int4_block
+from kernels.reference import int4_block, int4_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column AWQ packs in each successive nibble of a word
 
@@ -33,15 +33,9 @@ def pack(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> uint8 [R, 8 C]: each word's nibbles from the lowest, in order."""
-    vals = (packed.to(torch.int32)[..., None] >> SHIFTS.to(packed.device)) & 0xF
-    return vals.to(torch.uint8).reshape(packed.shape[0], -1)
-
-
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's [R, C/8] words packed along C in AWQ_ORDER -> uint8 [R, C] in column order."""
-    vals = _nibbles(packed).reshape(packed.shape[0], -1, INT4_PACK)
+    vals = int4_nibbles(packed).reshape(packed.shape[0], -1, INT4_PACK)
     order = torch.tensor(AWQ_ORDER, device=packed.device).argsort()  # nibble that holds column j
     return vals[..., order].reshape(packed.shape[0], -1)
 
@@ -51,14 +45,14 @@ def to_engine(fmt: Int4Format, kind: int, src: torch.Tensor) -> torch.Tensor:
     to cut and store (pack the values; the others transposed). kind: its place in fmt.tensor_names()
     (0 packed values -> uint8 [N, K]; 1 scales -> float16 [N, K/G]; 2 zero points -> uint8 [N, K/G])."""
     if fmt.method == "compressed-tensors":
-        return _nibbles(src) if kind == 0 else src.to(torch.float16)
+        return int4_nibbles(src) if kind == 0 else src.to(torch.float16)
     if kind == 1:
         return src.t().to(torch.float16)
     if fmt.method == "awq":
         return _awq_columns(src).t()
     if kind == 0:  # GPTQ's words run along K: [K/8, N] -> [N, K]
-        return _nibbles(src.t().contiguous())
-    zeros = _nibbles(src)
+        return int4_nibbles(src.t().contiguous())
+    zeros = int4_nibbles(src)
     if fmt.zero_minus_one:
         zeros = zeros + 1  # 15 + 1 = 16: GPTQ v1's zero point 0, which uint8 holds
     return zeros.t()

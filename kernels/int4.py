@@ -198,7 +198,8 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: 
 
 
 # More rows than this dequantize the weight and multiply with cuBLAS: at 128-256 rows of Llama-3-8B's
-# projections w4a16_matmul took 1.7-8x the time of dequantization + cuBLAS (H200, bench/NOTES.md, 2026-11-28)
+# projections w4a16_matmul took 2.4-4.8x the time of dequantization + cuBLAS (H200, bench/NOTES.md,
+# 2026-11-28); the 8B served 0.20x bf16's tok/s with them on the W4A16 kernel
 DEQUANT_MIN_ROWS = 64
 
 

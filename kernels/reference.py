@@ -300,14 +300,20 @@ def int4_block(K: int) -> int:
     return block
 
 
+def int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, 8 C]: each word's nibbles from the lowest, in order."""
+    vals = (packed.to(torch.int32)[..., None] >> INT4_SHIFTS.to(packed.device)) & 0xF
+    return vals.to(torch.uint8).reshape(packed.shape[0], -1)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The engine's 4-bit words int32 [R, K/8] -> uint8 [R, K] in column order: in each block of B =
     int4_block(K) columns, word c's nibble j (bits 4j..4j+3) holds column j * B/8 + c of the block,
     so each nibble position of the block's B/8 words covers B/8 consecutive columns."""
     R, words = packed.shape
     B = int4_block(words * 8)
-    vals = (packed.to(torch.int32)[..., None] >> INT4_SHIFTS.to(packed.device)) & 0xF  # [R, words, 8]
-    return vals.view(R, words * 8 // B, B // 8, 8).transpose(2, 3).reshape(R, words * 8).to(torch.uint8)
+    vals = int4_nibbles(packed).view(R, words * 8 // B, B // 8, 8)
+    return vals.transpose(2, 3).reshape(R, words * 8)
 
 
 def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
