@@ -2,14 +2,16 @@
 eight 4-bit values an int32 along K, with a float16 scale and a uint8 zero point per output row and
 group of G input columns (engine/int4.py): w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G].
 
-w4a16_matmul reads each weight tile once as 4-bit words and takes each nibble position as it is
+On Hopper, 16-bit x of up to int4_wgmma.MAX_M rows take kernels/int4_wgmma.py's Gluon kernel
+instead (1.7-2.2x faster at decode's rows). This module's Triton kernel serves the rest: it reads
+each weight tile once as 4-bit words and takes each nibble position as it is
 (engine/int4.py lays a 128-column block's 16 words out so that nibble j holds 16 consecutive
 columns: one shift and mask give an MMA operand, with no shuffle of values between threads). The
 values 0-15 are exact 16-bit operands; x's columns multiply them on the tensor cores, and each
 group's float32 sum d becomes scale * (d - zero * sum of x over the group), so the scales and zero
 points touch only the accumulator. A decode step reads about a quarter of a 16-bit weight's bytes.
 K is split over programs for few rows, the partials summed in split order as kernels/linear.py
-does. Many rows (prompts), and weights whose K is not in whole 128-column blocks, take
+does. More rows (prompts), and weights whose K is not in whole 128-column blocks, take
 dequantize() into a 16-bit scratch weight and cuBLAS (DEQUANT_MIN_ROWS). reference.int4_linear
 computes the same in torch ops.
 """
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from kernels import int4_wgmma, reference
 from kernels.attn_common import mma
 from kernels.fused import silu_and_mul
 from kernels.launch import cdiv, launch, next_pow2, sm_count
@@ -156,9 +158,10 @@ def supports(w: torch.Tensor, group: int) -> bool:
 
 def w4a16_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False,
-                 p: Plan | None = None) -> torch.Tensor:
+                 p: Plan | None = None, hopper: bool | None = None) -> torch.Tensor:
     """x [M, K] (16- or 32-bit) @ the 4-bit weight w [N, K/8] with scale, zero [K/G, N] -> [M, N]
-    in x's dtype (+ bias); K a multiple of 128 (supports())."""
+    in x's dtype (+ bias); K a multiple of 128 (supports()). On Hopper, 16-bit x of up to MAX_M rows
+    (int4_wgmma) take its kernel (hopper=False: this module's, for the tests and lab)."""
     M, K = x.shape
     N = w.shape[0]
     group = group_of(w, scale, zero)
@@ -168,13 +171,15 @@ def w4a16_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: to
     assert out.shape == (M, N) and out.stride(1) == 1 and out.dtype == x.dtype
     if M == 0:
         return out
+    pdl = pdl and x.is_cuda
+    if hopper is not False and p is None and int4_wgmma.supports(x, K, group):
+        return int4_wgmma.w4a16_matmul(x, w, scale, zero, group, bias, out, pdl=pdl)
     if p is None:
         p = plan(M, N, K, sm_count(x.device) if x.is_cuda else 132)
     k_per_split = cdiv(K // BLOCK_K, p.split) * BLOCK_K
     split = cdiv(K, k_per_split)
     tiles = cdiv(M, p.block_m) * cdiv(N, p.block_n)
     part, counters = split_buffers(out, split, tiles)
-    pdl = pdl and x.is_cuda
     launch(_w4a16_kernel, (tiles, split), x, w, scale, zero, bias if bias is not None else out, out, part, counters,
            M, N, K, k_per_split, split, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
            GROUP=group, HAS_BIAS=bias is not None, NATIVE=x.is_cuda and x.dtype != torch.float32,
@@ -197,17 +202,20 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: 
     return out
 
 
-# More rows than this dequantize the weight and multiply with cuBLAS: at 128-256 rows of Llama-3-8B's
-# projections w4a16_matmul took 2.4-4.8x the time of dequantization + cuBLAS (H200, bench/NOTES.md,
-# 2026-11-28); the 8B served 0.20x bf16's tok/s with them on the W4A16 kernel
+# More rows than this dequantize the weight and multiply with cuBLAS, where Hopper's kernel does not
+# apply (its own limit: int4_wgmma.MAX_M): at 128-256 rows of Llama-3-8B's projections this module's
+# kernel took 2.4-4.8x the time of dequantization + cuBLAS (H200, bench/NOTES.md, 2026-11-28); the 8B
+# served 0.20x bf16's tok/s with them on it
 DEQUANT_MIN_ROWS = 64
 
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The engine's 4-bit projection: w4a16_matmul for up to DEQUANT_MIN_ROWS rows, else the weight
-    dequantized to x's dtype and cuBLAS."""
-    if (x.shape[0] <= DEQUANT_MIN_ROWS or not x.is_cuda) and supports(w, group_of(w, scale, zero)):
+    """The engine's 4-bit projection: w4a16_matmul for up to DEQUANT_MIN_ROWS rows (int4_wgmma.MAX_M on
+    Hopper), else the weight dequantized to x's dtype and cuBLAS."""
+    group = group_of(w, scale, zero)
+    few = x.shape[0] <= DEQUANT_MIN_ROWS or not x.is_cuda or int4_wgmma.supports(x, x.shape[1], group)
+    if few and supports(w, group):
         return w4a16_matmul(x, w, scale, zero, bias, out, pdl=pdl)
     return reference.linear(x, dequantize(w, scale, zero, x.dtype, pdl=pdl), bias, out)
 

@@ -2,12 +2,13 @@
 [--rows 1,64,512] [--model llama3-8b] [--sweep]`.
 
 For each projection of the model (lab/tp_linear.py's shapes) and row count: the engine's 16-bit path
-(kernels/linear.py), kernels/int4.py's W4A16 GEMM (w4a16_matmul, its default plan), the weight
+(kernels/linear.py), the W4A16 GEMMs with their default plans (w4a16_matmul: Hopper's Gluon kernel,
+kernels/int4_wgmma.py, where it applies; and kernels/int4.py's Triton kernel), the weight
 dequantized then cuBLAS (dequantize + F.linear), and int4_linear (what the engine runs). Each time is
 per layer of one CUDA graph over --layers copies of the weight in turn, so the weights come from
 memory. The bound: max(FLOPs / the measured bf16 matmul rate, bytes / copy bandwidth), a 4-bit weight
-at half a byte plus its groups' float16 scale and uint8 zero point. --sweep: every plan for few rows,
-the fastest kept. Writes one JSON with the GPU and date.
+at half a byte plus its groups' float16 scale and uint8 zero point. --sweep: every plan of both
+W4A16 kernels for few rows, the fastest kept. Writes one JSON with the GPU and date.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def run(model: str, rows: list[int], layers: int, path: Path | None) -> dict:
     import torch
 
     from bench.hardware import measure
-    from kernels import int4, linear, reference
+    from kernels import int4, int4_wgmma, linear, reference
     from lab.kernels import gpu_and_date, graph_us
     from lab.tp_linear import shapes
 
@@ -52,6 +53,9 @@ def run(model: str, rows: list[int], layers: int, path: Path | None) -> dict:
 
             row["bf16_us"] = timer(lambda w: linear.linear(x, w), w16)
             row["w4a16_us"] = timer(lambda q: int4.w4a16_matmul(x, *q), q4)
+            row["w4a16_triton_us"] = timer(lambda q: int4.w4a16_matmul(x, *q, hopper=False), q4)
+            if int4_wgmma.supports(x[:1], k, GROUP):  # Hopper's kernel past its row limit too
+                row["hopper_us"] = timer(lambda q: int4_wgmma.w4a16_matmul(x, *q, GROUP), q4)
             row["dequant_cublas_us"] = timer(lambda q: reference.linear(x, int4.dequantize(*q, torch.bfloat16)), q4)
             row["int4_linear_us"] = timer(lambda q: int4.int4_linear(x, *q), q4)
             want = reference.int4_linear(x, *q4[0]).float()
@@ -75,7 +79,7 @@ def sweep(model: str, rows: list[int], layers: int, path: Path | None) -> dict:
     """w4a16_matmul's plans for few rows: every (block_n, split, stages), the fastest kept."""
     import torch
 
-    from kernels import int4
+    from kernels import int4, int4_wgmma
     from kernels.launch import sm_count
     from lab.kernels import gpu_and_date, graph_us
     from lab.tp_linear import shapes
@@ -102,6 +106,15 @@ def sweep(model: str, rows: list[int], layers: int, path: Path | None) -> dict:
             row = {"proj": name, "M": m, "N": n, "K": k, "best_us": best_us, "best": best.__dict__,
                    "default_us": default_us, "default": default.__dict__,
                    "top5": [(round(us, 2), p.__dict__) for us, p in results[:5]]}
+            if int4_wgmma.supports(x, k, GROUP):
+                hp = int4_wgmma.plan(m, n, k, sm_count(x.device))
+                timed = [(graph_us(lambda: [int4_wgmma.w4a16_matmul(x, *q, GROUP, out=o, p=p) for q in q4],
+                                   rep=50, per=layers), p)
+                         for p in (int4_wgmma.Plan(hp.block_m, split) for split in (1, 2, 4, 8, 16, 32))
+                         if k // int4_wgmma.BLOCK_K >= split]
+                timed.sort(key=lambda r: r[0])
+                row |= {"hopper_default": hp.__dict__, "hopper_best": timed[0][1].__dict__,
+                        "hopper_us": {p.split: round(us, 2) for us, p in timed}}
             out["plans"].append(row)
             print(json.dumps({key: v for key, v in row.items() if key != "top5"}), flush=True)
             if path is not None:

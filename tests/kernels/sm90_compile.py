@@ -23,7 +23,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, fp8, fused, gate_up, int4, linear, paged_attention, prefill_ws  # noqa: E402
+from kernels import (cache_write, fp8, fused, gate_up, int4, int4_wgmma, linear, paged_attention,  # noqa: E402
+                     prefill_ws)
 from kernels.launch import TensorDescriptor  # noqa: E402
 
 if prefill_ws.gluon is not None:
@@ -88,11 +89,12 @@ def _check(fn, args: tuple, kwargs: dict) -> dict:
     compiled = compile_sm90(fn, args, kwargs)
     ptx = compiled.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
-    first_access = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global", "red.global"))
-                        if i >= 0), default=-1)
+    writes = [i for i in (ptx.find(op) for op in ("st.global", "atom.global", "red.global")) if i >= 0]
+    first_access = min([i for i in [ptx.find("ld.global")] + writes if i >= 0], default=-1)
     return {"kernel": fn.__name__, "launch_pdl": bool(compiled.metadata.launch_pdl), "wait": wait >= 0,
             "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
-            "memory_after_wait": 0 <= wait < first_access, "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait}
+            "memory_after_wait": 0 <= wait < first_access, "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
+            "writes_after_wait": 0 <= wait < min(writes, default=len(ptx))}
 
 
 def cases() -> list[tuple]:
@@ -120,6 +122,14 @@ def cases() -> list[tuple]:
         int4.int4_linear(x, w4, torch.ones(groups, 1152, dtype=torch.float16),
                          torch.full((groups, 1152), 8, dtype=torch.uint8))
     int4.dequantize(w4, torch.ones(7, 1152, dtype=torch.float16), torch.full((7, 1152), 8, dtype=torch.uint8), bf)
+    # Hopper's W4A16 kernel (Gluon): groups of 128 and of 32, K split, 128-row tiles
+    if int4_wgmma.gluon is not None:
+        for groups, dtype, block_m in ((7, bf, 64), (28, torch.float16, 64), (7, bf, 128)):
+            grid, args, kwargs = int4_wgmma.launch_args(
+                x.to(dtype), w4, torch.ones(groups, 1152, dtype=torch.float16),
+                torch.full((groups, 1152), 8, dtype=torch.uint8), 896 // groups, None,
+                torch.empty(64, 1152, dtype=dtype), int4_wgmma.Plan(block_m, 2), pdl=True)
+            calls.append((int4_wgmma._w4a16_wgmma_kernel, args, kwargs))
     # the fused gate/up kernel after a cross-GPU sum (prefetch: with PDL)
     gate_up.gate_up_silu(x, torch.randn(2 * 4864, 896, generator=g).to(bf), prefetch=True)
     q = torch.randn(64, 14, 64, generator=g).to(bf)

@@ -1,13 +1,14 @@
 """kernels/int4.py against reference.int4_linear: 4-bit weights in groups of 32-128 columns and one
 group a row, few rows (K split over programs, the weight as the wide MMA operand) and many, with
-and without bias; the dequantization kernel against reference.dequantize_int4."""
+and without bias; the dequantization kernel against reference.dequantize_int4. On a GPU, Hopper's
+kernel (kernels/int4_wgmma.py) the same way, and this module's kernel beside it."""
 import pytest
 import torch
 
 from engine.int4 import quantize
-from kernels import int4
+from kernels import int4, int4_wgmma
 from kernels import reference as ref
-from tests.kernels.util import DEVICE, gpu
+from tests.kernels.util import DEVICE, HAS_CUDA, gpu
 
 
 def _weight(N, K, group, seed, device=DEVICE):
@@ -73,3 +74,47 @@ def test_int4_linear_real_shapes(M, shape):
     w, s, z = _weight(N, K, 128, seed=M, device="cuda")
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     _close(int4.int4_linear(x, w, s, z), ref.int4_linear(x, w, s, z), ulps=2)
+
+
+def test_hopper_kernel_only_where_it_applies():
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not int4_wgmma.supports(x, 256, 128)  # a CPU tensor
+    p = int4_wgmma.plan(1, 4096, 4096, 132)
+    assert p.block_m == 16 and p.split == 8  # 64 column tiles: about three programs an SM
+    assert int4_wgmma.plan(64, 28672, 4096, 132) == int4_wgmma.Plan(64, 1)
+    assert int4_wgmma.plan(128, 4096, 4096, 132) == int4_wgmma.Plan(64, 2)
+    assert int4_wgmma.plan(256, 4096, 4096, 132).block_m == 128  # fewer tiles unpack the weight fewer times
+    if HAS_CUDA:
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        dev = x.cuda()
+        assert int4_wgmma.supports(dev, 256, 128) is hopper
+        assert int4_wgmma.supports(dev, 256, 32) is hopper and int4_wgmma.supports(dev, 256, 256) is hopper
+        assert not int4_wgmma.supports(dev, 256, 16) and not int4_wgmma.supports(dev, 256, 96)
+        assert not int4_wgmma.supports(dev.float(), 256, 128)
+        assert not int4_wgmma.supports(torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda"), 256, 128)
+
+
+@gpu
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 130])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hopper", [True, False])
+def test_w4a16_gpu_kernels(group, M, dtype, hopper):
+    """Both few-row kernels on the GPU (Hopper's where it runs, hopper=False this module's), with
+    free zero points 0-16 (GPTQ v1's largest is 16), bias, and K split or not."""
+    if hopper and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Hopper's kernel")
+    N, K = 200, 1024
+    w, s, z = _weight(N, K, group, seed=M, device="cuda")
+    z = torch.randint(0, 17, z.shape, generator=torch.Generator().manual_seed(M), dtype=torch.uint8).cuda()
+    g = torch.Generator().manual_seed(M + 1)
+    x = torch.randn(M, K, generator=g).to(dtype).cuda()
+    b = torch.randn(N, generator=g).to(dtype).cuda()
+    want = ref.int4_linear(x, w, s, z, b)
+    if hopper:
+        G = int4.group_of(w, s, z)
+        for split in (1, 2, 8):
+            bm = max(16, min(64, 1 << (M - 1).bit_length()))
+            got = int4_wgmma.w4a16_matmul(x, w, s, z, G, b, p=int4_wgmma.Plan(bm, split))
+            _close(got, want, ulps=2)
+    _close(int4.w4a16_matmul(x, w, s, z, b, hopper=hopper), want, ulps=2)
