@@ -91,7 +91,7 @@ def test_hopper_kernel_only_where_it_applies():
         assert int4_wgmma.supports(dev, 256, 32) is hopper and int4_wgmma.supports(dev, 256, 256) is hopper
         assert not int4_wgmma.supports(dev, 256, 16) and not int4_wgmma.supports(dev, 256, 96)
         assert not int4_wgmma.supports(dev.float(), 256, 128)
-        assert not int4_wgmma.supports(torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda"), 256, 128)
+        assert not int4_wgmma.supports(torch.zeros(257, 256, dtype=torch.bfloat16, device="cuda"), 256, 128)
 
 
 @gpu
