@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused import silu_and_mul
-from kernels.launch import cdiv, launch, next_pow2, sm_count
+from kernels.launch import cdiv, launch, next_pow2, sm_count, split_count
 from kernels.linear import _finish, grouped_tile, split_buffers
 from kernels.pdl import wait_for_prior
 from kernels.reference import FP8_GROUP
@@ -210,10 +210,7 @@ def plan(M: int, N: int, K: int, sms: int) -> Plan:
     block_n = 32 if max(N, K) <= 8192 else 128 if wide and M > 16 else 64
     tiles = cdiv(N, block_n)
     steps = cdiv(K, GROUP)
-    split = 1
-    if tiles < 1.5 * sms:
-        while tiles * split < 1.9 * sms and steps // (split * 2) >= 4:
-            split *= 2
+    split = split_count(tiles, steps, 1.9 * sms, min_steps=4) if tiles < 1.5 * sms else 1
     return Plan(max(16, next_pow2(M)), block_n, split, swap=M <= 16 or wide or K > N, stages=6 if K > 2 * N else 4)
 
 

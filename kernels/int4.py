@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels import int4_wgmma, reference
 from kernels.attn_common import mma
 from kernels.fused import silu_and_mul
-from kernels.launch import cdiv, launch, next_pow2, sm_count
+from kernels.launch import cdiv, launch, next_pow2, sm_count, split_count
 from kernels.linear import _finish, grouped_tile, split_buffers
 from kernels.pdl import wait_for_prior
 
@@ -145,9 +145,7 @@ def plan(M: int, N: int, K: int, sms: int) -> Plan:
     block_n = 64 if M <= 16 else 128
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     steps = K // BLOCK_K
-    split = 1
-    while tiles * split < 2.9 * sms and split < 8 and steps // (split * 2) >= 2:
-        split *= 2
+    split = split_count(tiles, steps, 2.9 * sms, min_steps=2, most=8)
     return Plan(block_m, block_n, split, warps=8 if block_m * block_n > 4096 else 4, stages=2)
 
 

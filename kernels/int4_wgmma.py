@@ -45,8 +45,8 @@ try:
 except ImportError:  # a Triton without Gluon: kernels/int4.py's kernel serves every case
     gluon = None
 
-from kernels.launch import cdiv, launch, next_pow2, sm_count
-from kernels.linear import split_buffers
+from kernels.launch import cdiv, launch, next_pow2, sm_count, split_count
+from kernels.linear import grouped_tile, split_buffers
 
 BLOCK_N = 64  # weight rows a program: the M of one warpgroup's wgmma
 BLOCK_K = 128  # the columns of the 16 words that hold a block's 8 nibble planes
@@ -138,12 +138,7 @@ if gluon is not None:
 
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
-        num_n = gl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_lo = pid_k * k_per_split
         k_hi = gl.minimum(k_lo + k_per_split, K)
 
@@ -243,11 +238,7 @@ def plan(M: int, N: int, K: int, sms: int) -> Plan:
     block_m = max(16, min(64, next_pow2(M))) if M <= 128 else 128
     tiles = cdiv(M, block_m) * cdiv(N, BLOCK_N)
     steps = K // BLOCK_K
-    target = (2.9 if block_m <= 32 else 1.9) * sms
-    split = 1
-    while tiles * split < target and split < 16 and steps // (split * 2) >= 2:
-        split *= 2
-    return Plan(block_m, split)
+    return Plan(block_m, split_count(tiles, steps, (2.9 if block_m <= 32 else 1.9) * sms, min_steps=2, most=16))
 
 
 def launch_args(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,

@@ -129,6 +129,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_count(tiles: int, steps: int, programs: float, min_steps: int, most: int | None = None) -> int:
+    """A matmul plan's K split: doubled from 1 while its `tiles` output tiles give fewer than
+    `programs` programs, each program keeping at least `min_steps` of the K loop's `steps` (and the
+    split at most `most`)."""
+    split = 1
+    while tiles * split < programs and (most is None or split < most) and steps // (split * 2) >= min_steps:
+        split *= 2
+    return split
+
+
 class _Compiles:
     """The compiles that a compile_ahead() pass submitted, one per launch key, on its threads."""
 
