@@ -12,11 +12,17 @@ compute-bound ones timed with the GPU at its power limit, as a served run holds 
 bucket that a larger one beats is dropped: a step pads past it to the cheaper one. Decode attention
 adds the read of every context token's K and V, at the measured copy bandwidth.
 
-The scheduler asks `prompt_budget(decodes, context_tokens)`: the prompt tokens that fill the largest
-bucket within the latency target, which is the user's max_step_ms, or else a forward of
+The scheduler asks `prompt_budget(decodes, context_tokens, demand)`: the prompt tokens that fill the
+largest bucket within the latency target, which is the user's max_step_ms, or else a forward of
 STALL_FACTOR times the decodes' own (their attention comes on top either way). With no decode
 running the budget is the whole step (a lone prompt runs at full speed: nothing streams that it
-could stall).
+could stall). Without a user's target, the steps of one GPU also take the backlog of waiting
+prompts (demand: the prompt tokens a step needs for every sequence that could run to be decoding)
+where the stall factor allows less. On a steep curve the factor alone admits prompts only as fast
+as the few running decodes end: Llama-3-8B with 4-bit weights on an H200 (16 rows 2.9 ms, 128 rows
+7.6) held a dozen decodes at 64 clients, prompts ~50 tokens a step, median TTFT 2.6 s
+(bench/NOTES.md, 2026-11-28). A backlog is an overload: the streams then pay for the step the
+waiting prompts need.
 
 A pipeline stage (pipelined) runs each scheduling round as several micro-batches, each reading the
 stage's weights once. Prompt tokens within that read's time ride in a micro-batch for free; beyond
@@ -117,10 +123,12 @@ class StepCostModel:
         if self.max_step_ms is not None:
             return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
         own = self.forward(decodes)
-        if self.pipelined and demand is not None:
+        if demand is None:
+            return self.stall_factor * own
+        if self.pipelined:
             paced = max(self.forward(self.ridge_rows()), self.forward(decodes + demand))
             return max(own, min(self.stall_factor * own, paced))
-        return self.stall_factor * own
+        return max(self.stall_factor * own, self.forward(decodes + demand))
 
     def ridge_rows(self) -> int:
         """The largest bucket whose rows, at the largest bucket's time per row (compute bound), take
@@ -131,9 +139,9 @@ class StepCostModel:
 
     def prompt_budget(self, decodes: int, context_tokens: int, demand: int | None = None) -> int:
         """The most prompt tokens a step of these decodes may carry: up to the largest bucket within
-        the target, so that no row of it is padding. demand: where prompts wait for cache blocks,
-        not for compute, the prompt tokens a step needs to keep pace with the sequences that end
-        (the scheduler's estimate); None: prompts wait for compute, or none wait."""
+        the target, so that no row of it is padding. demand (None: no prompt waits): a pipeline
+        stage's, the prompt tokens a step needs to keep pace with the sequences that end while
+        prompts wait for cache blocks; one GPU's, the backlog (the scheduler's estimates)."""
         room = max(self.max_tokens - decodes, 0)
         if decodes == 0:
             return room

@@ -5,9 +5,13 @@ running sequences' unfinished prompts (oldest first), then waiting sequences in 
 chunked prefills. Prompt tokens share a budget: max_num_batched_tokens with no decode in the step
 (a lone prompt runs at full speed), else what `prompt_budget` allows beside the decodes (measured
 on the GPU by engine/cost_model.py: the step stays near the latency target, so a burst of prompts
-never stalls the streams; stall-free batching as in SARATHI-Serve). While the cache holds the
-waiting prompts back, a budget that paces by it (a pipeline's stages: SchedulerConfig.paced) is also
-told the demand: the prompt tokens a step needs to admit them as fast as sequences end. When the
+never stalls the streams; stall-free batching as in SARATHI-Serve). The budget is also told a
+demand. While the cache holds the waiting prompts back, a budget that paces by it (a pipeline's
+stages: SchedulerConfig.paced) gets the prompt tokens a step needs to admit them as fast as
+sequences end. Otherwise, while prompts wait to start, it gets the backlog: the prompt tokens a step
+needs for every sequence that could run to be decoding. Without it a model whose few-row steps are
+much cheaper than its prompt steps (4-bit weights) settles where the stall target admits prompts
+only as fast as the few decodes end, and the rest wait for seconds. When the
 cache runs out for a decode, the newest running sequence is preempted (its blocks freed, recomputed
 later) and re-queued at the front; a prompt chunk that finds no blocks waits instead.
 
@@ -56,9 +60,10 @@ class SchedulerConfig:
     prefill_hold_s: float = 0.0  # the quiet time that ends a burst of new prompts (see above)
     num_scheduler_steps: int = 1  # decode steps per schedule() when only greedy decodes run (_steps)
     # prompt tokens a step may carry beside its decodes: (decodes, their context tokens, demand) ->
-    # tokens, where demand (None unless the cache holds waiting prompts back) is the prompt tokens
-    # a step needs to keep pace with the sequences that end (_demand); None: max_num_batched_tokens
-    # less the decodes (see the module's docstring)
+    # tokens, where demand (None unless prompts wait) is the prompt tokens a step needs: paced, to
+    # keep pace with the sequences that end while the cache holds the waiting prompts back
+    # (_demand), else to work off the backlog (_backlog); None: max_num_batched_tokens less the
+    # decodes (see the module's docstring)
     prompt_budget: Callable[[int, int, int | None], int] | None = None
     # the budget paces prompts by the demand (a pipeline stage's cost model): only then is it computed,
     # so that other engines' steps don't pay for a look at the waiting prompts they would ignore
@@ -126,7 +131,7 @@ class Scheduler:
             budget = 0
         elif decodes and budgeted:
             # it.end: the decode's context, its new token included
-            demand = self._demand(len(decodes)) if self.config.paced else None
+            demand = self._demand(len(decodes)) if self.config.paced else self._backlog()
             budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes), demand))
         room = None if max_seqs is None else max_seqs - len(decodes)
         budget, preempted_for_prompt = self._schedule_prefills(budget, others, not decodes, busy, room)
@@ -271,6 +276,17 @@ class Scheduler:
             if need > room:
                 return math.ceil(decodes * self._ended_prompt / self._ended_output)
         return None
+
+    def _backlog(self) -> int | None:
+        """While prompts wait to start: the prompt tokens a step needs for every sequence that could
+        run (running and waiting, up to max_num_seqs) to be decoding, each admitting its successor's
+        prompt as it ends, from the prompt and output lengths of the sequences that ended last. A
+        step that carries fewer only keeps pace with the decodes it has, and the waiting ones never
+        catch up. Else None."""
+        if not self.waiting or self._ended_output <= 0:
+            return None
+        could_run = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return math.ceil(could_run * self._ended_prompt / self._ended_output)
 
     def _hold(self, budget: int, now: float | None) -> bool:
         """Whether the new prompts wait for the rest of their burst (the module's docstring)."""

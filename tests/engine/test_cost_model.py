@@ -65,7 +65,7 @@ def test_a_pipeline_stage_paces_its_prompts_while_the_cache_binds():
     assert stage.prompt_budget(64, 0, demand=5000) == model().prompt_budget(64, 0) == 512 - 64
     # prompts that wait for compute, not for blocks: the stall factor's larger steps admit them faster
     assert stage.prompt_budget(64, 0) == 512 - 64
-    # one GPU's steps are one a round: the rule is a stage's only
+    # one GPU's demand is the backlog of waiting prompts: it only ever raises the stall factor's limit
     assert model().prompt_budget(64, 0, demand=10) == 512 - 64
     # decodes past the ridge: the demand, in whole buckets (the rows to the bucket's end are free)
     assert stage.prompt_budget(1000, 0, demand=10) == 24
@@ -73,6 +73,20 @@ def test_a_pipeline_stage_paces_its_prompts_while_the_cache_binds():
     assert model(pipelined=True, max_step_ms=10.5).prompt_budget(64, 0, demand=10) == 512 - 64
     # the graphs are sized by the largest budget
     assert stage.largest_mixed_step(64) == model().largest_mixed_step(64)
+
+
+def test_one_gpu_steps_take_the_backlog_where_the_stall_factor_allows_less():
+    # a 4-bit-like curve: few rows are cheap, prompt steps are not (H200, Llama-3-8B, 2026-11-28)
+    m = StepCostModel((16, 64, 128, 256, 512), (2.9, 5.1, 7.6, 13.4, 18.6), 0.0, 8192)
+    # 12 decodes alone: 2.5 x 2.9 ms holds a 64-row step, ~4 prompt tokens per decode
+    assert m.prompt_budget(12, 0) == 64 - 12
+    # a backlog of 256 prompt tokens a step: its whole bucket (268 rows pad to 512)
+    assert m.prompt_budget(12, 0, demand=256) == 512 - 12
+    # never past max_tokens
+    assert StepCostModel(m.rows, m.forward_ms, 0.0, 300).prompt_budget(12, 0, demand=256) == 300 - 12
+    # a user's target is kept, backlog or not
+    capped = StepCostModel(m.rows, m.forward_ms, 0.0, 8192, max_step_ms=8.0)
+    assert capped.prompt_budget(12, 0, demand=256) == capped.prompt_budget(12, 0) == 128 - 12
 
 
 def test_largest_mixed_step_and_multi_step_choice():

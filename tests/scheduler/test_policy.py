@@ -329,6 +329,27 @@ def test_the_budget_is_told_the_demand_while_the_cache_holds_prompts_back():
     assert asked[-1] == 3
 
 
+def test_the_budget_is_told_the_backlog_while_prompts_wait_to_start():
+    # one GPU (not paced): prompts that wait for compute, not for blocks
+    asked = []
+    s = make_budgeted(lambda d, ctx, demand: asked.append(demand) or 4, budget=64, max_num_seqs=5)
+    s.add(seq(0, 6, max_tokens=2))  # ends first: 6 prompt tokens for 2 output tokens
+    run_all(s)
+    assert asked == [None]  # its decode step: nothing waits, no backlog
+    s.add(seq(1, 10, max_tokens=30))
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    b = s.schedule()
+    s.update(b, fake_execute(b))
+    for i in range(2, 8):
+        s.add(seq(i, 40, max_tokens=4))
+    s.schedule()
+    # 1 running + 6 waiting, of which 5 could run (max_num_seqs): 5 x 6 / 2 prompt tokens a step
+    assert asked[-1] == 15
+    # the budget was 4: one prompt started with a chunk, the other five still wait
+    assert len(s.running) == 2 and len(s.waiting) == 5
+
+
 def test_a_prompt_chunk_waits_for_blocks_while_decodes_run():
     # 10 blocks of 4 tokens: a decoding sequence of 20+ tokens holds 6, a 24-token prompt advances 8
     # tokens a step until no block is left for its next chunk; then it waits, keeping its blocks
