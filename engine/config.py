@@ -148,6 +148,14 @@ class ModelConfig:
         if why is not None:
             raise ValueError(f"pipeline_parallel_size {why}")
 
+    def check_quantization(self, method: str | None) -> None:
+        """Raise ModelConfigError if `method` (--quantization) would quantize a checkpoint whose
+        weights are quantized already: it would otherwise be silently ignored."""
+        if method is not None and self.quant is not None:
+            name = getattr(self.quant, "method", "").upper()
+            raise ModelConfigError(f"--quantization {method} quantizes 16-bit weights, but this checkpoint's are "
+                                   f"{self.quant.label}{f' ({name})' if name else ''} already; drop --quantization")
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 

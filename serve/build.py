@@ -144,6 +144,7 @@ def model_folder_config(cfg: EngineConfig, show_progress: bool = True) -> tuple[
     model_cfg = ModelConfig.from_path(path)
     model_cfg.check_tensor_parallel(cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     model_cfg.check_pipeline_parallel(cfg.pipeline_parallel_size)
+    model_cfg.check_quantization(cfg.quantization)
     return path, model_cfg
 
 

@@ -135,7 +135,11 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
                                "such as H100")
     model = resolve_model(args.model)
     config = model.config
-    if getattr(args, "quantization", None) == "fp8" and config.quant is None:
+    if getattr(args, "quantization", None) == "fp8":
+        try:
+            config.check_quantization("fp8")
+        except ModelConfigError as e:
+            raise KVCalcInputError(str(e)) from None
         config = replace(config, quant=AT_LOAD)
     max_len = None if args.max_model_len in (None, "") else _parse_int("--max-model-len", args.max_model_len)
     req = CalcRequest(

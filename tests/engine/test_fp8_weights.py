@@ -205,6 +205,14 @@ def test_dummy_weights_in_fp8(tiny_models, tmp_path):
     assert runs[0] == runs[1] and runs[2] == runs[3]
 
 
+def test_quantization_of_a_quantized_checkpoint_is_refused(tiny_models, tmp_path):
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    cfg["quantization_config"] = FORMATS["fp8-blocks"][0]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="already; drop --quantization"):
+        LLM(str(tmp_path / "config.json"), device="cpu", load_format="dummy", quantization="fp8")
+
+
 def test_unsupported_quantization_is_one_clear_error(tiny_models):
     cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
     for q, words in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' are not supported"),

@@ -115,6 +115,16 @@ def test_cli_folder(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 131072
 
 
+def test_cli_quantization_of_a_quantized_checkpoint_is_refused(tmp_path, capsys):
+    cfg = MODEL_PRESETS[0].config_dict()
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                  "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert cmd.run(parse("--model", str(tmp_path), "--gpu-memory", "H100", "--quantization", "fp8")) == 2
+    err = capsys.readouterr().err
+    assert "already" in err and "AWQ" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv", [
     ("--model", "nope", "--gpu-memory", "H100"),
     ("--model", "llama3-8b", "--gpu-memory", "80"),
