@@ -52,8 +52,10 @@ def test_int4_linear_into_out():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantize(dtype):
-    w, s, z = _weight(80, 384, 128, seed=7)
+@pytest.mark.parametrize("n,k,group", [(80, 384, 128), (48, 640, 32), (24, 96, -1)])
+def test_dequantize(dtype, n, k, group):
+    # 640 columns: five 128-column blocks, the second program's last three masked; 96: 32-column blocks
+    w, s, z = _weight(n, k, group, seed=7)
     # one rounding to dtype (which Triton's CPU interpreter truncates: within one unit)
     _close(int4.dequantize(w, s, z, dtype), ref.dequantize_int4(w, s, z).to(dtype), ulps=1)
 
