@@ -20,9 +20,9 @@ could stall). Without a user's target, the steps of one GPU also take the backlo
 prompts (demand: the prompt tokens a step needs for every sequence that could run to be decoding)
 where the stall factor allows less. On a steep curve the factor alone admits prompts only as fast
 as the few running decodes end: Llama-3-8B with 4-bit weights on an H200 (16 rows 2.9 ms, 128 rows
-7.6) held a dozen decodes at 64 clients, prompts ~50 tokens a step, median TTFT 2.6 s
-(bench/NOTES.md, 2026-11-28). A backlog is an overload: the streams then pay for the step the
-waiting prompts need.
+7.6) held a dozen decodes at 64 clients, prompts ~50 tokens a step, median TTFT 2.6 s; with the
+backlog it served 1.65x the tokens/s (bench/NOTES.md, 2026-11-28 and 2026-11-29). A backlog is an
+overload: the streams then pay for the step the waiting prompts need.
 
 A pipeline stage (pipelined) runs each scheduling round as several micro-batches, each reading the
 stage's weights once. Prompt tokens within that read's time ride in a micro-batch for free; beyond

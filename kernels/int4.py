@@ -107,7 +107,7 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg,
     wait_for_prior(PDL)
     for b in tl.static_range(BLOCKS):
         blk = tl.program_id(1) * BLOCKS + b
-        ok = (offs_n < N) & (blk * BLOCK + 0 * offs_n < K)
+        ok = (offs_n < N) & (blk * BLOCK + 0 * offs_n < K)  # a block past K: the grid's last program's
         words = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + blk * W + offs_c[None, :],
                         mask=ok[:, None], other=0)
         g = (blk * BLOCK + plane * W) // GROUP  # each plane's W columns lie in one group
