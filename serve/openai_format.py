@@ -18,9 +18,9 @@ from scheduler.token_bytes import token_bytes_table
 from serve.prompts import Plan
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                            Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob, PromptLogprobsField,
-                            PromptTokensDetails, ToolCall, TopLogprob, Usage)
-from serve.reasoning import ReasoningParser, split_reasoning
+                            CompletionTokensDetails, Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob,
+                            PromptLogprobsField, PromptTokensDetails, ToolCall, TopLogprob, Usage)
+from serve.reasoning import ReasoningParser, ReasoningTokens, split_reasoning
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
@@ -69,6 +69,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # engine entries (scheduler/request.py), with the first token
     shows_output: bool = True  # False: an echo-only choice (max_tokens 0), whose one generated token is dropped
+    reasoning: ReasoningTokens | None = None  # with a reasoning parser: the tokens of the thinking
 
     def update(self, out: StepOutput) -> None:
         if out.prompt_logprobs is not None:
@@ -79,6 +80,8 @@ class ChoiceState:
             self.token_ids += out.new_token_ids
             self.num_output_tokens = out.num_output_tokens or self.num_output_tokens + len(out.new_token_ids)
             self.logprobs.extend(out.logprobs)
+            if self.reasoning is not None:
+                self.reasoning.step(out.new_text, len(out.new_token_ids))
         if out.finished:
             # an echo-only choice stops at its length of 0, whatever ended its unshown token
             echo_only_stop = not self.shows_output and out.finish_reason == "stop"
@@ -87,17 +90,23 @@ class ChoiceState:
 
 
 def new_choices(plan: Plan) -> list[ChoiceState]:
-    return [ChoiceState(i * plan.n + j, len(p.token_ids), shows_output=not plan.echo_only)
+    kind = plan.reasoning_parser
+    return [ChoiceState(i * plan.n + j, len(p.token_ids), shows_output=not plan.echo_only,
+                        reasoning=None if kind is None else ReasoningTokens(kind, plan.thinking_opened))
             for i, p in enumerate(plan.prompts) for j in range(plan.n)]
 
 
 def usage(plan: Plan, choices: list[ChoiceState]) -> Usage:
-    """Prompt tokens count once per prompt, however many choices it has."""
+    """Prompt tokens count once per prompt, however many choices it has; with a reasoning parser,
+    the completion's reasoning tokens as OpenAI's reasoning models report them."""
     prompt = sum(len(p.token_ids) for p in plan.prompts)
     completion = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in choices[::plan.n])
+    details = None
+    if plan.reasoning_parser is not None:
+        details = CompletionTokensDetails(reasoning_tokens=sum(c.reasoning.count for c in choices if c.reasoning))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), completion_tokens_details=details)
 
 
 _TEXT_MARK = "\x00text\x00"

@@ -176,11 +176,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), "completion_tokens_details")
 
 
 class CompletionLogprobs(BaseModel):

@@ -59,6 +59,7 @@ class ReasoningParser:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}; got {kind!r}")
         # start: "reasoning", "content", or "opening" (an output that may begin with <think>)
         self.state = "reasoning" if opened or kind == "deepseek_r1" else "opening"
+        self.thought = self.state == "reasoning"  # the output has been in its thinking
         # deepseek_r1: a <think> the model writes itself at the start is not text
         self._drop_open = kind == "deepseek_r1" and not opened
         self._buf = ""
@@ -72,7 +73,7 @@ class ReasoningParser:
             if self.state == "opening":
                 stripped = buf.lstrip()
                 if stripped.startswith(OPEN):
-                    self._buf, self.state = stripped[len(OPEN):], "reasoning"
+                    self._buf, self.state, self.thought = stripped[len(OPEN):], "reasoning", True
                 elif OPEN.startswith(stripped):
                     break  # whitespace, or part of <think>: wait for more
                 else:
@@ -105,6 +106,29 @@ class ReasoningParser:
         if self.state == "reasoning":
             return buf, ""
         return "", buf
+
+
+class ReasoningTokens:
+    """How many of a choice's output tokens are its thinking (usage's reasoning_tokens), step by step:
+    a step's tokens count while the thinking is open before or after its text, so the tokens of
+    `<think>` and `</think>` count too (and what led up to a `<think>` that opens it). A step of
+    several tokens (multi-step decoding) that closes the thinking counts whole."""
+
+    def __init__(self, kind: str, opened: bool) -> None:
+        self._parser = ReasoningParser(kind, opened)
+        self._opening = 0  # tokens seen while the output may still open a thinking
+        self.count = 0
+
+    def step(self, text: str, num_tokens: int) -> None:
+        parser = self._parser
+        if parser.state == "content":
+            return
+        parser.feed(text)
+        if parser.state == "opening":
+            self._opening += num_tokens
+        elif parser.thought:  # in it, or left it during this step's text
+            self.count += self._opening + num_tokens
+            self._opening = 0
 
 
 def split_reasoning(kind: str, opened: bool, text: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from serve.errors import APIError
 from serve.openai_format import ChatFormat, new_choices, usage
 from serve.prompts import Plan, PromptInput
 from serve.protocol import ChatCompletionRequest, TokenizeRequest
-from serve.reasoning import ReasoningParser, prompt_opens_thinking, split_reasoning
+from serve.reasoning import ReasoningParser, ReasoningTokens, prompt_opens_thinking, split_reasoning
 from tests.serve.test_stream_format import check
 from tests.serve.test_tool_calls import _planner
 
@@ -44,6 +44,26 @@ def test_any_split_gives_the_same_parts(kind, opened, text, want):
             reasoning, content, i = reasoning + r, content + c, j
         r, c = parser.close()
         assert (reasoning + r, content + c) == want
+
+
+@pytest.mark.parametrize("kind, opened, tokens, want", [
+    # one token a step: a tag split over tokens counts whole, the answer's tokens do not
+    ("qwen3", False, ["<th", "ink>", "The user", " wants", " </thi", "nk>", "\n\n", "Sunny"], 6),
+    ("qwen3", False, ["<think>", "a", "</think>", "b", "<think>", "c"], 3),
+    ("qwen3", False, ["Paris", "."], 0),
+    ("qwen3", True, ["hmm", "</think>", "Paris"], 2),
+    ("deepseek_r1", False, ["never", " closed"], 2),
+    ("deepseek_r1", True, ["reason", "</think>", "answer"], 2),
+])
+def test_reasoning_tokens_count_the_thinking(kind, opened, tokens, want):
+    counter = ReasoningTokens(kind, opened)
+    for t in tokens:
+        counter.step(t, 1)
+    assert counter.count == want
+    # a multi-step step that closes the thinking counts whole
+    counter = ReasoningTokens(kind, opened)
+    counter.step("".join(tokens), len(tokens))
+    assert counter.count == (len(tokens) if want else 0)
 
 
 def test_prompt_opens_thinking():
@@ -78,8 +98,10 @@ def test_streamed_deltas_assemble_to_the_message(strings, tools):
     choices = new_choices(plan)
     for step in _steps(texts):
         choices[0].update(step[0][1])
-    message = ChatFormat(plan, "m", strings).response(choices, usage(plan, choices)).choices[0].message
+    u = usage(plan, choices)
+    message = ChatFormat(plan, "m", strings).response(choices, u).choices[0].message
     assert message.reasoning == message.reasoning_content == "The user wants "
+    assert u.completion_tokens_details.reasoning_tokens == 6  # <th, ink>, The user, wants, </thi, nk>
     streamed = "".join(d.get("content") or "" for d in deltas)
     assert streamed == message.content
     assert message.content.startswith("\n\nSunny today.")
@@ -95,8 +117,9 @@ def test_no_parser_no_reasoning_fields(strings):
     choices = new_choices(plan)
     for step in _steps(["<think>x</think>y"]):
         choices[0].update(step[0][1])
-    dumped = ChatFormat(plan, "m", strings).response(choices, usage(plan, choices)).choices[0].message.model_dump()
-    assert dumped == {"role": "assistant", "content": "<think>x</think>y"}
+    response = ChatFormat(plan, "m", strings).response(choices, usage(plan, choices))
+    assert response.choices[0].message.model_dump() == {"role": "assistant", "content": "<think>x</think>y"}
+    assert "completion_tokens_details" not in response.model_dump()["usage"]
 
 
 QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -156,8 +179,10 @@ def test_served_through_the_openai_client(model_dir):
         message = r.choices[0].message
         assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == want
         assert message.content == ""
-        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 10
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 10
 
 
 @pytest.fixture(scope="module")
