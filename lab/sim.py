@@ -3,7 +3,10 @@ closed loop of clients, each sending its next request when the last one finished
 does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy before GPU time is spent.
 
     python -m lab.sim --forward 16:5.9,256:6.0,512:10.6,1024:20.9,2048:41.4 --kv-ns 43.7 \
-        --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4]
+        --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4] [--request-rate 40 --range-ratio 0.5]
+
+--request-rate: an open loop, Poisson arrivals capped at --concurrency unfinished requests, as `serve
+bench --request-rate` sends them; --range-ratio: ragged lengths, drawn as `serve bench` draws them.
 
 --forward: the forward's device time (ms) at row counts, as the engine's cost model measures it
 (`serve run` logs it; --forward-from reads it from a serve bench result whose server it started);
@@ -22,13 +25,16 @@ Llama-3-70B's PP=2 runs at 256 clients (H100s, 2026-11-27).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.workload import length_range
 from engine.cost_model import STALL_FACTOR, StepCostModel
 from kvcache.block_manager import BlockManager
 from scheduler.policy import Scheduler, SchedulerConfig
@@ -47,17 +53,26 @@ class SimResult:
 
 def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int,
              num_scheduler_steps: int = 1, overhead_ms: float = 0.3, use_budget: bool = True,
-             stages: int = 1, num_blocks: int = 1 << 20, admission_ms: float = 0.0) -> SimResult:
+             stages: int = 1, num_blocks: int = 1 << 20, admission_ms: float = 0.0,
+             request_rate: float | None = None, range_ratio: float = 0.0, seed: int = 0) -> SimResult:
     """stages > 1: a pipeline of that many stages, each taking `model`'s time for a micro-batch (the
     model is one stage's, pipelined for the stage's budget), with as many micro-batches in flight
     (scheduler/core.py's batch queue). admission_ms: how long a request takes from its client to
     the scheduler (HTTP, the API process, the pipe to the engine, the engine's next read); the
-    first wave's too. TTFT counts from the client's send."""
+    first wave's too. TTFT counts from the client's send. request_rate: requests a second in a
+    Poisson process (None: all at once), sent while fewer than `concurrency` are unfinished;
+    range_ratio: lengths drawn as `serve bench --range-ratio` draws them."""
+    rng = random.Random(seed)
+    (in_lo, in_hi), (out_lo, out_hi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
+    lengths = [(rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)) for _ in range(num_prompts)]
+    due = list(itertools.accumulate(rng.expovariate(request_rate) for _ in range(num_prompts))) if request_rate \
+        else [0.0] * num_prompts
     bm = BlockManager(num_blocks, 16, False)
-    cfg = SchedulerConfig(256, model.max_tokens, input_len + output_len + 1, False, 0.0, num_scheduler_steps,
+    cfg = SchedulerConfig(256, model.max_tokens, in_hi + out_hi + 1, False, 0.0, num_scheduler_steps,
                           model.prompt_budget if use_budget else None, use_budget and model.pipelined)
     s = Scheduler(cfg, bm)
     now = 0.0
+    freed = 0.0  # when a client last got room to send (the last finish while all were busy)
     sent = 0
     arrival: dict[int, float] = {}
     chunks: dict[int, list[float]] = {}
@@ -65,26 +80,31 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
 
     coming: deque[tuple[float, Sequence]] = deque()  # sent, not yet at the scheduler (in send order)
 
-    def send() -> None:
+    def release() -> None:
+        """Every request due by now that a client has room for."""
         nonlocal sent
-        seq = Sequence(sent, [1] * input_len, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0),
-                       max_model_len=cfg.max_model_len)
-        coming.append((now + admission_ms / 1e3, seq))
-        arrival[sent], chunks[sent] = now, []
-        sent += 1
+        while sent < num_prompts and due[sent] <= now and sent - len(done) < concurrency:
+            n_in, n_out = lengths[sent]
+            seq = Sequence(sent, [1] * n_in, SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0),
+                           max_model_len=cfg.max_model_len)
+            t = max(due[sent], freed)
+            coming.append((t + admission_ms / 1e3, seq))
+            arrival[sent], chunks[sent] = t, []
+            sent += 1
 
     def arrive() -> None:
         while coming and coming[0][0] <= now:
             s.add(coming.popleft()[1])
 
-    for _ in range(min(concurrency, num_prompts)):
-        send()
+    release()
     step_ms = []
     stage_free = [0.0] * stages  # when each stage is done with the micro-batches given to it
     queue: deque[tuple[Batch, float]] = deque()  # launched micro-batches and when the last stage ends them
-    while s.num_unfinished or queue or coming:
+    while s.num_unfinished or queue or coming or sent < num_prompts:
         if not s.num_unfinished and not queue:
-            now = max(now, coming[0][0])  # idle until the next request gets here
+            # idle until the next request gets here
+            now = max(now, coming[0][0] if coming else due[sent] + admission_ms / 1e3)
+            release()
         arrive()
         b = None
         if len(queue) < stages:
@@ -113,13 +133,14 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
             if o.new_token_ids:
                 chunks[o.seq_id].append(now)
             if o.finished:
+                if sent - len(done) == concurrency:
+                    freed = now
                 done.append(o.seq_id)
-                if sent < num_prompts:
-                    send()
-    tpots = [(c[-1] - c[0]) / (output_len - 1) * 1e3 for c in chunks.values() if len(c) > 1]
+        release()
+    tpots = [(c[-1] - c[0]) / (lengths[i][1] - 1) * 1e3 for i, c in chunks.items() if len(c) > 1]
     ttfts = [(chunks[i][0] - arrival[i]) * 1e3 for i in chunks if chunks[i]]
     gaps = sorted((b - a) * 1e3 for c in chunks.values() for a, b in zip(c, c[1:]))
-    return SimResult(num_prompts * output_len / now, statistics.median(tpots), statistics.median(ttfts),
+    return SimResult(sum(n_out for _, n_out in lengths) / now, statistics.median(tpots), statistics.median(ttfts),
                      gaps[int(0.99 * (len(gaps) - 1))], statistics.mean(step_ms), len(step_ms))
 
 
@@ -162,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=1 << 20, help="KV blocks of 16 tokens")
     p.add_argument("--admission-ms", type=float, default=0.0,
                    help="a request's way from its client to the scheduler (lab/chunk_delay.py measures it)")
+    p.add_argument("--request-rate", type=float, default=None, help="requests a second, Poisson (default: all at once)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len x [1 - R, 1 + R]")
     p.add_argument("--stall-rule", action="store_true",
                    help="pipeline stages budget as one GPU does (no pacing while the cache binds)")
     a = p.parse_args(argv)
@@ -176,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model = StepCostModel(rows, ms, a.kv_ns / 1e6, a.max_num_batched_tokens, a.max_step_ms, a.stall_factor,
                           pipelined=a.stages > 1 and not a.stall_rule)
     r = simulate(model, a.concurrency, a.num_prompts, a.input_len, a.output_len, a.steps, a.overhead_ms,
-                 not a.no_budget, a.stages, a.num_blocks, a.admission_ms)
+                 not a.no_budget, a.stages, a.num_blocks, a.admission_ms, a.request_rate, a.range_ratio)
     print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
           f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
     top, rows = ceiling(model, a.concurrency, a.num_prompts, a.input_len, a.output_len)

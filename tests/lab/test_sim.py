@@ -74,3 +74,20 @@ def test_requests_reach_the_scheduler_after_the_admission_delay():
     # every request's first token comes at least the delay later, and the loop of clients slows down
     assert slow.median_ttft_ms >= fast.median_ttft_ms + 40.0 - 1e-9
     assert slow.output_throughput < fast.output_throughput
+
+
+def test_poisson_arrivals_and_ragged_lengths():
+    """An open loop below what the GPU serves: throughput follows the arrivals, not the GPU, and the
+    first tokens come within a few steps; far above it the closed loop's throughput returns."""
+    gpu = StepCostModel((16, 256, 2048), (5.0, 6.0, 40.0), kv_ms_per_token=0.0, max_tokens=8192)
+    closed = simulate(gpu, 64, 256, 512, 128, overhead_ms=0.0)
+    slow = simulate(gpu, 64, 256, 512, 128, overhead_ms=0.0, request_rate=5.0, range_ratio=0.5, seed=1)
+    # 5 requests a second of 128 +- 64 outputs: ~640 tok/s, the 256 arrivals spread over ~51 s
+    assert 500 < slow.output_throughput < 800
+    assert slow.median_ttft_ms < 4 * 40.0
+    # arrivals microseconds apart: the first step takes the first prompt alone, then the loop is closed
+    fast = simulate(gpu, 64, 256, 512, 128, overhead_ms=0.0, request_rate=1e6)
+    assert fast.output_throughput == pytest.approx(closed.output_throughput, rel=0.1)
+    # ragged lengths are drawn once per seed: the same run twice
+    assert simulate(gpu, 64, 64, 512, 128, range_ratio=0.5, seed=3) == simulate(gpu, 64, 64, 512, 128,
+                                                                             range_ratio=0.5, seed=3)
