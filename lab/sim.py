@@ -85,9 +85,9 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
         nonlocal sent
         while sent < num_prompts and due[sent] <= now and sent - len(done) < concurrency:
             n_in, n_out = lengths[sent]
-            seq = Sequence(sent, [1] * n_in, SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0),
-                           max_model_len=cfg.max_model_len)
             t = max(due[sent], freed)
+            seq = Sequence(sent, [1] * n_in, SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0),
+                           max_model_len=cfg.max_model_len, arrival_time=t + admission_ms / 1e3)
             coming.append((t + admission_ms / 1e3, seq))
             arrival[sent], chunks[sent] = t, []
             sent += 1
