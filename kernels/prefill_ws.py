@@ -55,7 +55,6 @@ if gluon is not None:
     def _zero_rows_from(buf, first_zero):
         """Rows >= first_zero of a [BLOCK_N, D] tile in shared memory set to 0 (one warp)."""
         BLOCK_N: gl.constexpr = buf.type.shape[0]
-        HEAD_DIM: gl.constexpr = buf.type.shape[1]
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
         for i in gl.static_range(BLOCK_N // 16):
             if (i + 1) * 16 > first_zero:

@@ -4,7 +4,7 @@ import torch
 from kernels import launch
 from kernels import linear as lin
 from kernels import reference as ref
-from tests.kernels.util import DEVICE, HAS_CUDA, gpu
+from tests.kernels.util import DEVICE, gpu
 
 # bf16/fp16 outputs: within a couple of units in the last place of the float64 product
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}

@@ -92,7 +92,7 @@ def test_evicted_blocks_go_down_and_come_back():
 def test_failed_step_forgets_its_moves():
     bm = manager()
     prompt = list(range(2 * BS))
-    table = cached_and_freed(bm, prompt)
+    cached_and_freed(bm, prompt)
     bm.allocate(4)
     moves = bm.take_moves()
     bm.moves_failed(moves)  # the copies may never have run: the host entries must not be trusted
