@@ -29,29 +29,19 @@ consumer warpgroups that only multiply, mbarriers instead of CTA barriers.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                                    warpgroup_mma_wait)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    # Triton 3.6 (the GPU's) names the CTA barrier thread_barrier and cp.async
-    # async_copy_global_to_shared; 3.9 (CI's) barrier and async_load
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-except ImportError:  # a Triton without Gluon
-    gluon = None
-
+from kernels.int4_wgmma import _hopper, gluon  # the Gluon imports and their names in Triton 3.6 and 3.9
 from kernels.launch import cdiv, launch, sm_count
 from kernels.linear import grouped_tile, split_buffers
+
+if gluon is not None:
+    from kernels.int4_wgmma import (_cp_async, _cta_barrier, async_copy, fence_async_shared, gdc_launch_dependents,
+                                    gdc_wait, gl, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # weight rows a program: two warpgroups' MMA M of 64
 BLOCK_K = 128  # the columns of one block of 16 words
@@ -197,11 +187,6 @@ if gluon is not None:
                     total += gl.load(part_ptr + p * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(count_ptr + pid, 0)
                 _store_out(total, b_ptr, out_ptr, x_bufs.index(0), pid_m, pid_n, M, N, stride_om, HAS_BIAS)
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def supports(x: torch.Tensor, K: int, group: int) -> bool:
