@@ -21,7 +21,7 @@ than dequantization + cuBLAS but barely for gate_up at 512 rows (275 against 287
 stores and x's copies left out (PROBE 3) gate_up at 2,048 rows takes 584 us, less than cuBLAS on the
 16-bit weight (753): the matmul is not what is slow; x's copies (+123 us), the weight's
 shared-memory stores (+168) and the unpacking (+115) do not hide behind it with one warp role and
-CTA barriers in lockstep. x by TMA instead of cp.async was 10-25% slower (not explained). Splitting
+CTA barriers in lockstep. x by TMA instead of cp.async was 12-28% slower (not explained). Splitting
 K helped down (228 -> 163 us at 512 rows) and made qkv 2.6x and o 1.2x slower, which plan() does
 not know. The next form is warp-specialized: producer warps that unpack and copy into a ring,
 consumer warpgroups that only multiply, mbarriers instead of CTA barriers.
