@@ -191,8 +191,8 @@ if gluon is not None:
 
 def supports(x: torch.Tensor, K: int, group: int) -> bool:
     """Whether this kernel takes x [M, K] times a 4-bit weight in groups of `group` columns: a
-    Hopper GPU, 16-bit x that TMA can address (unit column stride, 16-byte aligned rows), K in whole
-    128-column blocks, groups of a multiple of 16 columns."""
+    Hopper GPU, 16-bit x in 16-byte aligned rows of unit column stride (16-byte cp.async copies), K
+    in whole 128-column blocks, groups of a multiple of 16 columns."""
     return (gluon is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and K % BLOCK_K == 0
             and group % 16 == 0 and x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
             and x.data_ptr() % 16 == 0

@@ -25,10 +25,12 @@ from tests.kernels import sm90_compile as s
 from lab import int4_smem_gemm as g
 bf, f16 = torch.bfloat16, torch.float16
 w = torch.randint(-2**31, 2**31 - 1, (1152, 128), dtype=torch.int32)
-for groups, dtype, p, probe in ((8, bf, g.Plan(256, 2), 0), (32, f16, g.Plan(128, 3, 2), 0), (8, bf, g.Plan(256, 2), 3)):
+cases = ((8, bf, g.Plan(256, 2), 0), (32, f16, g.Plan(128, 3, 2), 0), (8, bf, g.Plan(256, 2), 3))
+for groups, dtype, p, probe in cases:
     x = torch.zeros(300, 1024, dtype=dtype)
-    grid, args, kw = g.launch_args(x, w, torch.ones(groups, 1152, dtype=f16), torch.full((groups, 1152), 8, dtype=torch.uint8),
-                                   1024 // groups, torch.ones(1152, dtype=dtype) if groups == 8 else None,
+    grid, args, kw = g.launch_args(x, w, torch.ones(groups, 1152, dtype=f16),
+                                   torch.full((groups, 1152), 8, dtype=torch.uint8), 1024 // groups,
+                                   torch.ones(1152, dtype=dtype) if groups == 8 else None,
                                    torch.empty(300, 1152, dtype=dtype), p, True, probe)
     c = s.compile_sm90(g._w4a16_gemm_kernel, args, kw)
     ptx = c.asm["ptx"]
