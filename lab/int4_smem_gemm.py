@@ -253,9 +253,27 @@ def w4a16_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torc
     return out
 
 
-def _cublas_us(x: torch.Tensor, w16: list[torch.Tensor]) -> float:
+def baselines(x: torch.Tensor, qs: list) -> dict:
+    """cuBLAS on the 16-bit weights and the engine's dequantization + cuBLAS, us per layer of one CUDA
+    graph over the 4-bit weights qs; and a kernel's error against reference.int4_linear (rel_err)."""
+    from kernels import int4, reference
     from lab.kernels import graph_us
-    return round(graph_us(lambda: [torch.nn.functional.linear(x, w) for w in w16], rep=50, per=3), 1)
+
+    w16 = [int4.dequantize(*q, x.dtype) for q in qs]
+    out = {"cublas_bf16_us": round(graph_us(lambda: [torch.nn.functional.linear(x, w) for w in w16], rep=50,
+                                            per=len(qs)), 1)}
+    w16.clear()
+    out["dequant_cublas_us"] = round(graph_us(lambda: [reference.linear(x, int4.dequantize(*q, x.dtype)) for q in qs],
+                                              rep=50, per=len(qs)), 1)
+    return out
+
+
+def rel_err(got: torch.Tensor, x: torch.Tensor, q: tuple) -> float:
+    """max |got - reference| / max |reference| for x times the 4-bit weight q."""
+    from kernels import reference
+
+    want = reference.int4_linear(x, *q).float()
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 def measure(path: Path | None) -> dict:
@@ -263,7 +281,6 @@ def measure(path: Path | None) -> dict:
     rows), against cuBLAS on the 16-bit weight and dequantization + cuBLAS; us per layer of one CUDA
     graph over three weight copies."""
     from engine.int4 import quantize
-    from kernels import int4, reference
     from lab.kernels import gpu_and_date, graph_us
 
     torch.manual_seed(0)
@@ -287,12 +304,8 @@ def measure(path: Path | None) -> dict:
                     launch(_w4a16_gemm_kernel, grid, *args, **kwargs)
 
                 row[f"probe{probe}_split{split}_us"] = round(graph_us(lambda: [one(q) for q in qs], rep=50, per=3), 1)
-            got = w4a16_gemm(x, *qs[0], 128).float()
-            want = reference.int4_linear(x, *qs[0]).float()
-            row["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
-            row["cublas_bf16_us"] = _cublas_us(x, [int4.dequantize(*q, torch.bfloat16) for q in qs])
-            row["dequant_cublas_us"] = round(graph_us(
-                lambda: [reference.linear(x, int4.dequantize(*q, torch.bfloat16)) for q in qs], rep=50, per=3), 1)
+            row["max_rel_err"] = rel_err(w4a16_gemm(x, *qs[0], 128), x, qs[0])
+            row |= baselines(x, qs)
             res["cases"][f"{name}_{m}"] = row
             print(name, m, json.dumps(row), flush=True)
             if path is not None:

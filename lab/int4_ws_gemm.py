@@ -206,7 +206,7 @@ def measure(path: Path | None, names: list[str]) -> dict:
     cuBLAS on the 16-bit weight and dequantization + cuBLAS; us per layer of one CUDA graph over three
     weight copies."""
     from engine.int4 import quantize
-    from kernels import int4, reference
+    from lab.int4_smem_gemm import baselines, rel_err
     from lab.kernels import gpu_and_date, graph_us
 
     torch.manual_seed(0)
@@ -220,15 +220,8 @@ def measure(path: Path | None, names: list[str]) -> dict:
             for bm in (256, 128):
                 row[f"ws_{bm}_us"] = round(graph_us(lambda: [w4a16_gemm(x, *q, 128, block_m=bm) for q in qs],
                                                     rep=50, per=3), 1)
-                got = w4a16_gemm(x, *qs[0], 128, block_m=bm).float()
-                want = reference.int4_linear(x, *qs[0]).float()
-                row[f"ws_{bm}_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
-            w16 = [int4.dequantize(*q, torch.bfloat16) for q in qs]
-            row["cublas_bf16_us"] = round(graph_us(lambda: [torch.nn.functional.linear(x, w) for w in w16],
-                                                   rep=50, per=3), 1)
-            w16.clear()
-            row["dequant_cublas_us"] = round(graph_us(
-                lambda: [reference.linear(x, int4.dequantize(*q, torch.bfloat16)) for q in qs], rep=50, per=3), 1)
+                row[f"ws_{bm}_rel_err"] = rel_err(w4a16_gemm(x, *qs[0], 128, block_m=bm), x, qs[0])
+            row |= baselines(x, qs)
             res["cases"][f"{name}_{m}"] = row
             print(name, m, json.dumps(row), flush=True)
             if path is not None:

@@ -50,6 +50,20 @@ def test_kernel_compiles_for_sm90():
         assert int(shared) <= 227 * 1024 and local == "0" and wgmma == cp_async == wait == "True", rows
 
 
+def hopper_case(group: int, M: int, dtype: torch.dtype) -> tuple:
+    """x [M, 1152] (nine 128-column blocks), a 4-bit [200, 1152] weight (a partial tile) with free zero
+    points 0-16, a bias, and the group, on the GPU."""
+    from engine.int4 import quantize
+    from kernels import int4
+    N, K = 200, 1152
+    gen = torch.Generator().manual_seed(M)
+    w, s, z = [t.cuda() for t in quantize(torch.randn(N, K, generator=gen) / K ** 0.5, group)]
+    z = torch.randint(0, 17, z.shape, generator=gen, dtype=torch.uint8).cuda()
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    b = torch.randn(N, generator=gen).to(dtype).cuda()
+    return x, w, s, z, b, int4.group_of(w, s, z)
+
+
 @gpu
 @pytest.mark.parametrize("group", [32, 128, -1])
 @pytest.mark.parametrize("M", [1, 130, 257, 600])
@@ -57,21 +71,13 @@ def test_kernel_compiles_for_sm90():
 def test_against_the_reference(group, M, dtype):
     """Both tiles, K whole or split in two or three (nine blocks: odd counts for the buffer rings),
     row and column tails, free zero points 0-16, bias or none."""
-    from engine.int4 import quantize
-    from kernels import int4
     from kernels import reference as ref
     from lab import int4_smem_gemm as g
     from tests.kernels.test_int4 import _close
     if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0) or g.gluon is None:
         pytest.skip("Hopper's Gluon kernel")
-    N, K = 200, 1152
-    gen = torch.Generator().manual_seed(M)
-    w, s, z = [t.cuda() for t in quantize(torch.randn(N, K, generator=gen) / K ** 0.5, group)]
-    z = torch.randint(0, 17, z.shape, generator=gen, dtype=torch.uint8).cuda()
-    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
-    b = torch.randn(N, generator=gen).to(dtype).cuda()
-    G = int4.group_of(w, s, z)
-    assert g.supports(x, K, G)
+    x, w, s, z, b, G = hopper_case(group, M, dtype)
+    assert g.supports(x, x.shape[1], G)
     for bias in (b, None):
         want = ref.int4_linear(x, w, s, z, bias)
         for p in (g.Plan(128, 3), g.Plan(256, 2), g.Plan(256, 2, 2), g.Plan(128, 3, 3)):

@@ -51,20 +51,13 @@ def test_kernel_compiles_for_sm90():
 def test_against_the_reference(group, M, dtype, block_m):
     """Row and column tails, K of nine blocks (18 stages through a ring of 4 or 6), free zero points
     0-16, bias or none."""
-    from engine.int4 import quantize
-    from kernels import int4
     from kernels import reference as ref
     from lab import int4_ws_gemm as g
     from tests.kernels.test_int4 import _close
+    from tests.lab.test_int4_smem_gemm import hopper_case
     if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0) or g.gluon is None:
         pytest.skip("Hopper's Gluon kernel")
-    N, K = 200, 1152
-    gen = torch.Generator().manual_seed(M)
-    w, s, z = [t.cuda() for t in quantize(torch.randn(N, K, generator=gen) / K ** 0.5, group)]
-    z = torch.randint(0, 17, z.shape, generator=gen, dtype=torch.uint8).cuda()
-    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
-    b = torch.randn(N, generator=gen).to(dtype).cuda()
-    G = int4.group_of(w, s, z)
-    assert g.supports(x, K, G)
+    x, w, s, z, b, G = hopper_case(group, M, dtype)
+    assert g.supports(x, x.shape[1], G)
     for bias in (b, None):
         _close(g.w4a16_gemm(x, w, s, z, G, bias, block_m=block_m), ref.int4_linear(x, w, s, z, bias), ulps=2)
