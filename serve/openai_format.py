@@ -20,7 +20,7 @@ from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatC
                             ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
                             CompletionTokensDetails, Delta, DeltaFunction, DeltaToolCall, FunctionCall, PromptLogprob,
                             PromptLogprobsField, PromptTokensDetails, ToolCall, TopLogprob, Usage)
-from serve.reasoning import ReasoningParser, ReasoningTokens, split_reasoning
+from serve.reasoning import ReasoningTokens, split_reasoning
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
@@ -69,7 +69,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # engine entries (scheduler/request.py), with the first token
     shows_output: bool = True  # False: an echo-only choice (max_tokens 0), whose one generated token is dropped
-    reasoning: ReasoningTokens | None = None  # with a reasoning parser: the tokens of the thinking
+    reasoning: ReasoningTokens | None = None  # with a reasoning parser: its split of the text, its count
 
     def update(self, out: StepOutput) -> None:
         if out.prompt_logprobs is not None:
@@ -81,7 +81,7 @@ class ChoiceState:
             self.num_output_tokens = out.num_output_tokens or self.num_output_tokens + len(out.new_token_ids)
             self.logprobs.extend(out.logprobs)
             if self.reasoning is not None:
-                self.reasoning.step(out.new_text, len(out.new_token_ids))
+                self.reasoning.step(out.new_text, len(out.new_token_ids), out.finished)
         if out.finished:
             # an echo-only choice stops at its length of 0, whatever ended its unshown token
             echo_only_stop = not self.shows_output and out.finish_reason == "stop"
@@ -300,7 +300,6 @@ class ChatFormat(_FormatBase):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its tool-call parser (streaming)
-        self.thinking: dict[int, ReasoningParser] = {}  # choice index -> its reasoning parser (streaming)
         self.plain_text = (plan.logprobs is None and not plan.return_token_ids and not plan.continuous_usage
                            and plan.tool_parser is None and plan.reasoning_parser is None)
         self._text_events = {}
@@ -329,7 +328,7 @@ class ChatFormat(_FormatBase):
     def chunk(self, choice: ChoiceState, out: StepOutput) -> BaseModel | None:
         if not (out.new_text or out.logprobs or out.finished or (self.plan.return_token_ids and out.new_token_ids)):
             return None
-        text, reasoning = self._thinking(choice.index, out)
+        text, reasoning = self._thinking(choice, out)
         delta, reason = Delta(content=text or None, reasoning=reasoning, reasoning_content=reasoning), out.finish_reason
         if self.plan.tool_parser is not None:
             delta, reason = self._tool_delta(choice.index, text, out)
@@ -346,19 +345,12 @@ class ChatFormat(_FormatBase):
     def _text_chunk(self, index: int, text: str) -> BaseModel:
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
-    def _thinking(self, index: int, out: StepOutput) -> tuple[str, str | None]:
-        """The step's text through the choice's reasoning parser (if any): (the answer's text, the
-        thinking's or None)."""
-        kind = self.plan.reasoning_parser
-        if kind is None:
+    def _thinking(self, choice: ChoiceState, out: StepOutput) -> tuple[str, str | None]:
+        """The step's text as the choice's reasoning parser split it (ChoiceState.update ran first):
+        (the answer's text, the thinking's or None)."""
+        if choice.reasoning is None:
             return out.new_text, None
-        parser = self.thinking.get(index)
-        if parser is None:
-            parser = self.thinking[index] = ReasoningParser(kind, self.plan.thinking_opened)
-        reasoning, text = parser.feed(out.new_text)
-        if out.finished:
-            more_reasoning, more_text = parser.close()
-            reasoning, text = reasoning + more_reasoning, text + more_text
+        reasoning, text = choice.reasoning.split
         return text, reasoning or None
 
     def _tool_delta(self, index: int, text: str, out: StepOutput) -> tuple[Delta, str | None]:

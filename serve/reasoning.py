@@ -109,21 +109,28 @@ class ReasoningParser:
 
 
 class ReasoningTokens:
-    """How many of a choice's output tokens are its thinking (usage's reasoning_tokens), step by step:
-    a step's tokens count while the thinking is open before or after its text, so the tokens of
-    `<think>` and `</think>` count too (and what led up to a `<think>` that opens it). A step of
-    several tokens (multi-step decoding) that closes the thinking counts whole."""
+    """A choice's output through its reasoning parser, step by step: `split` is the last step's
+    (reasoning, content), which the stream sends, and `count` how many output tokens are the thinking
+    (usage's reasoning_tokens). A step's tokens count while the thinking is open before or after its
+    text, so the tokens of `<think>` and `</think>` count too (and what led up to a `<think>` that
+    opens it). A step of several tokens (multi-step decoding) that closes the thinking counts whole."""
 
     def __init__(self, kind: str, opened: bool) -> None:
         self._parser = ReasoningParser(kind, opened)
         self._opening = 0  # tokens seen while the output may still open a thinking
         self.count = 0
+        self.split = ("", "")
 
-    def step(self, text: str, num_tokens: int) -> None:
+    def step(self, text: str, num_tokens: int, finished: bool = False) -> None:
         parser = self._parser
-        if parser.state == "content":
+        counts = parser.state != "content"
+        reasoning, content = parser.feed(text)
+        if finished:
+            more_reasoning, more_content = parser.close()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        self.split = (reasoning, content)
+        if not counts:
             return
-        parser.feed(text)
         if parser.state == "opening":
             self._opening += num_tokens
         elif parser.thought:  # in it, or left it during this step's text
