@@ -14,7 +14,9 @@ adds the read of every context token's K and V, at the measured copy bandwidth.
 
 The scheduler asks `prompt_budget(decodes, context_tokens, demand)`: the prompt tokens that fill the
 largest bucket within the latency target, which is the user's max_step_ms, or else a forward of
-STALL_FACTOR times the decodes' own (their attention comes on top either way). With no decode
+STALL_FACTOR times the decodes' own (their attention comes on top either way), or longer where a
+larger step carries prompt tokens far more cheaply per token (AMORTIZE: a curve with a large fixed
+part past the decode rows, as 4-bit weights' dequantization gives). With no decode
 running the budget is the whole step (a lone prompt runs at full speed: nothing streams that it
 could stall). Without a user's target, the steps of one GPU also take the backlog of waiting
 prompts (demand: the prompt tokens a step needs for every sequence that could run to be decoding)
@@ -45,6 +47,13 @@ from dataclasses import dataclass, field
 # the matmuls measured on H100/H200 (2026-11-25) larger prompt chunks cost less per token, smaller
 # ones stall the streams less (bench/NOTES.md)
 STALL_FACTOR = 2.5
+# prompt tokens beside decodes may cost this much more per token than where a step carries them most
+# cheaply. A curve with a large fixed part past the decode rows (4-bit weights: every projection's
+# weight dequantized for a prompt step) charges a small prompt step that part in full. On an H200
+# the 4-bit Llama-3-8B's steps of 64 decodes grew from 384 rows (the backlog's) to 896 and served
+# 1.15x the tokens/s at 64 clients (1.24x at 32), median TPOT 11.7 against 13.8 ms (bench/NOTES.md,
+# 2026-11-29). Tighter, the measured curves' noise (a few % a bucket) reaches bf16's and FP8's steps
+AMORTIZE = 1.25
 MIN_PROMPT_TOKENS = 16  # prompts always advance, whatever the target
 CHUNK = 256  # tokens per prompt chunk in the measured forwards
 MAX_ROWS = 2048  # the largest forward measured
@@ -72,6 +81,7 @@ class StepCostModel:
     pipelined: bool = False  # a pipeline stage's: steps to the ridge or the demand while the cache binds (above)
     buckets: tuple[int, ...] = field(init=False)  # the sizes no larger one beats, ascending
     bucket_ms: tuple[float, ...] = field(init=False)  # their times, strictly increasing
+    _amortized: dict[int, int] = field(init=False, repr=False, compare=False)  # amortizing_rows by decodes
 
     @classmethod
     def roofline(cls, rows: list[int], weight_bytes: int, flops_per_row: float, kv_bytes_per_token: int,
@@ -92,6 +102,7 @@ class StepCostModel:
         kept.reverse()
         object.__setattr__(self, "buckets", tuple(r for r, _ in kept))
         object.__setattr__(self, "bucket_ms", tuple(ms for _, ms in kept))
+        object.__setattr__(self, "_amortized", {})
 
     @property
     def dominated(self) -> frozenset[int]:
@@ -123,12 +134,29 @@ class StepCostModel:
         if self.max_step_ms is not None:
             return max(self.max_step_ms - self.kv_ms_per_token * context_tokens, self.forward(decodes))
         own = self.forward(decodes)
-        if demand is None:
-            return self.stall_factor * own
-        if self.pipelined:
+        if self.pipelined and demand is not None:
             paced = max(self.forward(self.ridge_rows()), self.forward(decodes + demand))
             return max(own, min(self.stall_factor * own, paced))
-        return max(self.stall_factor * own, self.forward(decodes + demand))
+        limit = max(self.stall_factor * own, self.forward(self.amortizing_rows(decodes)))
+        return limit if demand is None else max(limit, self.forward(decodes + demand))
+
+    def amortizing_rows(self, decodes: int) -> int:
+        """The rows of the smallest step with these decodes whose prompt tokens cost within AMORTIZE
+        of the cheapest per token, among the buckets from the step the stall factor gives them (at
+        least MIN_PROMPT_TOKENS) to the largest measured; that step itself where no larger one
+        is cheaper per token by more than AMORTIZE."""
+        rows = self._amortized.get(decodes)
+        if rows is None:
+            own = self.forward(decodes)
+            first = max(self.rows_within(self.stall_factor * own), decodes + MIN_PROMPT_TOKENS)
+            steps = [(r, (ms - own) / (r - decodes)) for r, ms in zip(self.buckets, self.bucket_ms) if r >= first]
+            if steps:
+                cap = AMORTIZE * min(c for _, c in steps)
+                rows = next(r for r, c in steps if c <= cap)
+            else:
+                rows = first
+            self._amortized[decodes] = rows
+        return rows
 
     def ridge_rows(self) -> int:
         """The largest bucket whose rows, at the largest bucket's time per row (compute bound), take

@@ -76,8 +76,10 @@ def test_a_pipeline_stage_paces_its_prompts_while_the_cache_binds():
 
 
 def test_one_gpu_steps_take_the_backlog_where_the_stall_factor_allows_less():
-    # a 4-bit-like curve: few rows are cheap, prompt steps are not (H200, Llama-3-8B, 2026-11-28)
-    m = StepCostModel((16, 64, 128, 256, 512), (2.9, 5.1, 7.6, 13.4, 18.6), 0.0, 8192)
+    # a 4-bit-like curve: few rows are cheap, prompt steps are not (H200, Llama-3-8B, 2026-11-28), 512
+    # rows made slower so that no step carries prompts much more cheaply than another (AMORTIZE)
+    m = StepCostModel((16, 32, 64, 128, 256, 512), (2.9, 3.2, 5.1, 7.6, 13.4, 26.0), 0.0, 8192)
+    assert m.amortizing_rows(12) == 64
     # 12 decodes alone: 2.5 x 2.9 ms holds a 64-row step, ~4 prompt tokens per decode
     assert m.prompt_budget(12, 0) == 64 - 12
     # a backlog of 256 prompt tokens a step: its whole bucket (268 rows pad to 512)
@@ -87,6 +89,29 @@ def test_one_gpu_steps_take_the_backlog_where_the_stall_factor_allows_less():
     # a user's target is kept, backlog or not
     capped = StepCostModel(m.rows, m.forward_ms, 0.0, 8192, max_step_ms=8.0)
     assert capped.prompt_budget(12, 0, demand=256) == capped.prompt_budget(12, 0) == 128 - 12
+
+
+def test_prompt_steps_amortize_a_large_fixed_part():
+    # decode rows are cheap, a prompt step pays ~10 ms (every weight dequantized) + 20 us a row
+    rows = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    m = StepCostModel(rows, (2.0, 2.2, 3.0, 12.6, 15.1, 20.2, 30.5, 51.0), 0.0, 8192)
+    # 64 decodes: their step's extra rows cost 150, 63, 38, 29 and 24 us a row at 128 to 2,048 rows;
+    # 1,024 is the first within AMORTIZE of the cheapest, where the stall factor held 64 (7.5 ms)
+    assert m.amortizing_rows(64) == 1024
+    assert m.rows_within(STALL_FACTOR * m.forward(64)) == 64
+    assert m.prompt_budget(64, 0) == m.prompt_budget(64, 0, demand=256) == 1024 - 64
+    # 12 decodes: the stall factor's 64-row step (5 ms) carries prompts at 19 us a token, as cheap as any
+    assert m.amortizing_rows(12) == 64 and m.prompt_budget(12, 0) == 64 - 12
+    # a user's target is kept
+    assert StepCostModel(rows, m.forward_ms, 0.0, 8192, max_step_ms=8.0).prompt_budget(64, 0) == MIN_PROMPT_TOKENS
+    # a near-linear curve (bf16 past the ridge): the stall factor's steps already cost within AMORTIZE
+    flat = model()
+    assert flat.forward(flat.amortizing_rows(64)) <= STALL_FACTOR * flat.forward(64)
+    # past the largest bucket nothing measured compares: the stall factor's step
+    assert flat.amortizing_rows(4096) == flat.rows_within(STALL_FACTOR * flat.forward(4096))
+    # a coarse curve whose stall step carries its prompts nearly free keeps it
+    coarse = StepCostModel((16, 256, 2048), (5.0, 6.0, 40.0), 0.0, 8192)
+    assert coarse.amortizing_rows(64) == 256 and coarse.amortizing_rows(250) == 2048
 
 
 def test_largest_mixed_step_and_multi_step_choice():
