@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from engine.config import EngineConfig
 from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
+from serve.chat_template import check_chat_template
 from serve.generation_config import model_folder, sampling_defaults
 
 
@@ -89,11 +90,15 @@ class LLM:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of messages rendered with the tokenizer's chat template, ready for a reply."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: list[dict[str, str]], chat_template: str | None = None) -> list[int]:
+        """Token ids of messages rendered with the tokenizer's chat template (or chat_template, a
+        Jinja template's text), ready for a reply."""
+        if chat_template is not None:
+            check_chat_template(chat_template)
+        elif not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  chat_template=chat_template)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],

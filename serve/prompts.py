@@ -6,6 +6,7 @@ here and raised as APIError(400) with a message that says what to change.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -19,6 +20,8 @@ from serve.reasoning import prompt_closes_thinking, prompt_opens_thinking, think
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
 from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
+
+log = logging.getLogger("pagedserve")
 
 MAX_CHARS_PER_TOKEN = 64
 
@@ -141,6 +144,11 @@ class RequestPlanner:
         self.defaults = defaults or {}
         # plain encodes straight from the Rust tokenizer where that gives the same ids (None: tokenizer.encode)
         self.rust_encode = rust_encoder(tokenizer)
+        if config.chat_template is not None:
+            if hasattr(tokenizer, "apply_chat_template"):
+                tokenizer.chat_template = config.chat_template
+            else:
+                log.warning("--chat-template is not used: this model folder has no tokenizer (token-id prompts only)")
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser = resolve_tool_parser(config.tool_parser, template if isinstance(template, str) else None)
         self.template_has_tools = template_renders_tools(template if isinstance(template, str) else None)

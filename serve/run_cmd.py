@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from serve.chat_template import resolve_chat_template
 from serve.cli_args import add_engine_arguments, engine_config_from_args
 from serve.reasoning import REASONING_PARSERS
 from serve.server_config import ServerConfig
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
                    help="the format of the model's tool calls: hermes (<tool_call> tags) or llama3_json; auto: "
                         "llama3_json for a Llama 3 chat template, else hermes")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template for /v1/chat/completions in place of the tokenizer's: a file, or "
+                        "the template itself (for a base model that ships none, or a fine-tune trained on another)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="a reasoning model's thinking (<think> ... </think>) goes to the chat message's reasoning "
                         "field, apart from its content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its "
@@ -91,7 +95,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,
-                        reasoning_parser=args.reasoning_parser, generation_config=args.generation_config)
+                        reasoning_parser=args.reasoning_parser, generation_config=args.generation_config,
+                        chat_template=None if args.chat_template is None else resolve_chat_template(args.chat_template))
 
 
 def is_loopback(host: str) -> bool:

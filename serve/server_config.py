@@ -27,6 +27,7 @@ class ServerConfig:
     # request defaults from the model's generation_config.json (serve/generation_config.py): auto, vllm
     # (pagedserve's own), or a folder holding one
     generation_config: str = "auto"
+    chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's (serve/chat_template.py)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_sequences_per_request",
@@ -46,5 +47,7 @@ class ServerConfig:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
                              f"got {self.generation_config!r}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
