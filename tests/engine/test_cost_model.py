@@ -114,6 +114,30 @@ def test_prompt_steps_amortize_a_large_fixed_part():
     assert coarse.amortizing_rows(64) == 256 and coarse.amortizing_rows(250) == 2048
 
 
+# Llama-3-8B's forwards as `serve run` measured them (bf16, dummy weights; bench/results/amortize-h200-2026-11-29.json
+# call 3 and overlap-diagnostics-h100-2026-11-27.json), and the 4-bit checkpoint's on the H200 (same day)
+MEASURED_ROWS = (16, 32, 64, 128, 256, 384, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1152, 1280, 1408, 1536,
+                 1664, 1792, 1920, 2048)
+BF16_H200 = (4.43, 5.27, 4.67, 5.51, 7.85, 10.29, 12.27, 15.63, 15.13, 19.0, 18.75, 20.87, 20.75, 23.18, 22.13, 26.35,
+             27.22, 33.01, 34.87, 38.23, 38.6, 43.97, 45.7)
+BF16_H100 = (5.96, 6.77, 6.07, 7.07, 8.48, 10.81, 13.32, 14.97, 15.6, 18.27, 18.68, 23.62, 22.3, 23.42, 23.78, 26.99,
+             29.5, 33.2, 37.34, 39.46, 41.19, 45.41, 44.93)
+INT4_H200 = (2.89, 3.27, 5.3, 8.5, 13.33, 15.74, 17.99, 21.41, 21.85, 24.26, 25.76, 27.55, 26.81, 29.25, 27.78, 32.79,
+             33.97, 39.14, 40.86, 44.75, 46.45, 50.77, 49.83)
+
+
+def test_measured_curves_amortize_only_the_4_bit_one():
+    """bf16 budgets stay the stall factor's at every decode count; the 4-bit curve's steps of 64
+    decodes grow to 896 rows (served 1.15x the tokens/s)."""
+    for ms in (BF16_H200, BF16_H100):
+        m = StepCostModel(MEASURED_ROWS, ms, 0.0, 8192)
+        for d in range(1, 257):
+            assert m.forward(m.amortizing_rows(d)) <= STALL_FACTOR * m.forward(d) + 1e-9, d
+    m = StepCostModel(MEASURED_ROWS, INT4_H200, 0.0, 8192)
+    assert m.rows_within(STALL_FACTOR * m.forward(64)) == 128 and m.amortizing_rows(64) == 896
+    assert m.prompt_budget(64, 0) == 896 - 64
+
+
 def test_largest_mixed_step_and_multi_step_choice():
     m = model()
     assert m.largest_mixed_step(64) == max(d + m.prompt_budget(d, 0) for d in range(1, 65))
