@@ -49,6 +49,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     params.update(buffers)
     shards = model.param_shards()
     quant = model.quant
+    perms: set[str] = set()  # act-order weights whose column order one segment has set
+    _identity_orders(buffers)
     if isinstance(quant, Int4Format) and not quant.tensor_names()[2]:  # symmetric: zero points of 8
         for name, b in buffers.items():
             if name.endswith("weight_zero"):
@@ -84,7 +86,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                     raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
                 ours, seg = wmap[name]
                 if isinstance(quant, Int4Format) and ours.endswith(("proj.weight", "_scale", "_zero")):
-                    _load_int4(f, name, params[ours], shards[ours.rsplit(".", 1)[0] + ".weight"], seg, quant)
+                    weight = ours.rsplit(".", 1)[0] + ".weight"
+                    order = _act_order(f, name, params, weight, perms) if quant.act_order and ours == weight else None
+                    _load_int4(f, name, params[ours], shards[weight], seg, quant, order)
                 elif ours.endswith("weight_scale"):
                     weight = ours[:-len("_scale")]
                     _load_scale(f, name, params[ours], params[weight], shards[weight], seg, quant.blocked)
@@ -100,18 +104,54 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     _zero_padding(model, shards)
 
 
+def _identity_orders(buffers: dict[str, torch.Tensor]) -> None:
+    """Act-order weights' column orders (weight_perm: storage only after engine/runner.py's
+    materialize) as the identity, for dummy weights; a checkpoint's g_idx replaces them."""
+    for name, b in buffers.items():
+        if name.endswith("weight_perm"):
+            b.copy_(torch.arange(len(b), device=b.device))
+
+
 def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Our quantized weights' scale and zero-point buffers by name ("...proj.weight_scale",
     "...proj.weight_zero"), {} for a 16-bit model."""
-    return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero"))}
+    return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero", "weight_perm"))}
 
 
-def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4Format) -> None:
+def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str]) -> torch.Tensor:
+    """GPTQ act-order: the input columns of a projection's qweight sorted by their group (its g_idx,
+    read from the same file), checked to hold `group` columns a group, and stored as the weight's
+    weight_perm; every projection packed into one weight (q, k and v; gate and up) has the same
+    input and must have the same order."""
+    gname = name[:-len("qweight")] + "g_idx"
+    if gname not in f.keys():
+        raise WeightLoadError(f"{name}: an act-order (desc_act) GPTQ weight without {gname} in the same file")
+    g_idx = f.get_tensor(gname).to(torch.int64)
+    dst = params[weight + "_perm"]
+    groups = params[weight + "_scale"].shape[0]
+    if g_idx.shape != dst.shape or g_idx.min() < 0 or g_idx.max() >= groups or \
+            not torch.equal(torch.bincount(g_idx, minlength=groups), torch.full((groups,), len(g_idx) // groups)):
+        raise WeightLoadError(f"{gname}: not {groups} groups of {len(g_idx) // groups} input columns each")
+    order = torch.argsort(g_idx, stable=True).to(dst.device)
+    if weight not in perms:
+        dst.copy_(order)
+        perms.add(weight)
+    elif not torch.equal(dst, order):
+        raise WeightLoadError(f"{gname}: its act-order differs from the other projections packed with it (the same "
+                              "input must have one column order); a checkpoint quantized without desc_act loads")
+    return order
+
+
+def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4Format,
+               order: torch.Tensor | None = None) -> None:
     """One tensor of a 4-bit checkpoint (packed values, scales or zero points of one projection)
     into segment i's part of our weight, weight_scale or weight_zero (engine/int4.py's layout):
-    turned into column order, cut, and packed or transposed."""
+    turned into column order, cut, and packed or transposed. order: the packed values' input
+    columns in group order (GPTQ act-order), taken before packing."""
     kind = 0 if dst.dtype == INT4 else 1 if dst.dtype == torch.float16 else 2
     src = int4.to_engine(fmt, kind, f.get_tensor(name).to(dst.device))  # [N, K] values, or [N, K/G]
+    if order is not None:
+        src = src[:, order]
     seg = shard.segments[i]
     rows = dst if kind == 0 else dst.t()  # [N, ...] as src
     if shard.dim == 0:
@@ -227,6 +267,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     shards = model.param_shards()
     eshards = model.expert_shards()
     buffers = quant_buffers(model)
+    _identity_orders(buffers)
     for name, p in model.named_parameters():
         shard = shards.get(name)
         if name.endswith("norm.weight"):
@@ -297,6 +338,7 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
         whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel, quant=model.quant)
     ours = dict(model.named_parameters())
     buffers = quant_buffers(model)
+    _identity_orders(buffers)
     shards, whole_shards = model.param_shards(), whole.param_shards()
     eshards = whole.expert_shards()
     start = model.stage.start

@@ -20,7 +20,10 @@ fly. `--quantization fp8` quantizes a 16-bit checkpoint (or dummy weights) per c
 
 4-bit (Int4Format; engine/int4.py turns each layout into the engine's, kernels/int4.py multiplies):
 - `quant_method: awq` (AutoAWQ's GEMM layout: Qwen2.5-*-AWQ and most AWQ checkpoints);
-- `quant_method: gptq` (AutoGPTQ, GPTQModel, optimum; Qwen2.5-*-GPTQ-Int4), without act-order;
+- `quant_method: gptq` (AutoGPTQ, GPTQModel, optimum; Qwen2.5-*-GPTQ-Int4). With act-order
+  (`desc_act`) a group's input columns are scattered (`g_idx`): the loader sorts each weight's
+  columns by group and the forward gathers x's columns in the same order (`weight_perm`), so the
+  kernels see contiguous groups as without it;
 - `quant_method: compressed-tensors` with 4-bit integer weights in groups, symmetric (llm-compressor's
   W4A16, RedHatAI/*-quantized.w4a16).
 Each holds, per projection, the 4-bit values packed eight to an int32 along K, a scale and a zero
@@ -77,6 +80,7 @@ class Int4Format:
     method: str
     group: int  # input columns a scale covers; -1: the whole row
     zero_minus_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
+    act_order: bool = False  # GPTQ's desc_act: columns in groups by g_idx, not by position
     label = "4-bit"
 
     @property
@@ -130,14 +134,11 @@ def _int4(q: dict[str, Any], method: str) -> Int4Format:
             raise QuantizationError("AWQ checkpoints without zero points are not supported")
         _check_skipped(q.get("modules_to_not_convert") or [])
     else:
-        if q.get("desc_act"):
-            raise QuantizationError("GPTQ checkpoints with desc_act (act-order) are not supported; one quantized "
-                                    "without it loads")
         fmt = str(q.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise QuantizationError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq and gptq_v2 are)")
         _check_skipped(q.get("modules_to_not_convert") or [])
-        return Int4Format("gptq", _group(group), zero_minus_one=fmt == "gptq")
+        return Int4Format("gptq", _group(group), zero_minus_one=fmt == "gptq", act_order=bool(q.get("desc_act")))
     return Int4Format("awq", _group(group))
 
 

@@ -93,6 +93,8 @@ def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | Non
     if layer.weight_scale is None:
         return ops.linear(x, layer.weight, bias, out=out)
     if layer.weight_zero is not None:
+        if layer.weight_perm is not None:  # GPTQ act-order: x's columns in the weight's (group) order
+            x = x.index_select(-1, layer.weight_perm)
         return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
     return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
 
@@ -146,6 +148,8 @@ class MLP(nn.Module):
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
         gate_up = self.gate_up_proj
         if gate_up.weight_zero is not None:
+            if gate_up.weight_perm is not None:
+                x = x.index_select(-1, gate_up.weight_perm)
             h = ops.int4_gate_up_silu(x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero)
         elif gate_up.weight_scale is not None:
             h = ops.fp8_gate_up_silu(x, gate_up.weight, gate_up.weight_scale)

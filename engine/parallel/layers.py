@@ -82,14 +82,21 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
     - FP8: FP8 values with float32 scales. Block scales whose blocks would straddle two packed
       segments (q|k|v of small heads) or a rank's cut are held per row instead;
     - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
-      (engine/int4.py)."""
+      (engine/int4.py), and for GPTQ's act-order weight_perm, int64 [cols]: the input column of
+      each of the weight's columns (the loader sorts them by group; the forward gathers x by it)."""
     module.quant = quant
-    scale = zero = None
+    scale = zero = perm = None
     if isinstance(quant, Int4Format):
         group = cols if quant.group == -1 else quant.group
         if cols % group or cols % INT4_PACK:
             raise QuantizationError(f"a 4-bit weight of {cols} input columns on this rank does not split into "
                                     f"groups of {group}; use fewer ranks")
+        if quant.act_order:
+            if shard.dim == 1 and shard.local_size != shard.global_size:
+                raise QuantizationError("GPTQ act-order (desc_act) weights cannot be split along their input "
+                                        "columns (tensor parallelism); use --tensor-parallel-size 1 or a checkpoint "
+                                        "quantized without desc_act")
+            perm = torch.arange(cols)
         module.weight = nn.Parameter(torch.empty(rows, cols // INT4_PACK, dtype=torch.int32), requires_grad=False)
         scale = torch.empty(cols // group, rows, dtype=torch.float16)
         zero = torch.empty(cols // group, rows, dtype=torch.uint8)
@@ -100,6 +107,7 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
             scale = torch.empty(scale_shape(rows, cols, quant.blocked, shard.dim == 1 or blocks_align(shard.segments)))
     module.register_buffer("weight_scale", scale)
     module.register_buffer("weight_zero", zero)
+    module.register_buffer("weight_perm", perm)
 
 
 class ColumnParallelLinear(nn.Module):

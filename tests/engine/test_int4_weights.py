@@ -154,6 +154,85 @@ def test_int4_checkpoint_tp2_equals_transformers(wide_llama, tmp_path, fmt):
         check_prompt_logprobs(llm, hf_with(wide_llama, weights), prompts_of(4, 60, 4), max_gap=1e-3)
 
 
+# the projections that read one input share one act-order (GPTQ computes it from that input)
+SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp", "up_proj": "mlp",
+              "down_proj": "down"}
+
+
+def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None) -> dict[str, torch.Tensor]:
+    """src rewritten as a GPTQ act-order (desc_act) checkpoint: each input's columns shuffled into
+    groups (g_idx), each group quantized as a whole -> {weight name: dequantized}. differ: a
+    projection whose order is its own, unlike the others with its input."""
+    shutil.copytree(src, dst)
+    dequantized, orders = {}, {}
+    for f in dst.glob("*.safetensors"):
+        out = {}
+        for name, t in load_file(str(f)).items():
+            if not _is_proj(name):
+                out[name] = t
+                continue
+            proj = name.split(".")[-2]
+            key = (name.split(".mlp.")[0].split(".self_attn.")[0], SAME_INPUT[proj] if proj != differ else proj)
+            K = t.shape[1]
+            if key not in orders:  # order[j]: the input column at group position j
+                orders[key] = torch.randperm(K, generator=torch.Generator().manual_seed(len(orders)))
+            order = orders[key]
+            g_idx = torch.empty(K, dtype=torch.int32)
+            g_idx[order] = torch.arange(K, dtype=torch.int32) // group
+            q_sorted, s, z = _quantize(t.float()[:, order], group, symmetric=False)
+            back = torch.argsort(order)
+            q = q_sorted[:, back]
+            zeros = (z.t().to(torch.int16) - 1) & 0xF
+            base = name[:-len("weight")]
+            out.update({base + "qweight": _words(q).t().contiguous(), base + "qzeros": _words(zeros.to(torch.uint8)),
+                        base + "scales": s.t().contiguous(), base + "g_idx": g_idx})
+            deq = (q_sorted.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+            dequantized[name] = deq[:, back]
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {**_config("gptq", group), "desc_act": True}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+def test_gptq_act_order_equals_transformers(wide_llama, tmp_path):
+    """desc_act: the loader sorts each weight's columns by group, the forward gathers x alike."""
+    weights = write_act_order_checkpoint(wide_llama, tmp_path / "act", 64)
+    with LLM(str(tmp_path / "act"), dtype="float32", device="cpu", num_kv_blocks=64) as llm:
+        model = llm.engine.runner.model
+        assert model.quant.act_order
+        qkv = model.layers[0].self_attn.qkv_proj
+        perm = qkv.weight_perm
+        assert sorted(perm.tolist()) == list(range(256)) and perm.tolist() != list(range(256))
+        # the loaded weight is the checkpoint's, its columns in group order
+        layer0 = torch.cat([weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(reference.dequantize_int4(qkv.weight, qkv.weight_scale, qkv.weight_zero), layer0[:, perm])
+        hf = hf_with(wide_llama, weights)
+        check_prompt_logprobs(llm, hf, prompts_of(4, 60, 3), max_gap=1e-3)
+        prompts = make_prompts(3, n=4)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == model_greedy(hf, prompts, MAX_NEW)
+    # dummy weights with the act-order config: identity orders, the same tokens run to run
+    cfg_only = tmp_path / "cfg"
+    cfg_only.mkdir()
+    shutil.copy(tmp_path / "act" / "config.json", cfg_only / "config.json")
+    runs = []
+    for _ in range(2):
+        with LLM(str(cfg_only / "config.json"), dtype="float32", device="cpu", num_kv_blocks=64,
+                 load_format="dummy") as llm:
+            assert torch.equal(llm.engine.runner.model.layers[1].mlp.down_proj.weight_perm, torch.arange(512))
+            runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+    assert runs[0] == runs[1]
+    # two ranks: q/k/v and gate/up keep their whole input (rows split); o and down would cut it
+    with pytest.raises(RuntimeError, match="act-order .* cannot be split along their input columns"):
+        LLM(str(tmp_path / "act"), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64)
+
+
+def test_gptq_act_order_differing_within_a_packed_weight_is_one_error(wide_llama, tmp_path):
+    write_act_order_checkpoint(wide_llama, tmp_path / "act", 64, differ="v_proj")
+    with pytest.raises(Exception, match="act-order differs from the other projections packed with it"):
+        LLM(str(tmp_path / "act"), dtype="float32", device="cpu", num_kv_blocks=64)
+
+
 def test_groups_a_rank_would_cut_are_one_clear_error(wide_llama, tmp_path):
     """o_proj's 256 input columns over two ranks cannot keep groups of 256 whole."""
     dst = tmp_path / "awq"
@@ -186,7 +265,6 @@ def test_unsupported_4_bit_checkpoints_are_one_clear_error(tiny_models):
     cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
     for q, words in (({"quant_method": "awq", "bits": 8}, "AWQ checkpoints of 8 bits"),
                      ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv'"),
-                     ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
                      ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "groups of 100"),
                      ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
                      ({"quant_method": "bitsandbytes"}, "'bitsandbytes' are not supported"),
@@ -223,12 +301,15 @@ def test_kv_calc_counts_4_bit_projections():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-act-order"])
 def test_gpu_int4_checkpoint_equals_transformers(wide_llama, tmp_path, fmt):
     """On the GPU (float32 activations): kernels/int4.py through whole-step, piecewise and decode
     graphs, prompts chunked beside decodes; greedy as transformers' with the dequantized weights."""
     dst = tmp_path / fmt
-    weights = write_int4_checkpoint(wide_llama, dst, fmt, 64)
+    if fmt == "gptq-act-order":  # x gathered by the weight's order inside the graphs too
+        weights = write_act_order_checkpoint(wide_llama, dst, 64)
+    else:
+        weights = write_int4_checkpoint(wide_llama, dst, fmt, 64)
     hf = hf_with(wide_llama, weights)
     prompts = prompts_of(4, 60, 7)
     with LLM(str(dst), dtype="float32", max_num_batched_tokens=48) as llm:
