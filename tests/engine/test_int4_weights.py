@@ -73,8 +73,10 @@ def _config(fmt: str, group: int) -> dict:
                 "group_size": None if group == -1 else group}}}}
 
 
-def write_int4_checkpoint(src, dst, fmt: str, group: int = 128, zero_bias: bool = False) -> dict[str, torch.Tensor]:
-    """The 16-bit checkpoint src rewritten as a 4-bit one in format fmt -> {weight name: dequantized}."""
+def _rewrite_projections(src, dst, qconfig: dict, convert) -> dict[str, torch.Tensor]:
+    """src copied to dst with each projection's weight replaced by convert(name, weight) -> (the
+    checkpoint's tensors by suffix, the weight dequantized), and qconfig as its quantization_config
+    -> {weight name: dequantized}."""
     shutil.copytree(src, dst)
     dequantized = {}
     for f in dst.glob("*.safetensors"):
@@ -83,20 +85,28 @@ def write_int4_checkpoint(src, dst, fmt: str, group: int = 128, zero_bias: bool 
             if not _is_proj(name):
                 out[name] = t
                 continue
-            q, s, z = _quantize(t.float(), group, symmetric=fmt == "compressed-tensors")
-            if fmt == "compressed-tensors":  # llm-compressor keeps a bf16 model's scales in bf16
-                s = s.to(torch.bfloat16)
-            base = name[:-len("weight")]
-            out.update({base + k: v for k, v in _layout(fmt, q, s, z, group).items()})
-            if zero_bias:  # as AutoGPTQ saves for layers without a bias
-                out[base + "bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
-            g = q.shape[1] // s.shape[1]
-            dequantized[name] = (q.float() - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
+            tensors, dequantized[name] = convert(name, t)
+            out.update({name[:-len("weight")] + k: v for k, v in tensors.items()})
         save_file(out, str(f), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = _config(fmt, group)
+    cfg["quantization_config"] = qconfig
     (dst / "config.json").write_text(json.dumps(cfg))
     return dequantized
+
+
+def write_int4_checkpoint(src, dst, fmt: str, group: int = 128, zero_bias: bool = False) -> dict[str, torch.Tensor]:
+    """The 16-bit checkpoint src rewritten as a 4-bit one in format fmt -> {weight name: dequantized}."""
+    def convert(name, t):
+        q, s, z = _quantize(t.float(), group, symmetric=fmt == "compressed-tensors")
+        if fmt == "compressed-tensors":  # llm-compressor keeps a bf16 model's scales in bf16
+            s = s.to(torch.bfloat16)
+        tensors = _layout(fmt, q, s, z, group)
+        if zero_bias:  # as AutoGPTQ saves for layers without a bias
+            tensors["bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
+        g = q.shape[1] // s.shape[1]
+        return tensors, (q.float() - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
+
+    return _rewrite_projections(src, dst, _config(fmt, group), convert)
 
 
 def hf_with(path, weights: dict[str, torch.Tensor]):
@@ -163,36 +173,25 @@ def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None) 
     """src rewritten as a GPTQ act-order (desc_act) checkpoint: each input's columns shuffled into
     groups (g_idx), each group quantized as a whole -> {weight name: dequantized}. differ: a
     projection whose order is its own, unlike the others with its input."""
-    shutil.copytree(src, dst)
-    dequantized, orders = {}, {}
-    for f in dst.glob("*.safetensors"):
-        out = {}
-        for name, t in load_file(str(f)).items():
-            if not _is_proj(name):
-                out[name] = t
-                continue
-            proj = name.split(".")[-2]
-            key = (name.split(".mlp.")[0].split(".self_attn.")[0], SAME_INPUT[proj] if proj != differ else proj)
-            K = t.shape[1]
-            if key not in orders:  # order[j]: the input column at group position j
-                orders[key] = torch.randperm(K, generator=torch.Generator().manual_seed(len(orders)))
-            order = orders[key]
-            g_idx = torch.empty(K, dtype=torch.int32)
-            g_idx[order] = torch.arange(K, dtype=torch.int32) // group
-            q_sorted, s, z = _quantize(t.float()[:, order], group, symmetric=False)
-            back = torch.argsort(order)
-            q = q_sorted[:, back]
-            zeros = (z.t().to(torch.int16) - 1) & 0xF
-            base = name[:-len("weight")]
-            out.update({base + "qweight": _words(q).t().contiguous(), base + "qzeros": _words(zeros.to(torch.uint8)),
-                        base + "scales": s.t().contiguous(), base + "g_idx": g_idx})
-            deq = (q_sorted.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
-            dequantized[name] = deq[:, back]
-        save_file(out, str(f), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {**_config("gptq", group), "desc_act": True}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dequantized
+    orders = {}
+
+    def convert(name, t):
+        proj = name.split(".")[-2]
+        key = (name.split(".mlp.")[0].split(".self_attn.")[0], SAME_INPUT[proj] if proj != differ else proj)
+        K = t.shape[1]
+        if key not in orders:  # order[j]: the input column at group position j
+            orders[key] = torch.randperm(K, generator=torch.Generator().manual_seed(len(orders)))
+        order = orders[key]
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[order] = torch.arange(K, dtype=torch.int32) // group
+        q_sorted, s, z = _quantize(t.float()[:, order], group, symmetric=False)
+        back = torch.argsort(order)
+        zeros = (z.t().to(torch.int16) - 1) & 0xF  # GPTQ v1: each zero point less one
+        deq = (q_sorted.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+        return ({"qweight": _words(q_sorted[:, back]).t().contiguous(), "qzeros": _words(zeros.to(torch.uint8)),
+                 "scales": s.t().contiguous(), "g_idx": g_idx}, deq[:, back])
+
+    return _rewrite_projections(src, dst, {**_config("gptq", group), "desc_act": True}, convert)
 
 
 def test_gptq_act_order_equals_transformers(wide_llama, tmp_path):
