@@ -16,9 +16,10 @@ from engine.quant import FP8_GROUP, INT4_PACK, UNUSED_SUFFIXES, Int4Format, quan
 
 FP8 = torch.float8_e4m3fn
 INT4 = torch.int32  # a 4-bit weight's dtype: eight values a word (engine/int4.py)
-# a 4-bit checkpoint's tensors the engine does not read: GPTQ's group index (groups in order, as
-# desc_act false says), compressed-tensors' weight shape
-INT4_UNUSED_SUFFIXES = (".g_idx", ".weight_shape")
+# a 4-bit checkpoint's tensors the loop over a file does not read: the group index of each input
+# column (GPTQ's g_idx, compressed-tensors' weight_g_idx; read beside the packed values where the
+# checkpoint's groups are in activation order, _act_order), compressed-tensors' weight shape
+INT4_UNUSED_SUFFIXES = (".g_idx", "_g_idx", ".weight_shape")
 
 
 class WeightLoadError(ValueError):
@@ -87,7 +88,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                 ours, seg = wmap[name]
                 if isinstance(quant, Int4Format) and ours.endswith(("proj.weight", "_scale", "_zero")):
                     weight = ours.rsplit(".", 1)[0] + ".weight"
-                    order = _act_order(f, name, params, weight, perms) if quant.act_order and ours == weight else None
+                    order = (_act_order(f, name, params, weight, perms, quant) if quant.act_order and ours == weight
+                             else None)
                     _load_int4(f, name, params[ours], shards[weight], seg, quant, order)
                 elif ours.endswith("weight_scale"):
                     weight = ours[:-len("_scale")]
@@ -118,14 +120,16 @@ def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero", "weight_perm"))}
 
 
-def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str]) -> torch.Tensor:
-    """GPTQ act-order: the input columns of a projection's qweight sorted by their group (its g_idx,
+def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str],
+               fmt: Int4Format) -> torch.Tensor:
+    """Activation order (GPTQ's desc_act, compressed-tensors' actorder "group"): the input columns
+    of a projection's packed values sorted by their group (its g_idx,
     read from the same file), checked to hold `group` columns a group, and stored as the weight's
     weight_perm; every projection packed into one weight (q, k and v; gate and up) has the same
     input and must have the same order."""
-    gname = name[:-len("qweight")] + "g_idx"
+    gname = name[:-len(fmt.tensor_names()[0])] + fmt.group_index_name
     if gname not in f.keys():
-        raise WeightLoadError(f"{name}: an act-order (desc_act) GPTQ weight without {gname} in the same file")
+        raise WeightLoadError(f"{name}: a weight in activation order without {gname} in the same file")
     g_idx = f.get_tensor(gname).to(torch.int64)
     dst = params[weight + "_perm"]
     groups = params[weight + "_scale"].shape[0]
@@ -138,7 +142,8 @@ def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms
         perms.add(weight)
     elif not torch.equal(dst, order):
         raise WeightLoadError(f"{gname}: its act-order differs from the other projections packed with it (the same "
-                              "input must have one column order); a checkpoint quantized without desc_act loads")
+                              "input must have one column order); a checkpoint quantized with its groups in "
+                              "column order loads")
     return order
 
 

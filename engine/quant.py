@@ -25,7 +25,8 @@ fly. `--quantization fp8` quantizes a 16-bit checkpoint (or dummy weights) per c
   columns by group and the forward gathers x's columns in the same order (`weight_perm`), so the
   kernels see contiguous groups as without it;
 - `quant_method: compressed-tensors` with 4-bit integer weights in groups, symmetric (llm-compressor's
-  W4A16, RedHatAI/*-quantized.w4a16).
+  W4A16, RedHatAI/*-quantized.w4a16), its groups in activation order (`actorder: group`,
+  `weight_g_idx`) as GPTQ's desc_act.
 Each holds, per projection, the 4-bit values packed eight to an int32 along K, a scale and a zero
 point per group of `group` input columns and output row: w = (q - zero) * scale.
 """
@@ -80,13 +81,18 @@ class Int4Format:
     method: str
     group: int  # input columns a scale covers; -1: the whole row
     zero_minus_one: bool = False  # GPTQ's v1 checkpoints store each zero point less one
-    act_order: bool = False  # GPTQ's desc_act: columns in groups by g_idx, not by position
+    act_order: bool = False  # GPTQ's desc_act, compressed-tensors' actorder "group": groups by a group index
     label = "4-bit"
 
     @property
     def bytes_per_weight(self) -> float:
         g = self.group if self.group > 0 else 4096  # one group a row: counted as a row of 4,096
         return 0.5 + 3.0 / g  # a float16 scale and a uint8 zero a group
+
+    @property
+    def group_index_name(self) -> str:
+        """The suffix of each projection's group index (act_order)."""
+        return "weight_g_idx" if self.method == "compressed-tensors" else "g_idx"
 
     def tensor_names(self) -> tuple[str, ...]:
         """The checkpoint's tensors of one projection, by suffix, in the order engine/int4.py maps
@@ -186,10 +192,12 @@ def _compressed_tensors_int4(q: dict[str, Any], w: dict[str, Any]) -> Int4Format
     else:
         raise QuantizationError(f"compressed-tensors 4-bit weights scaled per {strategy!r} are not supported "
                                 "(per group or channel are)")
-    if (w.get("actorder") or "static") not in ("static", "weight"):
-        raise QuantizationError("compressed-tensors 4-bit weights with activation order groups are not supported")
+    actorder = w.get("actorder") or "static"
+    if actorder not in ("static", "weight", "group"):
+        raise QuantizationError(f"compressed-tensors 4-bit weights with actorder {actorder!r} are not supported "
+                                "(static, weight and group are)")
     _check_skipped(q.get("ignore") or [])
-    return Int4Format("compressed-tensors", group)
+    return Int4Format("compressed-tensors", group, act_order=actorder == "group")
 
 
 def _check_skipped(names: list[str]) -> None:

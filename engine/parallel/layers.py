@@ -82,7 +82,7 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
     - FP8: FP8 values with float32 scales. Block scales whose blocks would straddle two packed
       segments (q|k|v of small heads) or a rank's cut are held per row instead;
     - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
-      (engine/int4.py), and for GPTQ's act-order weight_perm, int64 [cols]: the input column of
+      (engine/int4.py), and for weights in activation order weight_perm, int64 [cols]: the input column of
       each of the weight's columns (the loader sorts them by group; the forward gathers x by it)."""
     module.quant = quant
     scale = zero = perm = None
@@ -93,9 +93,9 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
                                     f"groups of {group}; use fewer ranks")
         if quant.act_order:
             if shard.dim == 1 and shard.local_size != shard.global_size:
-                raise QuantizationError("GPTQ act-order (desc_act) weights cannot be split along their input "
-                                        "columns (tensor parallelism); use --tensor-parallel-size 1 or a checkpoint "
-                                        "quantized without desc_act")
+                raise QuantizationError("4-bit weights in activation order (GPTQ's desc_act, actorder group) "
+                                        "cannot be split along their input columns (tensor parallelism); use "
+                                        "--tensor-parallel-size 1 or a checkpoint with its groups in column order")
             perm = torch.arange(cols)
         module.weight = nn.Parameter(torch.empty(rows, cols // INT4_PACK, dtype=torch.int32), requires_grad=False)
         scale = torch.empty(cols // group, rows, dtype=torch.float16)

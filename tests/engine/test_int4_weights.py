@@ -169,10 +169,12 @@ SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o
               "down_proj": "down"}
 
 
-def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None) -> dict[str, torch.Tensor]:
-    """src rewritten as a GPTQ act-order (desc_act) checkpoint: each input's columns shuffled into
-    groups (g_idx), each group quantized as a whole -> {weight name: dequantized}. differ: a
-    projection whose order is its own, unlike the others with its input."""
+def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None,
+                               fmt: str = "gptq") -> dict[str, torch.Tensor]:
+    """src rewritten as a checkpoint in activation order (fmt gptq: desc_act; compressed-tensors:
+    actorder group), each input's columns shuffled into groups (the group index), each group
+    quantized as a whole -> {weight name: dequantized}. differ: a projection whose order is its
+    own, unlike the others with its input."""
     orders = {}
 
     def convert(name, t):
@@ -184,19 +186,28 @@ def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None) 
         order = orders[key]
         g_idx = torch.empty(K, dtype=torch.int32)
         g_idx[order] = torch.arange(K, dtype=torch.int32) // group
-        q_sorted, s, z = _quantize(t.float()[:, order], group, symmetric=False)
+        q_sorted, s, z = _quantize(t.float()[:, order], group, symmetric=fmt == "compressed-tensors")
         back = torch.argsort(order)
-        zeros = (z.t().to(torch.int16) - 1) & 0xF  # GPTQ v1: each zero point less one
         deq = (q_sorted.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+        if fmt == "compressed-tensors":
+            return {**_layout(fmt, q_sorted[:, back], s, z, group), "weight_g_idx": g_idx}, deq[:, back]
+        zeros = (z.t().to(torch.int16) - 1) & 0xF  # GPTQ v1: each zero point less one
         return ({"qweight": _words(q_sorted[:, back]).t().contiguous(), "qzeros": _words(zeros.to(torch.uint8)),
                  "scales": s.t().contiguous(), "g_idx": g_idx}, deq[:, back])
 
-    return _rewrite_projections(src, dst, {**_config("gptq", group), "desc_act": True}, convert)
+    qconfig = _config(fmt, group)
+    if fmt == "compressed-tensors":
+        qconfig["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    else:
+        qconfig["desc_act"] = True
+    return _rewrite_projections(src, dst, qconfig, convert)
 
 
-def test_gptq_act_order_equals_transformers(wide_llama, tmp_path):
-    """desc_act: the loader sorts each weight's columns by group, the forward gathers x alike."""
-    weights = write_act_order_checkpoint(wide_llama, tmp_path / "act", 64)
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_activation_order_equals_transformers(wide_llama, tmp_path, fmt):
+    """GPTQ's desc_act, compressed-tensors' actorder group: the loader sorts each weight's columns by
+    group, the forward gathers x alike."""
+    weights = write_act_order_checkpoint(wide_llama, tmp_path / "act", 64, fmt=fmt)
     with LLM(str(tmp_path / "act"), dtype="float32", device="cpu", num_kv_blocks=64) as llm:
         model = llm.engine.runner.model
         assert model.quant.act_order
@@ -222,7 +233,7 @@ def test_gptq_act_order_equals_transformers(wide_llama, tmp_path):
             runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
     assert runs[0] == runs[1]
     # two ranks: q/k/v and gate/up keep their whole input (rows split); o and down would cut it
-    with pytest.raises(RuntimeError, match="act-order .* cannot be split along their input columns"):
+    with pytest.raises(RuntimeError, match="activation order .* cannot be split along their input columns"):
         LLM(str(tmp_path / "act"), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64)
 
 
@@ -272,7 +283,7 @@ def test_unsupported_4_bit_checkpoints_are_one_clear_error(tiny_models):
                          "symmetric": False}}}}, "asymmetric"),
                      ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
                          "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
-                         "actorder": "group"}}}}, "activation order")):
+                         "actorder": "dynamic"}}}}, "actorder 'dynamic'")):
         with pytest.raises(ModelConfigError, match=words):
             ModelConfig.from_dict({**cfg, "quantization_config": q})
 
