@@ -115,18 +115,18 @@ def _identity_orders(buffers: dict[str, torch.Tensor]) -> None:
 
 
 def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our quantized weights' scale and zero-point buffers by name ("...proj.weight_scale",
-    "...proj.weight_zero"), {} for a 16-bit model."""
+    """Our quantized weights' scale, zero-point and column-order buffers by name ("...proj.weight_scale",
+    "...proj.weight_zero", "...proj.weight_perm"), {} for a 16-bit model."""
     return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero", "weight_perm"))}
 
 
 def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str],
                fmt: Int4Format) -> torch.Tensor:
     """Activation order (GPTQ's desc_act, compressed-tensors' actorder "group"): the input columns
-    of a projection's packed values sorted by their group (its g_idx,
-    read from the same file), checked to hold `group` columns a group, and stored as the weight's
-    weight_perm; every projection packed into one weight (q, k and v; gate and up) has the same
-    input and must have the same order."""
+    of a projection's packed values sorted by their group (its group index, read from the same
+    file), checked to hold `group` columns a group, and stored as the weight's weight_perm. Every
+    projection packed into one weight (q, k and v; gate and up) has the same input and must have
+    the same order."""
     gname = name[:-len(fmt.tensor_names()[0])] + fmt.group_index_name
     if gname not in f.keys():
         raise WeightLoadError(f"{name}: a weight in activation order without {gname} in the same file")
@@ -152,7 +152,7 @@ def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4F
     """One tensor of a 4-bit checkpoint (packed values, scales or zero points of one projection)
     into segment i's part of our weight, weight_scale or weight_zero (engine/int4.py's layout):
     turned into column order, cut, and packed or transposed. order: the packed values' input
-    columns in group order (GPTQ act-order), taken before packing."""
+    columns in group order (activation order), taken before packing."""
     kind = 0 if dst.dtype == INT4 else 1 if dst.dtype == torch.float16 else 2
     src = int4.to_engine(fmt, kind, f.get_tensor(name).to(dst.device))  # [N, K] values, or [N, K/G]
     if order is not None:

@@ -93,7 +93,7 @@ def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | Non
     if layer.weight_scale is None:
         return ops.linear(x, layer.weight, bias, out=out)
     if layer.weight_zero is not None:
-        if layer.weight_perm is not None:  # GPTQ act-order: x's columns in the weight's (group) order
+        if layer.weight_perm is not None:  # groups in activation order: x's columns in the weight's order
             x = x.index_select(-1, layer.weight_perm)
         return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
     return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)

@@ -82,8 +82,9 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
     - FP8: FP8 values with float32 scales. Block scales whose blocks would straddle two packed
       segments (q|k|v of small heads) or a rank's cut are held per row instead;
     - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
-      (engine/int4.py), and for weights in activation order weight_perm, int64 [cols]: the input column of
-      each of the weight's columns (the loader sorts them by group; the forward gathers x by it)."""
+      (engine/int4.py); for groups in activation order also weight_perm, int64 [cols]: the input
+      column of each of the weight's columns (the loader sorts them by group, the forward gathers
+      x by it)."""
     module.quant = quant
     scale = zero = perm = None
     if isinstance(quant, Int4Format):
