@@ -54,8 +54,19 @@ def complete(base_url: str, prompt: list[int], stream: bool, max_tokens: int = M
 
 def per_replica(srv: SubprocessServer, name: str, **labels: str) -> list[float]:
     """The series `name` of replicas 0 and 1 (0 where it has no sample yet)."""
+    return _by_replica(metric_samples(srv.http, name, **labels))
+
+
+def replica_values(text: str, name: str) -> list[float]:
+    """per_replica of one /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return _by_replica([s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name])
+
+
+def _by_replica(samples: list) -> list[float]:
     values = [0.0, 0.0]
-    for s in metric_samples(srv.http, name, **labels):
+    for s in samples:
         if s.labels.get("replica") in ("0", "1"):
             values[int(s.labels["replica"])] += s.value
     return values
@@ -111,17 +122,28 @@ def test_a_repeated_prompt_goes_to_the_replica_with_its_prefix(dp):
 
 def test_an_abort_frees_blocks_on_its_replica(dp):
     aborted = finished(dp, "abort")
+    engines = engine_children(dp.proc.pid)
+    assert len(engines) == 2
     with httpx.Client(base_url=dp.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body(PROMPTS[0], True, max_tokens=400)) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            for _ in range(3):
-                while not next(lines).startswith("data:"):
-                    pass
-            running = per_replica(dp, "pagedserve:num_requests_running")
+            while not next(lines).startswith("data:"):
+                pass
+            # the replicas stop where they are, their last state the server's, so that the stream
+            # cannot end by its length while the gauges are read (a CPU engine makes its 400 tokens
+            # in well under a second); one scrape gives both gauges of one state
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                text = dp.http.get("/metrics").text
+            finally:
+                for pid in engines:
+                    os.kill(pid, signal.SIGCONT)
+            running = replica_values(text, "pagedserve:num_requests_running")
             assert sorted(running) == [0.0, 1.0]
             where = running.index(1.0)
-            assert per_replica(dp, "pagedserve:kv_cache_used_blocks")[where] > 0
+            assert replica_values(text, "pagedserve:kv_cache_used_blocks")[where] > 0
     wait_idle(dp, timeout=5)
     after = finished(dp, "abort")
     assert after[where] == aborted[where] + 1 and after[1 - where] == aborted[1 - where]
