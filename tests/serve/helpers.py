@@ -155,10 +155,28 @@ def serve_run_usage_error(model_dir: Path, *args: str) -> list[str]:
 
 def metric_samples(http: httpx.Client, name: str, **labels: str) -> list[Any]:
     """The samples of the series `name` on /metrics that have these labels."""
+    return page_samples(http.get("/metrics").text, name, **labels)
+
+
+def page_samples(text: str, name: str, **labels: str) -> list[Any]:
+    """metric_samples of one /metrics page (several series of one moment)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return [s for family in text_string_to_metric_families(http.get("/metrics").text) for s in family.samples
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+@contextmanager
+def paused(pids: list[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block and continued after it: engines held where they
+    are, their last state the server's, while a test reads it."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def wait_gauges(read: Callable[[str], Any], idle: Any, timeout: float) -> None:

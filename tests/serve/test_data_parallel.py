@@ -17,7 +17,8 @@ import pytest
 from engine.config import EngineConfig
 from serve.engine_set import visible_gpus
 from serve.replicas import place_replicas
-from tests.serve.helpers import HOST, SubprocessServer, client_of, metric_samples, serve_run_usage_error, wait_gauges
+from tests.serve.helpers import (HOST, SubprocessServer, client_of, metric_samples, page_samples, paused,
+                                 serve_run_usage_error, wait_gauges)
 from tests.serve.test_shutdown import engine_children, start_server
 
 PROMPTS = [[5, 80, 17, 301, 44, 9, 120], [250, 3, 3, 77], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 98]]
@@ -55,13 +56,6 @@ def complete(base_url: str, prompt: list[int], stream: bool, max_tokens: int = M
 def per_replica(srv: SubprocessServer, name: str, **labels: str) -> list[float]:
     """The series `name` of replicas 0 and 1 (0 where it has no sample yet)."""
     return _by_replica(metric_samples(srv.http, name, **labels))
-
-
-def replica_values(text: str, name: str) -> list[float]:
-    """per_replica of one /metrics page."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return _by_replica([s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name])
 
 
 def _by_replica(samples: list) -> list[float]:
@@ -130,20 +124,15 @@ def test_an_abort_frees_blocks_on_its_replica(dp):
             lines = r.iter_lines()
             while not next(lines).startswith("data:"):
                 pass
-            # the replicas stop where they are, their last state the server's, so that the stream
-            # cannot end by its length while the gauges are read (a CPU engine makes its 400 tokens
-            # in well under a second); one scrape gives both gauges of one state
-            for pid in engines:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            # the replicas held where they are, so that the stream cannot end by its length while
+            # the gauges are read (a CPU engine makes its 400 tokens in well under a second); one
+            # scrape gives both gauges of one state
+            with paused(engines):
                 text = dp.http.get("/metrics").text
-            finally:
-                for pid in engines:
-                    os.kill(pid, signal.SIGCONT)
-            running = replica_values(text, "pagedserve:num_requests_running")
+            running = _by_replica(page_samples(text, "pagedserve:num_requests_running"))
             assert sorted(running) == [0.0, 1.0]
             where = running.index(1.0)
-            assert replica_values(text, "pagedserve:kv_cache_used_blocks")[where] > 0
+            assert _by_replica(page_samples(text, "pagedserve:kv_cache_used_blocks"))[where] > 0
     wait_idle(dp, timeout=5)
     after = finished(dp, "abort")
     assert after[where] == aborted[where] + 1 and after[1 - where] == aborted[1 - where]

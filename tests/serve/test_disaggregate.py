@@ -19,7 +19,8 @@ import pytest
 
 from engine.config import EngineConfig
 from serve.disagg import parse_disaggregate, place_engines
-from tests.serve.helpers import HOST, SubprocessServer, client_of, metric_samples, serve_run_usage_error, wait_gauges
+from tests.serve.helpers import (HOST, SubprocessServer, client_of, metric_samples, page_samples, paused,
+                                 serve_run_usage_error, wait_gauges)
 from tests.serve.test_data_parallel import PROMPTS, MAX_NEW, body, complete
 from tests.serve.test_shutdown import engine_children, start_server
 
@@ -88,6 +89,8 @@ def test_prefix_caching_on_the_prefill_side(pd):
 
 def test_an_abort_frees_blocks_on_both_sides(pd):
     aborted = series(pd, "pagedserve:request_success_total", finished_reason="abort")
+    engines = engine_children(pd.proc.pid)
+    assert len(engines) == 2
     with httpx.Client(base_url=pd.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body(PROMPTS[0], True, max_tokens=400)) as r:
             assert r.status_code == 200
@@ -95,8 +98,15 @@ def test_an_abort_frees_blocks_on_both_sides(pd):
             for _ in range(3):
                 while not next(lines).startswith("data:"):
                     pass
-            assert per_role(pd, "pagedserve:num_requests_running") == (0.0, 1.0)  # decoding on the decode side
-            assert per_role(pd, "pagedserve:kv_cache_used_blocks")[1] > 0
+            # both engines held while one scrape reads their gauges: the stream cannot end by its
+            # length in between (tests/serve/test_data_parallel.py)
+            with paused(engines):
+                text = pd.http.get("/metrics").text
+
+            def role(name: str) -> tuple[float, float]:
+                return tuple(sum(s.value for s in page_samples(text, name, role=r)) for r in ("prefill", "decode"))
+            assert role("pagedserve:num_requests_running") == (0.0, 1.0)  # decoding on the decode side
+            assert role("pagedserve:kv_cache_used_blocks")[1] > 0
     wait_idle(pd, timeout=5)
     assert series(pd, "pagedserve:request_success_total", finished_reason="abort") == aborted + 1
 
