@@ -144,14 +144,17 @@ class RequestPlanner:
         self.defaults = defaults or {}
         # plain encodes straight from the Rust tokenizer where that gives the same ids (None: tokenizer.encode)
         self.rust_encode = rust_encoder(tokenizer)
+        # the template chat requests render with: --chat-template's, else the tokenizer's (None: none)
+        self.chat_template = getattr(tokenizer, "chat_template", None)
         if config.chat_template is not None:
             if hasattr(tokenizer, "apply_chat_template"):
-                tokenizer.chat_template = config.chat_template
+                self.chat_template = config.chat_template
             else:
                 log.warning("--chat-template is not used: this model folder has no tokenizer (token-id prompts only)")
-        template = getattr(tokenizer, "chat_template", None)
-        self.tool_parser = resolve_tool_parser(config.tool_parser, template if isinstance(template, str) else None)
-        self.template_has_tools = template_renders_tools(template if isinstance(template, str) else None)
+        # its text (None for the tokenizer's dict of named templates, which it chooses from itself)
+        self.template_text = self.chat_template if isinstance(self.chat_template, str) else None
+        self.tool_parser = resolve_tool_parser(config.tool_parser, self.template_text)
+        self.template_has_tools = template_renders_tools(self.template_text)
         self.think_tokens = think_token_ids(tokenizer) if config.reasoning_parser is not None else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -301,7 +304,7 @@ class RequestPlanner:
             raise APIError(400, str(e), param="prompt") from None
 
     def _chat_text(self, req: ChatCompletionRequest, tools: ToolPlan) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         messages = []
         for i, m in enumerate(req.messages):
@@ -318,7 +321,7 @@ class RequestPlanner:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                       continue_final_message=req.continue_final_message,
-                                                      tokenize=False, **extra)
+                                                      tokenize=False, chat_template=self.template_text, **extra)
         except Exception as e:  # the template's own raise_exception(), or a template error
             reason = str(e).splitlines()[0][:200] if str(e) else "it raised an error"
             raise APIError(400, f"the chat template cannot render these messages: {reason}", param="messages") from None
