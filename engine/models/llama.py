@@ -86,6 +86,12 @@ def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // comm.size)
 
 
+def in_weight_order(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x for a 4-bit layer: its columns in the weight's order where the groups are in activation
+    order (weight_perm), else x itself."""
+    return x if layer.weight_perm is None else x.index_select(-1, layer.weight_perm)
+
+
 def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by
     ops.fp8_linear, a 4-bit one by ops.int4_linear."""
@@ -93,9 +99,7 @@ def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | Non
     if layer.weight_scale is None:
         return ops.linear(x, layer.weight, bias, out=out)
     if layer.weight_zero is not None:
-        if layer.weight_perm is not None:  # groups in activation order: x's columns in the weight's order
-            x = x.index_select(-1, layer.weight_perm)
-        return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
+        return ops.int4_linear(in_weight_order(layer, x), layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
     return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
 
 
@@ -148,9 +152,7 @@ class MLP(nn.Module):
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
         gate_up = self.gate_up_proj
         if gate_up.weight_zero is not None:
-            if gate_up.weight_perm is not None:
-                x = x.index_select(-1, gate_up.weight_perm)
-            h = ops.int4_gate_up_silu(x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero)
+            h = ops.int4_gate_up_silu(in_weight_order(gate_up, x), gate_up.weight, gate_up.weight_scale, gate_up.weight_zero)
         elif gate_up.weight_scale is not None:
             h = ops.fp8_gate_up_silu(x, gate_up.weight, gate_up.weight_scale)
         else:
