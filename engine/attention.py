@@ -62,8 +62,9 @@ class Ops:
     # quantized per token (kernels/fp8.py); and the MLP's activation with an FP8 gate_up weight
     fp8_linear: Callable = reference.fp8_linear
     fp8_gate_up_silu: Callable = reference.fp8_gate_up_silu
-    # (x, weight int32 [N, K/8], weight_scale, weight_zero, bias=None, out=None) -> x @ the 4-bit weight
-    # dequantized .T + bias (kernels/int4.py); and the MLP's activation with a 4-bit gate_up weight
+    # (x, weight int32 [N, K/8], weight_scale, weight_zero, bias=None, out=None, order=None) -> x @ the
+    # 4-bit weight dequantized .T + bias, x's columns in `order` where its groups are in activation
+    # order (kernels/int4.py); and the MLP's activation with a 4-bit gate_up weight
     int4_linear: Callable = reference.int4_linear
     int4_gate_up_silu: Callable = reference.int4_gate_up_silu
 

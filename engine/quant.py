@@ -22,8 +22,9 @@ fly. `--quantization fp8` quantizes a 16-bit checkpoint (or dummy weights) per c
 - `quant_method: awq` (AutoAWQ's GEMM layout: Qwen2.5-*-AWQ and most AWQ checkpoints);
 - `quant_method: gptq` (AutoGPTQ, GPTQModel, optimum; Qwen2.5-*-GPTQ-Int4). With act-order
   (`desc_act`) a group's input columns are scattered (`g_idx`): the loader sorts each weight's
-  columns by group and the forward gathers x's columns in the same order (`weight_perm`), so the
-  kernels see contiguous groups as without it;
+  columns by group (`weight_perm`) and x's columns come in the same order, so the kernels see
+  contiguous groups as without it: written so by the RMSNorm before q/k/v and gate/up, by gate/up's
+  reordered rows before down, and gathered before o (LlamaForCausalLM.fold_act_orders);
 - `quant_method: compressed-tensors` with 4-bit integer weights in groups, symmetric (llm-compressor's
   W4A16, RedHatAI/*-quantized.w4a16), its groups in activation order (`actorder: group`,
   `weight_g_idx`) as GPTQ's desc_act.

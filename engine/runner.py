@@ -296,6 +296,7 @@ class ModelRunner:
         else:
             assert model_path is not None
             load_weights(model, model_path, show_progress)
+        model.fold_act_orders()
         model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
         self.model = model.eval()
         phase("weights")

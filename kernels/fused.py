@@ -17,9 +17,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, order_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro, N,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -31,17 +31,29 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / N
-    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(var + eps)
+    src = cols
+    if ORDERED:  # output column j is column order[j]: its inputs gathered again (L1) and summed the same way
+        src = tl.load(order_ptr + cols, mask=mask, other=0)
+        x = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + src, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        h = x.to(tl.float32)
+    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + src, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             pdl: bool = False, order: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm as Hugging Face's Llama computes it; with residual returns (normed, x + residual).
+    order (int64 [hidden]): the normed output's columns in this order (normed[..., order]; the
+    residual keeps its own), for a 4-bit projection whose groups are in activation order.
     pdl (here and in the other wrappers): launch with programmatic dependent launch (kernels/pdl.py)."""
     N = x.shape[-1]
     assert weight.shape == (N,) and weight.is_contiguous(), "weight must be [hidden] and contiguous"
+    assert order is None or (order.shape == (N,) and order.dtype == torch.int64 and order.is_contiguous())
     assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES
     x2 = x.reshape(-1, N)
     assert x2.stride(-1) == 1, "x's last dim must be contiguous"
@@ -61,8 +73,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = next_pow2(N)
         pdl = pdl and x.is_cuda
         launch(_rms_norm_kernel, (rows,),
-            x2, r2, weight, out2, ro2, eps, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
-            BLOCK=block, HAS_RES=residual is not None, PDL=pdl, num_warps=min(16, max(1, block // 512)),
+            x2, r2, weight, weight if order is None else order, out2, ro2, eps,
+            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
+            BLOCK=block, HAS_RES=residual is not None, ORDERED=order is not None, PDL=pdl, num_warps=min(16, max(1, block // 512)),
             launch_pdl=pdl,
         )
     return out if residual is None else (out, res_out)
@@ -196,4 +209,28 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         pdl = pdl and x.is_cuda
         launch(_silu_and_mul_kernel, (x2.shape[0], cdiv(N, block)),
             x2, o2, x2.stride(0), o2.stride(0), N, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
+
+
+@triton.jit
+def _gather_columns_kernel(x_ptr, order_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    src = tl.load(order_ptr + cols, mask=mask, other=0)  # no kernel writes the order: before the wait
+    wait_for_prior(PDL)
+    tl.store(out_ptr + row * stride_o + cols, tl.load(x_ptr + row * stride_x + src, mask=mask), mask=mask)
+
+
+def gather_columns(x: torch.Tensor, order: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """x [M, N] -> x[:, order] (order int64 [N]): a 4-bit projection's input in its weight's
+    activation order, where no kernel before it writes that order (kernels/int4.py)."""
+    M, N = x.shape
+    assert order.shape == (N,) and order.dtype == torch.int64 and x.stride(1) == 1
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if M and N:
+        block = min(1024, next_pow2(N))
+        pdl = pdl and x.is_cuda
+        launch(_gather_columns_kernel, (M, cdiv(N, block)), x, order, out, x.stride(0), out.stride(0), N,
+               BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

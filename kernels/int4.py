@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels import int4_wgmma, reference
 from kernels.attn_common import mma
-from kernels.fused import silu_and_mul
+from kernels.fused import gather_columns, silu_and_mul
 from kernels.launch import cdiv, launch, next_pow2, sm_count, split_count
 from kernels.linear import _finish, grouped_tile, split_buffers
 from kernels.pdl import wait_for_prior
@@ -218,9 +218,13 @@ DEQUANT_MIN_ROWS = 64
 
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                bias: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False,
+                order: torch.Tensor | None = None) -> torch.Tensor:
     """The engine's 4-bit projection: w4a16_matmul for up to DEQUANT_MIN_ROWS rows (int4_wgmma.MAX_M on
-    Hopper), else the weight dequantized to x's dtype and cuBLAS."""
+    Hopper), else the weight dequantized to x's dtype and cuBLAS. order: the weight's columns are
+    x's in this order (groups in activation order): x is gathered first."""
+    if order is not None:
+        x = gather_columns(x, order, pdl=pdl)
     group = group_of(w, scale, zero)
     few = x.shape[0] <= DEQUANT_MIN_ROWS or not x.is_cuda or int4_wgmma.supports(x, x.shape[1], group)
     if few and supports(w, group):
@@ -229,6 +233,6 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: tor
 
 
 def int4_gate_up_silu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      pdl: bool = False) -> torch.Tensor:
+                      pdl: bool = False, order: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP's activation with a 4-bit gate_up weight [2I, K]: silu(gate) * up [M, I] in x's dtype."""
-    return silu_and_mul(int4_linear(x, w, scale, zero, pdl=pdl), pdl=pdl)
+    return silu_and_mul(int4_linear(x, w, scale, zero, pdl=pdl, order=order), pdl=pdl)

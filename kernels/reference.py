@@ -106,10 +106,11 @@ def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out=out)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             order: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm as Hugging Face's Llama computes it; with residual, first x += residual and
-    return (normed, x + residual) so the caller keeps the sum as the next residual."""
+    return (normed, x + residual) so the caller keeps the sum as the next residual. order: the
+    normed output's columns in this order (normed[..., order])."""
     if residual is not None:
         x = x + residual
         residual = x
@@ -117,6 +118,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(dtype)
+    if order is not None:
+        out = out.index_select(-1, order)
     return out if residual is None else (out, residual)
 
 
@@ -325,9 +328,12 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ the 4-bit weight w [N, K/8] dequantized, .T (+ bias): float32 sums, rounded to x's
-    dtype (kernels/int4.py)."""
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                order: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (its columns in `order` where given) @ the 4-bit weight w [N, K/8] dequantized, .T
+    (+ bias): float32 sums, rounded to x's dtype (kernels/int4.py)."""
+    if order is not None:
+        x = x.index_select(-1, order)
     y = x.float() @ dequantize_int4(w, scale, zero).t()
     if bias is not None:
         y = y + bias.float()
@@ -335,6 +341,7 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: tor
     return y if out is None else out.copy_(y)
 
 
-def int4_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def int4_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      order: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up_silu with a 4-bit gate_up weight (kernels/int4.py)."""
-    return silu_and_mul(int4_linear(x, weight, scale, zero))
+    return silu_and_mul(int4_linear(x, weight, scale, zero, order=order))

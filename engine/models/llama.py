@@ -74,6 +74,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # the output's columns in a 4-bit projection's activation order (LlamaForCausalLM.fold_act_orders)
+        self.register_buffer("order", None)
 
 
 def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
@@ -86,12 +88,6 @@ def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // comm.size)
 
 
-def in_weight_order(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x for a 4-bit layer: its columns in the weight's order where the groups are in activation
-    order (weight_perm), else x itself."""
-    return x if layer.weight_perm is None else x.index_select(-1, layer.weight_perm)
-
-
 def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by
     ops.fp8_linear, a 4-bit one by ops.int4_linear."""
@@ -99,8 +95,24 @@ def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | Non
     if layer.weight_scale is None:
         return ops.linear(x, layer.weight, bias, out=out)
     if layer.weight_zero is not None:
-        return ops.int4_linear(in_weight_order(layer, x), layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out)
+        return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out,
+                               order=layer.weight_perm)
     return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
+
+
+def _order_into_norm(layer: nn.Module, norm: RMSNorm) -> None:
+    if layer.weight_perm is not None:
+        norm.order, layer.weight_perm = layer.weight_perm, None
+
+
+def _permute_outputs(gate_up: nn.Module, order: torch.Tensor) -> None:
+    """A 4-bit gate_up weight's rows (and their scales and zero points) reordered so that
+    silu(gate) * up comes out with its columns in `order`: gate's rows and up's each by it."""
+    assert gate_up.weight_zero is not None, "an act-order down projection after a 4-bit gate/up"
+    rows = torch.cat((order, order + len(order)))
+    gate_up.weight.copy_(gate_up.weight.index_select(0, rows))
+    gate_up.weight_scale.copy_(gate_up.weight_scale.index_select(1, rows))
+    gate_up.weight_zero.copy_(gate_up.weight_zero.index_select(1, rows))
 
 
 class Attention(nn.Module):
@@ -152,7 +164,8 @@ class MLP(nn.Module):
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
         gate_up = self.gate_up_proj
         if gate_up.weight_zero is not None:
-            h = ops.int4_gate_up_silu(in_weight_order(gate_up, x), gate_up.weight, gate_up.weight_scale, gate_up.weight_zero)
+            h = ops.int4_gate_up_silu(x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero,
+                                      order=gate_up.weight_perm)
         elif gate_up.weight_scale is not None:
             h = ops.fp8_gate_up_silu(x, gate_up.weight, gate_up.weight_scale)
         else:
@@ -177,15 +190,15 @@ class DecoderLayer(nn.Module):
         ranks, unless summed (a pipeline stage's carry)."""
         ln = self.input_layernorm
         if summed:
-            return ops.rms_norm(x, ln.weight, ln.eps, residual)
-        return self.comm.reduce_norm(ops, x, residual, ln.weight, ln.eps)
+            return ops.rms_norm(x, ln.weight, ln.eps, residual, order=ln.order)
+        return self.comm.reduce_norm(ops, x, residual, ln.weight, ln.eps, ln.order)
 
     def finish(self, ops: Ops, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output [T, q_size] -> o_proj, post-attention RMSNorm, MLP -> (x, residual), x
         this rank's part of the MLP's output."""
         h = project(ops, self.self_attn.o_proj, attn_out)
         ln = self.post_attention_layernorm
-        h, residual = self.comm.reduce_norm(ops, h, residual, ln.weight, ln.eps)
+        h, residual = self.comm.reduce_norm(ops, h, residual, ln.weight, ln.eps, ln.order)
         return self.mlp(ops, h), residual
 
     def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -243,6 +256,24 @@ class LlamaForCausalLM(nn.Module):
             return torch.stack((self.comm.all_reduce(x), residual))
         x, _ = self.comm.reduce_norm(ops, x, residual, self.norm.weight, self.norm.eps)
         return x if logit_indices is None else self.compute_logits(x[logit_indices], gather)
+
+    @torch.no_grad()
+    def fold_act_orders(self) -> None:
+        """Moves 4-bit weights' activation orders (weight_perm) out of the forward's gathers, once
+        the weights are loaded: q/k/v's and gate/up's into the RMSNorm before them, which writes its
+        output in that order; down's into gate/up's output rows, so that h comes out in down's
+        order. o's input comes from attention and keeps its gather. One rank only: under tensor
+        parallelism the cross-GPU sum is fused with the norm (and act-order is refused there)."""
+        if self.comm.size > 1:
+            return
+        for layer in self.layers:
+            _order_into_norm(layer.self_attn.qkv_proj, layer.input_layernorm)
+            if isinstance(layer.mlp, MLP):
+                gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+                _order_into_norm(gate_up, layer.post_attention_layernorm)
+                if down.weight_perm is not None:
+                    _permute_outputs(gate_up, down.weight_perm)
+                    down.weight_perm = None
 
     @property
     def _head(self) -> nn.Module:

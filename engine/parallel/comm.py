@@ -42,17 +42,19 @@ class Comm:
         return t
 
     def reduce_norm(self, ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's part of a sum over the ranks (a row-parallel projection's output) ->
         (RMSNorm(sum + residual) * weight, sum + residual); without residual the sum is the new
-        residual stream. ops: the model's (its rms_norm where nothing is fused)."""
+        residual stream. ops: the model's (its rms_norm where nothing is fused). order: the normed
+        output's columns in this order (one rank only: LlamaForCausalLM.fold_act_orders)."""
         if self.size > 1:
+            assert order is None, "act-order columns are gathered by the norm on one rank only"
             if self.fused_sums and self.peer.fits(x, self.peer.fused_max_bytes):
                 return self.peer.add_norm(x, residual, weight, eps)
             x = self.all_reduce(x)
         if residual is None:
-            return ops.rms_norm(x, weight, eps), x
-        return ops.rms_norm(x, weight, eps, residual)
+            return ops.rms_norm(x, weight, eps, order=order), x
+        return ops.rms_norm(x, weight, eps, residual, order=order)
 
     @property
     def fused_sums(self) -> bool:

@@ -83,8 +83,8 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
       segments (q|k|v of small heads) or a rank's cut are held per row instead;
     - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
       (engine/int4.py); for groups in activation order also weight_perm, int64 [cols]: the input
-      column of each of the weight's columns (the loader sorts them by group, the forward gathers
-      x by it)."""
+      column of each of the weight's columns (the loader sorts them by group; x comes in that
+      order: LlamaForCausalLM.fold_act_orders)."""
     module.quant = quant
     scale = zero = perm = None
     if isinstance(quant, Int4Format):

@@ -203,17 +203,39 @@ def write_act_order_checkpoint(src, dst, group: int, differ: str | None = None,
     return _rewrite_projections(src, dst, qconfig, convert)
 
 
+def _g_idx(folder, prefix: str, fmt: str) -> torch.Tensor:
+    """A projection's group index as the checkpoint in folder holds it."""
+    key = prefix + (".weight_g_idx" if fmt == "compressed-tensors" else ".g_idx")
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if key in tensors:
+            return tensors[key].to(torch.int64)
+    raise KeyError(key)
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_activation_order_equals_transformers(wide_llama, tmp_path, fmt):
     """GPTQ's desc_act, compressed-tensors' actorder group: the loader sorts each weight's columns by
-    group, the forward gathers x alike."""
+    group; the norms before q/k/v and gate/up write x in that order, gate/up's rows follow down's
+    order, and o's input is gathered."""
     weights = write_act_order_checkpoint(wide_llama, tmp_path / "act", 64, fmt=fmt)
     with LLM(str(tmp_path / "act"), dtype="float32", device="cpu", num_kv_blocks=64) as llm:
         model = llm.engine.runner.model
         assert model.quant.act_order
-        qkv = model.layers[0].self_attn.qkv_proj
-        perm = qkv.weight_perm
+        layer = model.layers[0]
+        qkv = layer.self_attn.qkv_proj
+        perm = layer.input_layernorm.order
+        assert qkv.weight_perm is None and perm is not None
         assert sorted(perm.tolist()) == list(range(256)) and perm.tolist() != list(range(256))
+        assert layer.self_attn.o_proj.weight_perm is not None and layer.post_attention_layernorm.order is not None
+        mlp = layer.mlp
+        assert mlp.gate_up_proj.weight_perm is None and mlp.down_proj.weight_perm is None
+        # gate/up's rows in down's group order: its first rows are gate's rows of down's first columns
+        down_order = torch.argsort(_g_idx(tmp_path / "act", "model.layers.0.mlp.down_proj", fmt), stable=True)
+        gate = weights["model.layers.0.mlp.gate_proj.weight"][:, layer.post_attention_layernorm.order]
+        got = reference.dequantize_int4(mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale,
+                                        mlp.gate_up_proj.weight_zero)
+        assert torch.equal(got[:len(down_order)], gate[down_order])
         # the loaded weight is the checkpoint's, its columns in group order
         layer0 = torch.cat([weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(reference.dequantize_int4(qkv.weight, qkv.weight_scale, qkv.weight_zero), layer0[:, perm])
@@ -229,7 +251,8 @@ def test_activation_order_equals_transformers(wide_llama, tmp_path, fmt):
     for _ in range(2):
         with LLM(str(cfg_only / "config.json"), dtype="float32", device="cpu", num_kv_blocks=64,
                  load_format="dummy") as llm:
-            assert torch.equal(llm.engine.runner.model.layers[1].mlp.down_proj.weight_perm, torch.arange(512))
+            o_proj = llm.engine.runner.model.layers[1].self_attn.o_proj
+            assert torch.equal(o_proj.weight_perm, torch.arange(len(o_proj.weight_perm)))
             runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
     assert runs[0] == runs[1]
     # two ranks: q/k/v and gate/up keep their whole input (rows split); o and down would cut it

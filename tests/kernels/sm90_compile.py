@@ -109,6 +109,9 @@ def cases() -> list[tuple]:
     linear.skinny_linear(x, torch.randn(1152, 896, generator=g).to(bf), torch.randn(1152, generator=g).to(bf))
     linear.skinny_linear(torch.randn(64, 4864, generator=g).to(bf), torch.randn(896, 4864, generator=g).to(bf))
     fused.rms_norm(x, torch.randn(896, generator=g).to(bf), 1e-6, x.clone())
+    # a 4-bit weight's activation order: the norm writes its output in it; o's input is gathered
+    fused.rms_norm(x, torch.randn(896, generator=g).to(bf), 1e-6, x.clone(), order=torch.randperm(896, generator=g))
+    fused.gather_columns(x, torch.randperm(896, generator=g))
     fused.silu_and_mul(torch.randn(64, 2 * 4864, generator=g).to(bf))
     # FP8 weights (kernels/fp8.py): the input's quantization and the FP8 GEMM, per-channel and block scales
     w8 = torch.randn(1152, 896, generator=g).to(torch.float8_e4m3fn)

@@ -43,6 +43,27 @@ def test_rms_norm(shape, dtype, wdtype, with_residual, device=DEVICE):
         _close(got, expect, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 96), (3, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_in_an_order(shape, dtype, with_residual, device=DEVICE):
+    """order: the normed columns in a 4-bit weight's activation order, bit for bit the kernel's own
+    output gathered (and the reference's, gathered, within its tolerance); the residual unchanged."""
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 4).to(dtype).to(device)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(device)
+    r = torch.randn(shape, generator=g).to(dtype).to(device) if with_residual else None
+    order = torch.randperm(shape[-1], generator=g).to(device)
+    plain = fused.rms_norm(x, w, 1e-6, r)
+    got = fused.rms_norm(x, w, 1e-6, r, order=order)
+    expect = ref.rms_norm(x, w, 1e-6, r, order=order)
+    if with_residual:
+        assert torch.equal(got[1], plain[1])
+        plain, got, expect = plain[0], got[0], expect[0]
+    assert torch.equal(got, plain[:, order])
+    _close(got, expect, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,Hq,Hk,D", [(6, 4, 2, 32), (3, 3, 1, 16), (1, 8, 8, 64)])
 def test_rotary(T, Hq, Hk, D, dtype, device=DEVICE):
@@ -118,6 +139,7 @@ def test_silu_and_mul(shape, dtype, device=DEVICE):
 def test_fused_gpu_real_shapes(rows, dtype):
     test_rms_norm((rows, 4096), dtype, dtype, True, device="cuda")
     test_rms_norm((rows, 896), dtype, dtype, False, device="cuda")
+    test_rms_norm_in_an_order((rows, 4096), torch.bfloat16, True, device="cuda")
     test_rotary(rows, 32, 8, 128, dtype, device="cuda")
     test_rotary(rows, 14, 2, 64, dtype, device="cuda")
     test_rotary_with_kv_write(max(rows, 2), 32, 8, 128, 16, dtype, device="cuda")

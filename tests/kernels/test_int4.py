@@ -66,6 +66,20 @@ def test_gate_up_silu():
     _close(int4.int4_gate_up_silu(x, w, s, z), ref.int4_gate_up_silu(x, w, s, z), ulps=4)
 
 
+@pytest.mark.parametrize("M", [3, 70])
+def test_columns_in_activation_order(M):
+    """order: the weight's columns are x's in this order (x gathered first, exactly)."""
+    w, s, z = _weight(96, 256, 64, seed=M)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    order = torch.randperm(256, generator=g).to(DEVICE)
+    assert torch.equal(int4.gather_columns(x, order), x[:, order])
+    want = ref.int4_linear(x[:, order].contiguous(), w, s, z)
+    assert torch.equal(ref.int4_linear(x, w, s, z, order=order), want)
+    _close(int4.int4_linear(x, w, s, z, order=order), want)
+    _close(int4.int4_gate_up_silu(x, w, s, z, order=order), ref.int4_gate_up_silu(x, w, s, z, order=order), ulps=4)
+
+
 @gpu
 @pytest.mark.parametrize("M", [1, 64, 256, 512, 2048])
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (1152, 896)])
@@ -76,6 +90,16 @@ def test_int4_linear_real_shapes(M, shape):
     w, s, z = _weight(N, K, 128, seed=M, device="cuda")
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     _close(int4.int4_linear(x, w, s, z), ref.int4_linear(x, w, s, z), ulps=2)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 64, 512])
+def test_int4_linear_in_activation_order_real_shapes(M):
+    """Llama-3-8B's o projection with its input in an activation order: both paths, x gathered by PDL's rules."""
+    w, s, z = _weight(4096, 4096, 128, seed=M, device="cuda")
+    x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
+    order = torch.randperm(4096, device="cuda")
+    _close(int4.int4_linear(x, w, s, z, pdl=True, order=order), ref.int4_linear(x, w, s, z, order=order), ulps=2)
 
 
 def test_hopper_kernel_only_where_it_applies():
