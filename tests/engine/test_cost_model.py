@@ -18,7 +18,16 @@ def test_a_step_pays_its_bucket_and_beyond_the_last_slope():
     m = model()
     assert m.forward(1) == 5.0 and m.forward(64) == 5.0 and m.forward(65) == 5.1
     assert m.forward(300) == 10.5  # padded to 512 rows
-    assert m.forward(4096) == pytest.approx(41.0 + (41.0 - 20.6) / 1024 * 2048)
+    assert m.forward(4096) == pytest.approx(41.0 + 41.0 / 2048 * 2048)  # 2,048 rows' mean: steeper than the last pair
+
+
+def test_past_the_largest_bucket_at_least_its_mean_per_row():
+    """Two last buckets timed nearly level (an H100's 1,920 and 2,048 rows, 46.88 and 47.38 ms)
+    would make a step past them almost free: a user's 95 ms target would have allowed ~14,000
+    rows (~320 ms) where 4,096 take ~95 ms at 2,048 rows' mean."""
+    m = StepCostModel((1024, 1920, 2048), (22.7, 46.88, 47.38), 0.0, 16384, max_step_ms=94.76)
+    assert m.forward(4096) == pytest.approx(47.38 * 2)
+    assert m.rows_within(94.76) == 4096 and m.prompt_budget(64, 0) == 4096 - 64
 
 
 def test_a_bucket_that_a_larger_one_beats_is_dropped():
