@@ -121,7 +121,7 @@ class StepCostModel:
 
     def forward(self, rows: int) -> float:
         """ms of a forward of `rows` rows: the smallest bucket that holds them; beyond the largest,
-        its time plus the last slope."""
+        its time plus _slope() a row."""
         b = self.buckets
         i = bisect.bisect_left(b, rows)
         if i < len(b):

@@ -75,7 +75,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         launch(_rms_norm_kernel, (rows,),
             x2, r2, weight, weight if order is None else order, out2, ro2, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), N,
-            BLOCK=block, HAS_RES=residual is not None, ORDERED=order is not None, PDL=pdl, num_warps=min(16, max(1, block // 512)),
+            BLOCK=block, HAS_RES=residual is not None, ORDERED=order is not None, PDL=pdl,
+            num_warps=min(16, max(1, block // 512)),
             launch_pdl=pdl,
         )
     return out if residual is None else (out, res_out)
