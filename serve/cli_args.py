@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import AUTO_SCHEDULER_STEPS, DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
+from engine.cost_model import MULTI_STEP_MS, STALL_FACTOR
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -45,11 +46,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-ms", type=float, default=None, metavar="MS",
                    help="latency target of a step that carries prompt tokens beside running decodes: a burst "
                         "of prompts is prefilled in chunks that keep each step within it, so streams don't "
-                        "stall (default: twice the decodes' own step, measured on the GPU at start-up)")
+                        f"stall (default: {STALL_FACTOR}x the decodes' own forward, measured on the GPU at start-up, "
+                        "or longer where a larger step carries prompt tokens far more cheaply, or while prompts "
+                        "wait to start)")
     g.add_argument("--num-scheduler-steps", type=int, default=None, metavar="K",
-                   help="while only greedy decodes run and nothing waits, run K decode steps per scheduling "
-                        "round (CUDA graphs only): the host's per-step work is paid once for K steps, and "
-                        f"tokens stream K at a time (default: {AUTO_SCHEDULER_STEPS} with CUDA graphs, else 1)")
+                   help="while only decodes without logprobs or a grammar run (greedy or sampled) and no prompt "
+                        "waits, run K decode steps per scheduling round (CUDA graphs only): the host's per-step "
+                        "work is paid once for K steps, and "
+                        f"tokens stream K at a time (default: {AUTO_SCHEDULER_STEPS} where the measured decode step "
+                        f"is under {MULTI_STEP_MS:g} ms, else 1; 1 without CUDA graphs)")
     g.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="kernels: auto = Triton on a GPU, the torch reference on the CPU")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
