@@ -31,18 +31,12 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, order_ptr, out_ptr, res_out_ptr, eps,
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / N
-    rstd = tl.math.rsqrt(var + eps)
-    src = cols
-    if ORDERED:  # output column j is column order[j]: its inputs gathered again (L1) and summed the same way
-        src = tl.load(order_ptr + cols, mask=mask, other=0)
-        x = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_ptr + row * stride_r + src, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        h = x.to(tl.float32)
-    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * normed).to(out_ptr.dtype.element_ty)
+    if ORDERED:  # output column j is column order[j]: the row's values exchanged on chip
+        y = tl.gather(y, tl.load(order_ptr + cols, mask=mask, other=0).to(tl.int32), 0)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
