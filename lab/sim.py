@@ -3,10 +3,12 @@ closed loop of clients, each sending its next request when the last one finished
 does. Predicts throughput, TPOT, TTFT and chunk gaps of a scheduling policy before GPU time is spent.
 
     python -m lab.sim --forward 16:5.9,256:6.0,512:10.6,1024:20.9,2048:41.4 --kv-ns 43.7 \
-        --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4] [--request-rate 40 --range-ratio 0.5]
+        --concurrency 64 --num-prompts 192 [--max-step-ms 12] [--steps 4] [--request-rate 40 --range-ratio 0.5] \
+        [--timeline]
 
 --request-rate: an open loop, Poisson arrivals capped at --concurrency unfinished requests, as `serve
-bench --request-rate` sends them; --range-ratio: ragged lengths, drawn as `serve bench` draws them.
+bench --request-rate` sends them; --range-ratio: ragged lengths, drawn as `serve bench` draws them;
+--timeline: every batch the scheduler made (decode rows + prompt tokens) and the batches by kind.
 
 --forward: the forward's device time (ms) at row counts, as the engine's cost model measures it
 (`serve run` logs it; --forward-from reads it from a serve bench result whose server it started);
@@ -31,7 +33,7 @@ import random
 import statistics
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.workload import length_range
@@ -49,6 +51,23 @@ class SimResult:
     p99_gap_ms: float
     mean_step_ms: float
     steps: int
+    # every scheduled batch in order: (decode rows, prompt tokens, ms for its steps)
+    timeline: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
+
+
+def timeline_summary(timeline: list[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
+    """Batches by kind (mixed, decode-only, prompt-only): how many, their ms, their mean decode rows
+    and prompt tokens. Where a closed loop loses against `ceiling`: decode-only steps that could
+    have carried prompts, and mixed steps short of their decodes (ramp, drain, waiting prompts)."""
+    kinds = {"mixed": lambda d, p: d and p, "decode_only": lambda d, p: d and not p, "prompt_only": lambda d, p: not d}
+    out = {}
+    for kind, match in kinds.items():
+        rows = [(d, p, ms) for d, p, ms in timeline if match(d, p)]
+        n = len(rows)
+        out[kind] = {"batches": n, "ms": sum(ms for *_, ms in rows),
+                     "mean_decodes": sum(d for d, _, _ in rows) / n if n else 0.0,
+                     "mean_prompt_tokens": sum(p for _, p, _ in rows) / n if n else 0.0}
+    return out
 
 
 def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int,
@@ -98,6 +117,7 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
 
     release()
     step_ms = []
+    timeline: list[tuple[int, int, float]] = []
     stage_free = [0.0] * stages  # when each stage is done with the micro-batches given to it
     queue: deque[tuple[Batch, float]] = deque()  # launched micro-batches and when the last stage ends them
     while s.num_unfinished or queue or coming or sent < num_prompts:
@@ -117,6 +137,7 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
                 context = sum(it.end for it in b.items[:decodes])
                 ms = (model.step_ms(decodes, context, b.num_tokens - decodes) + overhead_ms) * b.num_steps
                 step_ms.append(ms / b.num_steps)
+                timeline.append((decodes, b.num_tokens - decodes, ms))
                 t = now
                 for k in range(stages):
                     t = stage_free[k] = max(t, stage_free[k]) + ms / 1e3
@@ -141,7 +162,7 @@ def simulate(model: StepCostModel, concurrency: int, num_prompts: int, input_len
     ttfts = [(chunks[i][0] - arrival[i]) * 1e3 for i in chunks if chunks[i]]
     gaps = sorted((b - a) * 1e3 for c in chunks.values() for a, b in zip(c, c[1:]))
     return SimResult(sum(n_out for _, n_out in lengths) / now, statistics.median(tpots), statistics.median(ttfts),
-                     gaps[int(0.99 * (len(gaps) - 1))], statistics.mean(step_ms), len(step_ms))
+                     gaps[int(0.99 * (len(gaps) - 1))], statistics.mean(step_ms), len(step_ms), timeline)
 
 
 def ceiling(model: StepCostModel, concurrency: int, num_prompts: int, input_len: int, output_len: int) -> tuple[float, int]:
@@ -185,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a request's way from its client to the scheduler (lab/chunk_delay.py measures it)")
     p.add_argument("--request-rate", type=float, default=None, help="requests a second, Poisson (default: all at once)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len x [1 - R, 1 + R]")
+    p.add_argument("--timeline", action="store_true",
+                   help="print every batch as DECODES+PROMPT_TOKENS, and the batches by kind (timeline_summary)")
     p.add_argument("--stall-rule", action="store_true",
                    help="pipeline stages budget as one GPU does (no pacing while the cache binds)")
     a = p.parse_args(argv)
@@ -202,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                  not a.no_budget, a.stages, a.num_blocks, a.admission_ms, a.request_rate, a.range_ratio)
     print(f"{r.output_throughput:,.0f} tok/s, median TPOT {r.median_tpot_ms:.2f} ms, median TTFT "
           f"{r.median_ttft_ms:.0f} ms, p99 gap {r.p99_gap_ms:.1f} ms, mean step {r.mean_step_ms:.2f} ms, {r.steps} steps")
+    if a.timeline:
+        for i in range(0, len(r.timeline), 12):
+            print(f"{i:6d}  " + " ".join(f"{d}+{p}" for d, p, _ in r.timeline[i:i + 12]))
+        for kind, v in timeline_summary(r.timeline).items():
+            print(f"{kind}: {v['batches']} batches, {v['ms']:,.0f} ms, {v['mean_decodes']:.1f} decodes and "
+                  f"{v['mean_prompt_tokens']:.0f} prompt tokens on average")
     top, rows = ceiling(model, a.concurrency, a.num_prompts, a.input_len, a.output_len)
     print(f"ceiling of any schedule with these step times: {top:,.0f} tok/s (mixed steps of {rows} rows)")
     return 0

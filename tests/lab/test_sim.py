@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine.cost_model import StepCostModel
-from lab.sim import ceiling, main, simulate
+from lab.sim import ceiling, main, simulate, timeline_summary
 
 # one stage of a 70B at PP=2 on H100s, shaped like the served run's steps (2026-11-27): ~26 ms up
 # to the ridge, ~0.09 ms a row beyond
@@ -91,3 +91,14 @@ def test_poisson_arrivals_and_ragged_lengths():
     # ragged lengths are drawn once per seed: the same run twice
     assert simulate(gpu, 64, 64, 512, 128, range_ratio=0.5, seed=3) == simulate(gpu, 64, 64, 512, 128,
                                                                              range_ratio=0.5, seed=3)
+
+
+def test_the_timeline_accounts_for_every_batch():
+    """A closed loop's first batch is all prompts; every batch is one kind; their time is the run's
+    (no idle gaps in a closed loop without admission delay)."""
+    r = simulate(stage(False), 8, 24, 64, 16, overhead_ms=0.0)
+    assert len(r.timeline) == r.steps and r.timeline[0][0] == 0 and r.timeline[0][1] > 0
+    kinds = timeline_summary(r.timeline)
+    assert sum(k["batches"] for k in kinds.values()) == r.steps
+    assert sum(k["ms"] for k in kinds.values()) == pytest.approx(24 * 16 / r.output_throughput * 1e3)
+    assert kinds["decode_only"]["mean_prompt_tokens"] == 0 and kinds["prompt_only"]["mean_decodes"] == 0
