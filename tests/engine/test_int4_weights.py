@@ -242,7 +242,12 @@ def test_activation_order_equals_transformers(wide_llama, tmp_path, fmt):
         hf = hf_with(wide_llama, weights)
         check_prompt_logprobs(llm, hf, prompts_of(4, 60, 3), max_gap=1e-3)
         prompts = make_prompts(3, n=4)
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == model_greedy(hf, prompts, MAX_NEW)
+        greedy = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert greedy == model_greedy(hf, prompts, MAX_NEW)
+    if fmt == "gptq":  # two pipeline stages: the second's first norm reorders the carry it receives
+        with LLM(str(tmp_path / "act"), dtype="float32", device="cpu", num_kv_blocks=64,
+                 pipeline_parallel_size=2) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == greedy
     # dummy weights with the act-order config: identity orders, the same tokens run to run
     cfg_only = tmp_path / "cfg"
     cfg_only.mkdir()
