@@ -59,7 +59,8 @@ def timeline_summary(timeline: list[tuple[int, int, float]]) -> dict[str, dict[s
     """Batches by kind (mixed, decode-only, prompt-only): how many, their ms, their mean decode rows
     and prompt tokens. Where a closed loop loses against `ceiling`: decode-only steps that could
     have carried prompts, and mixed steps short of their decodes (ramp, drain, waiting prompts)."""
-    kinds = {"mixed": lambda d, p: d and p, "decode_only": lambda d, p: d and not p, "prompt_only": lambda d, p: not d}
+    kinds = {"mixed": lambda d, p: d and p, "decode_only": lambda d, p: d and not p,
+             "prompt_only": lambda d, p: not d}
     out = {}
     for kind, match in kinds.items():
         rows = [(d, p, ms) for d, p, ms in timeline if match(d, p)]
