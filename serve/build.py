@@ -223,25 +223,15 @@ def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: in
 
         core.block_manager.attach_host(HostTier(runner.host_blocks, cfg.block_size, layout_key(runner.pool),
                                                 runner.kv_spec.bytes_per_block))
-    if executor is runner:  # one process runs every step: constrained decoding (not yet across ranks)
-        runner.grammar = grammar_masks(tokenizer, model_cfg.vocab_size, core.eos_token_ids, runner.device)
+    from engine.grammar_mask import build_grammar_masks
+
+    if executor is runner:
+        runner.grammar = build_grammar_masks(tokenizer, model_cfg.vocab_size, core.eos_token_ids, runner.device)
+    else:  # every rank that samples masks its own rows
+        executor.enable_grammar(tokenizer, model_cfg.vocab_size, sorted(core.eos_token_ids))
     name = path.name if cfg.model is not None else "SmolLM2-135M-Instruct"
     log.info("engine started in %.1f s (%s)", sum(runner.startup_s.values()),
              ", ".join(f"{k} {v:.1f} s" for k, v in runner.startup_s.items()))
     return Engine(core, runner, tokenizer, model_cfg, name, cfg)
 
 
-def grammar_masks(tokenizer: Any, vocab_size: int, eos: frozenset[int], device: Any) -> Any:
-    """The runner's constrained-decoding state (engine/grammar_mask.py), or None where the tokenizer
-    can't drive a grammar. Its vocabulary index (~0.6 s) is built on a thread now, not on the first
-    constrained step."""
-    import threading
-
-    from engine.grammar import GrammarTokenizer
-    from engine.grammar_mask import GrammarMasks
-
-    if GrammarTokenizer.supported(tokenizer) is not None:
-        return None
-    grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size, sorted(eos))
-    threading.Thread(target=grammar_tokenizer.get, name="grammar-vocabulary", daemon=True).start()
-    return GrammarMasks(grammar_tokenizer, device, threads=min(8, os.cpu_count() or 1))

@@ -11,19 +11,9 @@ from engine.grammar import GrammarCompiler, GrammarError, GrammarTokenizer
 from serve.errors import APIError
 
 
-def grammar_unsupported(engine: Any) -> str | None:
-    """Why this engine can't constrain decoding, or None."""
-    cfg = getattr(engine, "config", None)
-    if cfg is not None and getattr(cfg, "tensor_parallel_size", 1) > 1:
-        return "the engine runs tensor parallel (--tensor-parallel-size > 1); serve with one rank"
-    if cfg is not None and getattr(cfg, "pipeline_parallel_size", 1) > 1:
-        return "the engine runs pipeline parallel (--pipeline-parallel-size > 1); serve with one stage"
-    return GrammarTokenizer.supported(engine.tokenizer)
-
-
 class GrammarChecker:
     def __init__(self, engine: Any, timeout_s: float, threads: int = 2) -> None:
-        self.unsupported = grammar_unsupported(engine)
+        self.unsupported = GrammarTokenizer.supported(engine.tokenizer)
         self.timeout_s = timeout_s
         self.compiler: GrammarCompiler | None = None
         self.pool: ThreadPoolExecutor | None = None

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar_mask import build_grammar_masks
 from engine.parallel.comm import Comm
 from engine.parallel.group import TPGroup, destroy_group, host_store, launched_externally, rank_env
 from engine.parallel.topology import Topology, join, rank_role, world_size
@@ -125,7 +126,27 @@ class TPExecutor:
         return TPLaunched(step, self._run(self.runner.launch, batch, None if prev is None else prev.inner))
 
     def collect(self, handle: TPLaunched) -> list[SampleOutput | None]:
+        self.finish(handle)
         return self._run(self.runner.collect, handle.inner)
+
+    def finish(self, handle: TPLaunched) -> None:
+        """runner.finish() on every rank: a step whose constrained rows' sampling waited for the
+        tokens before them; the other ranks get those tokens first (their masks are their own)."""
+        deferred = handle.inner.deferred
+        if deferred is None:
+            return
+        self._send(("finish", handle.step, self._encoder.tokens([it.seq for it in deferred.items])))
+        self._run(self.runner.finish, handle.inner)
+
+    def enable_grammar(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> bool:
+        """Constrained decoding on every rank that samples (engine/grammar_mask.py): each builds its
+        own masks from the same tokens, so every rank draws the same token. False where the
+        tokenizer can't drive a grammar."""
+        self.runner.grammar = build_grammar_masks(tokenizer, vocab_size, eos_token_ids, self.runner.device)
+        if self.runner.grammar is None:
+            return False
+        self._send(("grammar", tokenizer, vocab_size, eos_token_ids))
+        return True
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:
         self._send(("launch", next(self._steps), None, self._encoder.encode(batch), True))

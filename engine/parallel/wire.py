@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.request import Batch, ScheduledSeq, Sequence
+from scheduler.request import Batch, ScheduledSeq, Sequence, SequenceStatus
 
 # (new sequences [(seq_id, params, num_prompt_tokens)], rows, num_decode, num_steps, dropped seq_ids,
 # host-tier moves (kvcache/host_tier.py KVMoves, or None): each rank does them on its own shard);
 # a row: (seq_id, start, num_new_tokens, samples, token base, tokens from it, new table?, table base,
 # table entries from it)
 Message = tuple
+# ([(seq_id, token base, tokens from it)], seq_ids finished)
+TokenUpdate = tuple[list[tuple[int, int, list[int]]], list[int]]
 
 
 @dataclass
@@ -43,17 +45,38 @@ class BatchEncoder:
             if s is None:
                 s = sent[seq.seq_id] = _Sent(seq)
                 new.append((seq.seq_id, seq.params, seq.num_prompt_tokens))
-            toks, table = seq.token_ids, seq.block_table
-            base = s.num_tokens if toks is s.tokens and len(toks) >= s.num_tokens else 0
+            base, toks = _token_delta(s)
+            table = seq.block_table
             fresh = table is not s.table or len(table) < s.num_table
             tbase = 0 if fresh else s.num_table
-            rows.append((seq.seq_id, it.start, it.num_new_tokens, it.samples, base, toks[base:], fresh, tbase,
+            rows.append((seq.seq_id, it.start, it.num_new_tokens, it.samples, base, toks, fresh, tbase,
                          table[tbase:]))
-            s.tokens, s.num_tokens, s.table, s.num_table = toks, len(toks), table, len(table)
+            s.table, s.num_table = table, len(table)
         dropped = [sid for sid, s in sent.items() if s.seq.is_finished]
         for sid in dropped:
             del sent[sid]
         return new, rows, batch.num_decode, batch.num_steps, dropped, batch.kv_moves
+
+    def tokens(self, seqs: list[Sequence]) -> TokenUpdate:
+        """What the followers' copies of seqs (sent before) lack of their token lists, and which of
+        them have finished since: a launched step's constrained rows, whose masks each rank fills
+        once the tokens before them are known (engine/runner.py finish())."""
+        rows, finished = [], []
+        for seq in seqs:
+            if seq.is_finished:
+                finished.append(seq.seq_id)
+            else:
+                rows.append((seq.seq_id, *_token_delta(self._sent[seq.seq_id])))
+        return rows, finished
+
+
+def _token_delta(s: _Sent) -> tuple[int, list[int]]:
+    """(base, tokens from it) that bring the followers' copy of s.seq's token list up to date, and
+    the record of what they then hold."""
+    toks = s.seq.token_ids
+    base = s.num_tokens if toks is s.tokens and len(toks) >= s.num_tokens else 0
+    s.tokens, s.num_tokens = toks, len(toks)
+    return base, toks[base:]
 
 
 class BatchDecoder:
@@ -66,7 +89,9 @@ class BatchDecoder:
         new, rows, num_decode, num_steps, dropped, kv_moves = msg
         seqs = self.seqs
         for sid in dropped:
-            seqs.pop(sid, None)
+            seq = seqs.pop(sid, None)
+            if seq is not None:  # a launched step may still hold it (its grammar state is dropped)
+                seq.status = SequenceStatus.FINISHED
         for sid, params, num_prompt in new:
             seq = Sequence(sid, [], params)
             seq.num_prompt_tokens = num_prompt
@@ -74,8 +99,7 @@ class BatchDecoder:
         items = []
         for sid, start, n, samples, base, toks, fresh, tbase, table in rows:
             seq = seqs[sid]
-            del seq.token_ids[base:]
-            seq.token_ids.extend(toks)
+            _extend(seq, base, toks)
             if fresh:
                 seq.block_table = table  # a new list: the runner's cached row of the old one is dropped
             else:
@@ -85,3 +109,16 @@ class BatchDecoder:
             item.samples = samples
             items.append(item)
         return Batch(items, num_decode, num_steps, kv_moves)
+
+    def apply_tokens(self, update: TokenUpdate) -> None:
+        """BatchEncoder.tokens()'s update, onto the copies (rank 0 drops finished ones only later)."""
+        rows, finished = update
+        for sid, base, toks in rows:
+            _extend(self.seqs[sid], base, toks)
+        for sid in finished:
+            self.seqs[sid].status = SequenceStatus.FINISHED
+
+
+def _extend(seq: Sequence, base: int, toks: list[int]) -> None:
+    del seq.token_ids[base:]
+    seq.token_ids.extend(toks)

@@ -2,12 +2,15 @@
 collectives in the same order), then runs every step rank 0 sends it and drops the results.
 
 Tensor parallel (follow), messages by Comm.broadcast_object over the control group:
-    ("launch", step, prev step or None, wire.Message, sync)  ("stop",)
+    ("launch", step, prev step or None, wire.Message, sync)  ("finish", step, wire.TokenUpdate)
+    ("grammar", tokenizer, vocab_size, eos_token_ids)  ("stop",)
 The follower launches the step on prev's samples, as rank 0 does, then collects the steps before it
-(rank 0 does the same right after); sync: collect this one too (rank 0 ran execute()).
+(rank 0 does the same right after); sync: collect this one too (rank 0 ran execute()). finish: a
+launched step's constrained rows sample now, their earlier tokens known (the message brings them).
+grammar: constrained decoding is on (rank 0's tokenizer, pickled: each rank fills its own masks).
 
 Pipeline parallel (follow_stages), messages posted by rank 0 to each rank (channel.py):
-    ("launch", step, wire.Message)  ("stop",)
+    ("launch", step, wire.Message)  ("grammar", ...)  ("stop",)
 Each rank runs its stage of the step (receiving the carry from the stage before, sending it on) and
 collects it; the last stage's first rank posts (step, samples) back to rank 0."""
 from __future__ import annotations
@@ -19,17 +22,19 @@ import threading
 from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar_mask import build_grammar_masks
 from engine.parallel.channel import SAMPLES_TAG, STEP_TAG, Posted, post, receive
 from engine.parallel.comm import Comm
 from engine.parallel.group import connect_store, destroy_group
 from engine.parallel.topology import Topology, join
 from engine.parallel.wire import BatchDecoder
-from engine.runner import ModelRunner, resolve_device
+from engine.runner import Launched, ModelRunner, resolve_device
 
 log = logging.getLogger("pagedserve")
 
@@ -37,11 +42,19 @@ log = logging.getLogger("pagedserve")
 def follow(runner: ModelRunner, comm: Comm) -> None:
     """Run rank 0's steps until it says stop."""
     decoder = BatchDecoder()
-    handles: dict[int, object] = {}
+    handles: dict[int, Launched] = {}
     while True:
         msg = comm.broadcast_object(None)
         if msg[0] == "stop":
             return
+        if msg[0] == "grammar":
+            _enable_grammar(runner, *msg[1:])
+            continue
+        if msg[0] == "finish":
+            _, step, update = msg
+            decoder.apply_tokens(update)
+            runner.finish(handles[step])
+            continue
         _, step, prev, payload, sync = msg
         batch = decoder.decode(payload)
         handle = runner.launch(batch, handles.get(prev) if prev is not None else None)
@@ -64,6 +77,9 @@ def follow_stages(runner: ModelRunner, topo: Topology) -> None:
         msg = receive(0, control, STEP_TAG)
         if msg[0] == "stop":
             break
+        if msg[0] == "grammar":
+            _enable_grammar(runner, *msg[1:])
+            continue
         _, step, payload = msg
         samples = runner.collect(runner.launch(decoder.decode(payload)))
         if replies:
@@ -72,6 +88,10 @@ def follow_stages(runner: ModelRunner, topo: Topology) -> None:
                 posted.popleft()
     for p in posted:
         p.wait()
+
+
+def _enable_grammar(runner: ModelRunner, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    runner.grammar = build_grammar_masks(tokenizer, vocab_size, eos_token_ids, runner.device)
 
 
 def follow_any(runner: ModelRunner, topo: Topology) -> None:

@@ -159,18 +159,19 @@ def test_constrained_on_engine_process(process_server):
 
 
 def test_engine_without_grammars():
-    """Across tensor-parallel ranks there are no grammars yet: structured output and forced tool calls
-    are 400s, tools with "auto" (parsed, not constrained) still go through."""
+    """An engine whose tokenizer can't drive a grammar (no fast tokenizer): structured output and
+    forced tool calls are 400s that say why, tools with "auto" (parsed, not constrained) still go
+    through."""
     import asyncio
     from types import SimpleNamespace
 
     from serve.errors import APIError
     from serve.grammar_check import GrammarChecker
 
-    engine = SimpleNamespace(config=SimpleNamespace(tensor_parallel_size=2), tokenizer=None, model_config=None)
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0), model_config=None)
     checker = GrammarChecker(engine, 1.0)
     asyncio.run(checker.check([("grammar", "tools", False)]))  # tool_choice "auto"
     for param in ("response_format", "tools"):
         with pytest.raises(APIError) as e:
             asyncio.run(checker.check([("grammar", param, True), ("grammar", "tools", False)]))
-        assert e.value.status == 400 and e.value.param == param and "tensor parallel" in e.value.message
+        assert e.value.status == 400 and e.value.param == param and "fast tokenizer" in e.value.message

@@ -1,11 +1,12 @@
 """`serve run --tensor-parallel-size 2` as a real subprocess on the CPU (gloo): streamed and whole
-completions equal transformers' greedy output; a size that does not split the model is one line
-and exit status 2; a rank killed mid-stream fails the request with the reason, and the server
+completions equal transformers' greedy output, and structured output follows its grammar; a size
+that does not split the model is one line and exit status 2; a rank killed mid-stream fails the request with the reason, and the server
 exits non-zero instead of hanging."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,9 +53,31 @@ def test_streamed_and_whole_completions_equal_transformers(model_dir):
         assert complete(port, PROMPTS[0], stream=False) == want[0]
         assert complete(port, PROMPTS[1], stream=True) == want[1]
         assert complete(port, PROMPTS[1], stream=False) == want[1]
+        check_constrained(port)
     finally:
         code, out = stop(proc)
     assert code == 0, out
+
+
+def check_constrained(port: int) -> None:
+    """Structured output across the ranks (each fills its own masks), whole and streamed."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+              "required": ["city", "n"], "additionalProperties": False}
+    r = httpx.post(url, timeout=60, json={
+        "messages": [{"role": "user", "content": "a city"}], "max_tokens": 60, "temperature": 0.8, "seed": 1,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert set(answer) == {"city", "n"} and isinstance(answer["n"], int)
+    body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stream": True,
+            "structured_outputs": {"regex": "[a-z]{2,6}( [0-9]{1,3}){2}"}}
+    text = ""
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert re.fullmatch("[a-z]{2,6}( [0-9]{1,3}){2}", text), text
 
 
 def test_a_size_that_does_not_split_the_model_is_one_line(model_dir):
