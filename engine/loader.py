@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine import int4
+from kernels import reference
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.layers import Shard
 from engine.quant import FP8_GROUP, INT4_PACK, UNUSED_SUFFIXES, Int4Format, quantize_weight
@@ -51,7 +52,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     shards = model.param_shards()
     quant = model.quant
     perms: set[str] = set()  # act-order weights whose column order one segment has set
-    _identity_orders(buffers)
+    _identity_orders(buffers, shards)
     if isinstance(quant, Int4Format) and not quant.tensor_names()[2]:  # symmetric: zero points of 8
         for name, b in buffers.items():
             if name.endswith("weight_zero"):
@@ -62,6 +63,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     expected = len(wmap) + sum(v is not None for v in emap.values())
     loaded: dict[str, int] = {}
     files = safetensors_files(folder)
+    chosen = _rows_in_down_order(files, wmap, params, shards, quant)
     bar = tqdm(total=expected, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -88,9 +90,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                 ours, seg = wmap[name]
                 if isinstance(quant, Int4Format) and ours.endswith(("proj.weight", "_scale", "_zero")):
                     weight = ours.rsplit(".", 1)[0] + ".weight"
-                    order = (_act_order(f, name, params, weight, perms, quant) if quant.act_order and ours == weight
-                             else None)
-                    _load_int4(f, name, params[ours], shards[weight], seg, quant, order)
+                    columns = (_act_order(f, name, params, weight, perms, quant, shards[weight])
+                               if quant.act_order and ours == weight else None)
+                    _load_int4(f, name, params[ours], shards[weight], seg, quant, columns, chosen.get(weight))
                 elif ours.endswith("weight_scale"):
                     weight = ours[:-len("_scale")]
                     _load_scale(f, name, params[ours], params[weight], shards[weight], seg, quant.blocked)
@@ -106,12 +108,17 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     _zero_padding(model, shards)
 
 
-def _identity_orders(buffers: dict[str, torch.Tensor]) -> None:
+def _identity_orders(buffers: dict[str, torch.Tensor], shards: dict[str, Shard]) -> None:
     """Act-order weights' column orders (weight_perm: storage only after engine/runner.py's
-    materialize) as the identity, for dummy weights; a checkpoint's g_idx replaces them."""
+    materialize) as the identity, for dummy weights; a checkpoint's g_idx replaces them. A weight as
+    wide as the whole one on a rank that holds a part of its input (_weight) takes its part first,
+    zeros after it."""
     for name, b in buffers.items():
         if name.endswith("weight_perm"):
-            b.copy_(torch.arange(len(b), device=b.device))
+            shard = shards.get(name[:-len("_perm")])
+            width = shard.local_size if shard is not None and shard.dim == 1 else len(b)
+            ids = torch.arange(len(b), device=b.device)
+            b.copy_(torch.where(ids < width, ids, -1))
 
 
 def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -120,48 +127,108 @@ def quant_buffers(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_zero", "weight_perm"))}
 
 
-def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str],
-               fmt: Int4Format) -> torch.Tensor:
-    """Activation order (GPTQ's desc_act, compressed-tensors' actorder "group"): the input columns
-    of a projection's packed values sorted by their group (its group index, read from the same
-    file), checked to hold `group` columns a group, and stored as the weight's weight_perm. Every
-    projection packed into one weight (q, k and v; gate and up) has the same input and must have
-    the same order."""
-    gname = name[:-len(fmt.tensor_names()[0])] + fmt.group_index_name
+def _group_index(f, gname: str, cols: int, groups: int) -> torch.Tensor:
+    """A projection's group of each of its `cols` input columns (GPTQ's g_idx, compressed-tensors'
+    weight_g_idx), checked to hold cols / groups columns a group."""
+    g_idx = f.get_tensor(gname).to(torch.int64)
+    if g_idx.shape != (cols,) or g_idx.min() < 0 or g_idx.max() >= groups or \
+            not torch.equal(torch.bincount(g_idx, minlength=groups), torch.full((groups,), cols // groups)):
+        raise WeightLoadError(f"{gname}: not {groups} groups of {cols // groups} input columns each")
+    return g_idx
+
+
+def _group_index_name(name: str, fmt: Int4Format) -> str:
+    return name[:-len(fmt.tensor_names()[0])] + fmt.group_index_name
+
+
+def _act_order(f, name: str, params: dict[str, torch.Tensor], weight: str, perms: set[str], fmt: Int4Format,
+               shard: Shard) -> torch.Tensor:
+    """Activation order (GPTQ's desc_act, compressed-tensors' actorder "group"): the checkpoint's
+    input column of each of our weight's columns (-1: a column of zeros), by the projection's group
+    index (read from the same file), and the weight's weight_perm (x's column of each).
+    - The whole input (q/k/v, gate/up; one rank): the columns sorted by group. Every projection
+      packed into one weight has the same input and must have the same order.
+    - Split over ranks, by group (the MLP's down): sorted by group and then cut; no weight_perm (the
+      rank's gate/up rows make h in that order: _rows_in_down_order).
+    - Split over ranks, every group (o): group g's columns of this rank's input first, then zeros,
+      group after group."""
+    gname = _group_index_name(name, fmt)
     if gname not in f.keys():
         raise WeightLoadError(f"{name}: a weight in activation order without {gname} in the same file")
-    g_idx = f.get_tensor(gname).to(torch.int64)
-    dst = params[weight + "_perm"]
-    groups = params[weight + "_scale"].shape[0]
-    if g_idx.shape != dst.shape or g_idx.min() < 0 or g_idx.max() >= groups or \
-            not torch.equal(torch.bincount(g_idx, minlength=groups), torch.full((groups,), len(g_idx) // groups)):
-        raise WeightLoadError(f"{gname}: not {groups} groups of {len(g_idx) // groups} input columns each")
-    order = torch.argsort(g_idx, stable=True).to(dst.device)
+    cols = shard.global_size if shard.dim == 1 else params[weight].shape[1] * INT4_PACK
+    group = cols if fmt.group == -1 else fmt.group
+    g_idx = _group_index(f, gname, cols, cols // group)
+    order = torch.argsort(g_idx, stable=True)
+    dst = params.get(weight + "_perm")
+    if dst is None:
+        return order
+    if shard.dim == 1 and shard.local_size != shard.global_size:
+        seg = shard.segments[0]
+        mine = torch.arange(seg.start, seg.start + seg.length)
+        by_group = torch.argsort(g_idx[mine], stable=True)
+        g = g_idx[mine][by_group]
+        first = torch.cumsum(torch.bincount(g, minlength=cols // group), 0) - torch.bincount(g, minlength=cols // group)
+        columns = torch.full((cols,), -1, dtype=torch.int64)
+        columns[g * group + torch.arange(len(g)) - first[g]] = mine[by_group]
+        dst.copy_(torch.where(columns >= 0, columns - seg.start, -1).to(dst.device))
+        return columns
     if weight not in perms:
-        dst.copy_(order)
+        dst.copy_(order.to(dst.device))
         perms.add(weight)
-    elif not torch.equal(dst, order):
+    elif not torch.equal(dst, order.to(dst.device)):
         raise WeightLoadError(f"{gname}: its act-order differs from the other projections packed with it (the same "
                               "input must have one column order); a checkpoint quantized with its groups in "
                               "column order loads")
     return order
 
 
+def _rows_in_down_order(files: list[Path], wmap: dict, params: dict[str, torch.Tensor], shards: dict[str, Shard],
+                        quant) -> dict[str, torch.Tensor]:
+    """Where the MLP's down projection is in activation order and split over ranks: the gate/up
+    rows (of gate's and of up's) each rank holds, its share of down's input columns in down's group
+    order, so that h comes out in the order of the rank's down columns. {gate_up weight: rows}."""
+    if not (isinstance(quant, Int4Format) and quant.act_order):
+        return {}
+    wanted: dict[str, tuple[str, Shard]] = {}  # down's group index in the checkpoint -> (our gate/up, down's shard)
+    for name, (ours, _) in wmap.items():
+        shard = shards.get(ours)
+        if ours.endswith("mlp.down_proj.weight") and name.endswith(quant.tensor_names()[0]) and \
+                ours + "_perm" not in params and shard.local_size != shard.global_size:
+            wanted[_group_index_name(name, quant)] = (ours.replace("down_proj", "gate_up_proj"), shard)
+    rows: dict[str, torch.Tensor] = {}
+    for path in files if wanted else []:
+        with safe_open(str(path), framework="pt") as f:
+            for gname in wanted.keys() & set(f.keys()):
+                gate_up, shard = wanted[gname]
+                cols = shard.global_size
+                group = cols if quant.group == -1 else quant.group
+                seg = shard.segments[0]
+                order = torch.argsort(_group_index(f, gname, cols, cols // group), stable=True)
+                rows[gate_up] = order[seg.start:seg.start + seg.length]
+    missing = [g for g in wanted if wanted[g][0] not in rows]
+    if missing:
+        raise WeightLoadError(f"a down projection in activation order without its group index {missing[0]}")
+    return rows
+
+
 def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4Format,
-               order: torch.Tensor | None = None) -> None:
+               columns: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
     """One tensor of a 4-bit checkpoint (packed values, scales or zero points of one projection)
     into segment i's part of our weight, weight_scale or weight_zero (engine/int4.py's layout):
-    turned into column order, cut, and packed or transposed. order: the packed values' input
-    columns in group order (activation order), taken before packing."""
+    turned into column order, cut, and packed or transposed. columns: the packed values' input
+    column of each of our weight's columns (activation order; -1: zeros), taken before packing.
+    rows: the rows this rank holds of each segment, where not its contiguous part (_rows_in_down_order)."""
     kind = 0 if dst.dtype == INT4 else 1 if dst.dtype == torch.float16 else 2
     src = int4.to_engine(fmt, kind, f.get_tensor(name).to(dst.device))  # [N, K] values, or [N, K/G]
-    if order is not None:
-        src = src[:, order]
+    if columns is not None:
+        src = reference.gather_columns(src, columns.to(src.device))
     seg = shard.segments[i]
-    rows = dst if kind == 0 else dst.t()  # [N, ...] as src
+    out = dst if kind == 0 else dst.t()  # [N, ...] as src
+    width = out.shape[1] * (INT4_PACK if kind == 0 else 1)
     if shard.dim == 0:
-        part, rows = src[seg.start:seg.start + seg.length], rows.narrow(0, shard.local_offset(i), seg.length)
-    elif kind and src.shape[1] == 1:  # one group a row: every rank's K part keeps the row's scale
+        picked = src[seg.start:seg.start + seg.length] if rows is None else src.index_select(0, rows.to(src.device))
+        part, out = picked, out.narrow(0, shard.local_offset(i), seg.length)
+    elif width == src.shape[1]:  # the whole input: one rank, one group a row, or every group (_act_order)
         part = src
     else:
         per = seg.global_size // src.shape[1]  # input columns a value (1) or a group holds
@@ -171,10 +238,10 @@ def _load_int4(f, name: str, dst: torch.Tensor, shard: Shard, i: int, fmt: Int4F
         part = src[:, seg.start // per:(seg.start + seg.length) // per]
     if kind == 0:
         part = int4.pack(part)
-    if tuple(part.shape) != tuple(rows.shape):
+    if tuple(part.shape) != tuple(out.shape):
         raise WeightLoadError(f"{name}: shape {tuple(part.shape)} in the engine's layout does not match the "
-                              f"config's {tuple(rows.shape)} (a {fmt.method} checkpoint with groups of {fmt.group})")
-    rows.copy_(part)
+                              f"config's {tuple(out.shape)} (a {fmt.method} checkpoint with groups of {fmt.group})")
+    out.copy_(part)
 
 
 def _scale_view(scale: torch.Tensor, shard: Shard, i: int, rows_per_scale: int, name: str) -> torch.Tensor:
@@ -272,7 +339,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     shards = model.param_shards()
     eshards = model.expert_shards()
     buffers = quant_buffers(model)
-    _identity_orders(buffers)
+    _identity_orders(buffers, shards)
     for name, p in model.named_parameters():
         shard = shards.get(name)
         if name.endswith("norm.weight"):
@@ -310,6 +377,9 @@ def _take_dummy(p: torch.Tensor, shard: Shard | None, full: torch.Tensor, name: 
         p.copy_(q)
         scale.copy_(s.repeat_interleave(FP8_GROUP, 0)[:len(p)] if quant.blocked and len(scale) == len(p) else s)
     elif p.dtype == INT4:
+        width = p.shape[1] * INT4_PACK
+        if local.shape[1] < width:  # as wide as the whole weight (_weight): this rank's columns, then zeros
+            local = torch.cat([local, local.new_zeros(local.shape[0], width - local.shape[1])], dim=1)
         q, s, z = int4.quantize(local, -1 if quant.group == -1 else quant.group)
         p.copy_(q)
         buffers[name + "_scale"].copy_(s)
@@ -343,8 +413,8 @@ def _init_dummy_stage(model: LlamaForCausalLM, seed: int) -> None:
         whole = LlamaForCausalLM(model.global_cfg, model.comm, expert_parallel=model.expert_parallel, quant=model.quant)
     ours = dict(model.named_parameters())
     buffers = quant_buffers(model)
-    _identity_orders(buffers)
     shards, whole_shards = model.param_shards(), whole.param_shards()
+    _identity_orders(buffers, shards)
     eshards = whole.expert_shards()
     start = model.stage.start
     for name, meta_p in whole.named_parameters():

@@ -24,7 +24,10 @@ fly. `--quantization fp8` quantizes a 16-bit checkpoint (or dummy weights) per c
   (`desc_act`) a group's input columns are scattered (`g_idx`): the loader sorts each weight's
   columns by group (`weight_perm`) and x's columns come in the same order, so the kernels see
   contiguous groups as without it: written so by the RMSNorm before q/k/v and gate/up, by gate/up's
-  reordered rows before down, and gathered before o (LlamaForCausalLM.fold_act_orders);
+  reordered rows before down, and gathered before o (LlamaForCausalLM.fold_act_orders). Under
+  tensor parallelism the ranks hold down's columns by group (gate/up's rows chosen to match) and
+  o's as wide as the whole weight, zeros where another rank holds a group's columns
+  (engine/parallel/layers.py _weight);
 - `quant_method: compressed-tensors` with 4-bit integer weights in groups, symmetric (llm-compressor's
   W4A16, RedHatAI/*-quantized.w4a16), its groups in activation order (`actorder: group`,
   `weight_g_idx`) as GPTQ's desc_act.

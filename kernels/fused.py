@@ -214,15 +214,18 @@ def _gather_columns_kernel(x_ptr, order_ptr, out_ptr, stride_x, stride_o, N, BLO
     mask = cols < N
     src = tl.load(order_ptr + cols, mask=mask, other=0)  # no kernel writes the order: before the wait
     wait_for_prior(PDL)
-    tl.store(out_ptr + row * stride_o + cols, tl.load(x_ptr + row * stride_x + src, mask=mask), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols,
+             tl.load(x_ptr + row * stride_x + src, mask=mask & (src >= 0), other=0.0), mask=mask)
 
 
 def gather_columns(x: torch.Tensor, order: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """x [M, N] -> x[:, order] (order int64 [N]): a 4-bit projection's input in its weight's
-    activation order, where no kernel before it writes that order (kernels/int4.py)."""
-    M, N = x.shape
-    assert order.shape == (N,) and order.dtype == torch.int64 and x.stride(1) == 1
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """x [M, K] -> x[:, order] [M, len(order)] (order int64; an entry of -1 gives a column of zeros):
+    a 4-bit projection's input in its weight's activation order, where no kernel before it writes
+    that order (kernels/int4.py)."""
+    M, K = x.shape
+    N = order.shape[0]
+    assert order.dim() == 1 and order.dtype == torch.int64 and x.stride(1) == 1
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:
         block = min(1024, next_pow2(N))
         pdl = pdl and x.is_cuda

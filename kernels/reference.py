@@ -327,13 +327,20 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return (q - zero.t().float().repeat_interleave(group, 1)) * scale.t().float().repeat_interleave(group, 1)
 
 
+def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x[:, order] [M, len(order)]; an entry of -1 gives a column of zeros
+    (kernels/fused.py)."""
+    padded = torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=1)
+    return padded.index_select(-1, torch.where(order < 0, x.shape[1], order))
+
+
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 order: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (its columns in `order` where given) @ the 4-bit weight w [N, K/8] dequantized, .T
     (+ bias): float32 sums, rounded to x's dtype (kernels/int4.py)."""
     if order is not None:
-        x = x.index_select(-1, order)
+        x = gather_columns(x, order)
     y = x.float() @ dequantize_int4(w, scale, zero).t()
     if bias is not None:
         y = y + bias.float()

@@ -240,8 +240,12 @@ def quant_saving(model: ModelShape, dtype: str, tensor_parallel_size: int = 1, n
     if quant is None:
         return 0
     layers = model.num_layers if num_layers is None else num_layers
-    params = model.projection_params() * layers // model.num_layers // tensor_parallel_size
-    return int(params * (DTYPE_BYTES[dtype] - quant.bytes_per_weight))
+    tp = tensor_parallel_size
+    params = model.projection_params() * layers // model.num_layers // tp
+    saving = params * (DTYPE_BYTES[dtype] - quant.bytes_per_weight)
+    if getattr(quant, "act_order", False) and tp > 1:  # o as wide as the whole weight on every rank
+        saving -= layers * model.q_size * model.hidden_size * (tp - 1) // tp * quant.bytes_per_weight
+    return int(saving)
 
 
 def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:

@@ -156,7 +156,7 @@ class MLP(nn.Module):
         super().__init__()
         part = even_split(cfg.intermediate_size, comm.rank, comm.size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], False, quant)
-        self.down_proj = RowParallelLinear(part, cfg.hidden_size, quant)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, quant, by_group=True)
         self.comm = comm
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +263,8 @@ class LlamaForCausalLM(nn.Module):
         the weights are loaded: q/k/v's and gate/up's into the RMSNorm before them, which writes its
         output in that order; down's into gate/up's output rows, so that h comes out in down's
         order. o's input comes from attention and keeps its gather. One rank only: under tensor
-        parallelism the cross-GPU sum is fused with the norm (and act-order is refused there)."""
+        parallelism the cross-GPU sum is fused with the norm, and q/k/v and gate/up keep their
+        gathers (the loader has chosen gate/up's rows in down's order: engine/loader.py)."""
         if self.comm.size > 1:
             return
         for layer in self.layers:

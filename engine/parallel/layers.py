@@ -76,7 +76,8 @@ def vocab_split(vocab: int, rank: int, ranks: int) -> tuple[Segment, int]:
     return Segment(vocab, start, min(per, vocab - start)), per
 
 
-def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: WeightFormat | None) -> None:
+def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: WeightFormat | None,
+            by_group: bool = False) -> None:
     """module.weight [rows, cols] in the checkpoint's format (engine/quant.py), and the buffers
     weight_scale (None for a 16-bit weight) and weight_zero (4-bit weights only):
     - FP8: FP8 values with float32 scales. Block scales whose blocks would straddle two packed
@@ -84,19 +85,22 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
     - 4-bit: int32 words [rows, cols / 8] with float16 scales and uint8 zero points [groups, rows]
       (engine/int4.py); for groups in activation order also weight_perm, int64 [cols]: the input
       column of each of the weight's columns (the loader sorts them by group; x comes in that
-      order: LlamaForCausalLM.fold_act_orders)."""
+      order: LlamaForCausalLM.fold_act_orders). Split along its input columns (a row-parallel
+      weight under tensor parallelism), a rank takes its share of the groups in group order where
+      the layer before writes its input so (by_group: the MLP's down, whose input columns gate/up's
+      rows choose, no weight_perm); else every group, holding this rank's columns of it and
+      zeros for the rest (weight_perm -1 there): the weight is as wide as the whole one."""
     module.quant = quant
     scale = zero = perm = None
     if isinstance(quant, Int4Format):
+        ordered = quant.act_order and not (by_group and shard.dim == 1 and shard.local_size != shard.global_size)
+        if ordered and shard.dim == 1:
+            cols = shard.global_size  # every group (the same width where the weight is not split)
         group = cols if quant.group == -1 else quant.group
         if cols % group or cols % INT4_PACK:
             raise QuantizationError(f"a 4-bit weight of {cols} input columns on this rank does not split into "
                                     f"groups of {group}; use fewer ranks")
-        if quant.act_order:
-            if shard.dim == 1 and shard.local_size != shard.global_size:
-                raise QuantizationError("4-bit weights in activation order (GPTQ's desc_act, actorder group) "
-                                        "cannot be split along their input columns (tensor parallelism); use "
-                                        "--tensor-parallel-size 1 or a checkpoint with its groups in column order")
+        if ordered:
             perm = torch.arange(cols)
         module.weight = nn.Parameter(torch.empty(rows, cols // INT4_PACK, dtype=torch.int32), requires_grad=False)
         scale = torch.empty(cols // group, rows, dtype=torch.float16)
@@ -125,12 +129,14 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T: this rank's input columns; x_r W_r^T is this rank's part of
-    y, which the caller sums over the ranks (Comm.reduce_norm, with the norm after it)."""
+    y, which the caller sums over the ranks (Comm.reduce_norm, with the norm after it). by_group: a
+    4-bit weight in activation order takes its columns by group (_weight)."""
 
-    def __init__(self, segment: Segment, out_features: int, quant: WeightFormat | None = None) -> None:
+    def __init__(self, segment: Segment, out_features: int, quant: WeightFormat | None = None,
+                 by_group: bool = False) -> None:
         super().__init__()
         self.shard = Shard(1, (segment,))
-        _weight(self, self.shard, out_features, segment.length, quant)
+        _weight(self, self.shard, out_features, segment.length, quant, by_group)
 
 
 class VocabRows(nn.Module):

@@ -260,9 +260,22 @@ def test_activation_order_equals_transformers(wide_llama, tmp_path, fmt):
             assert torch.equal(o_proj.weight_perm, torch.arange(len(o_proj.weight_perm)))
             runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
     assert runs[0] == runs[1]
-    # two ranks: q/k/v and gate/up keep their whole input (rows split); o and down would cut it
-    with pytest.raises(RuntimeError, match="activation order .* cannot be split along their input columns"):
-        LLM(str(tmp_path / "act"), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64)
+    with LLM(str(cfg_only / "config.json"), dtype="float32", device="cpu", num_kv_blocks=64, load_format="dummy",
+             tensor_parallel_size=2) as llm:  # the same model cut in two (o: the rank's columns, then zeros)
+        o_proj = llm.engine.runner.model.layers[1].self_attn.o_proj
+        assert o_proj.weight_perm.tolist() == list(range(128)) + [-1] * 128
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == runs[0]
+    # two ranks: q/k/v and gate/up keep their whole input (their rows split, gate/up's in down's
+    # group order); down takes its share of the groups, o every group with its columns and zeros
+    with LLM(str(tmp_path / "act"), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64) as llm:
+        layer = llm.engine.runner.model.layers[0]
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        assert down.weight_perm is None and down.weight.shape[1] * 8 == 256  # 512 / 2
+        assert len(o.weight_perm) == 256 and o.weight.shape[1] * 8 == 256 and (o.weight_perm == -1).sum() == 128
+        assert sorted(o.weight_perm[o.weight_perm >= 0].tolist()) == list(range(128))
+        assert layer.self_attn.qkv_proj.weight_perm is not None
+        check_prompt_logprobs(llm, hf, prompts_of(4, 60, 3), max_gap=1e-3)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == greedy
 
 
 def test_gptq_act_order_differing_within_a_packed_weight_is_one_error(wide_llama, tmp_path):
@@ -336,6 +349,11 @@ def test_kv_calc_counts_4_bit_projections():
     p = bf16.projection_params()
     saved = weight_bytes_per_gpu(bf16, "bfloat16") - weight_bytes_per_gpu(int4, "bfloat16")
     assert saved == int(p * (2 - 0.5 - 3 / 128))
+    # act-order over two ranks: o as wide as the whole weight on each (engine/parallel/layers.py)
+    act, plain = (replace(bf16, quant=Int4Format("gptq", 128, act_order=a)) for a in (True, False))
+    extra = weight_bytes_per_gpu(act, "bfloat16", 2) - weight_bytes_per_gpu(plain, "bfloat16", 2)
+    assert abs(extra - 32 * 4096 * 4096 / 2 * (0.5 + 3 / 128)) <= 1
+    assert weight_bytes_per_gpu(act, "bfloat16") == weight_bytes_per_gpu(plain, "bfloat16")
 
 
 @pytest.mark.gpu

@@ -80,6 +80,19 @@ def test_columns_in_activation_order(M):
     _close(int4.int4_gate_up_silu(x, w, s, z, order=order), ref.int4_gate_up_silu(x, w, s, z, order=order), ulps=4)
 
 
+def test_columns_padded_with_zeros():
+    """An order longer than x's columns, -1 for a column of zeros (a rank's act-order o projection
+    under tensor parallelism: every group, this rank's columns in it, zeros for the rest)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    order = torch.randint(-1, 96, (256,), generator=g).to(DEVICE)
+    want = torch.cat([x, x.new_zeros(5, 1)], dim=1)[:, torch.where(order < 0, 96, order)]
+    assert torch.equal(int4.gather_columns(x, order), want)
+    assert torch.equal(ref.gather_columns(x, order), want)
+    w, s, z = _weight(64, 256, 64, seed=6)
+    _close(int4.int4_linear(x, w, s, z, order=order), ref.int4_linear(want, w, s, z))
+
+
 @gpu
 @pytest.mark.parametrize("M", [1, 64, 256, 512, 2048])
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (1152, 896)])
