@@ -10,6 +10,7 @@ from typing import Any
 from engine.quant import QUANTIZATION_METHODS, QuantizationError, WeightFormat, checkpoint_format
 from kvcache.calc import pipeline_parallel_problem, tensor_parallel_problem
 from kvcache.spec import DTYPE_BYTES, default_block_size
+from scheduler.request import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -293,6 +294,9 @@ class EngineConfig:
     # "fp8": a 16-bit checkpoint's projections quantized to FP8 as they load (engine/quant.py); None:
     # the checkpoint's own weights (an FP8 checkpoint stays FP8)
     quantization: str | None = None
+    # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig;
+    # steps then run one at a time (no async scheduling)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple[str, ...]) -> None:
@@ -344,3 +348,8 @@ class EngineConfig:
         if (isinstance(self.prefill_hold_ms, bool) or not isinstance(self.prefill_hold_ms, (int, float))
                 or not 0 <= self.prefill_hold_ms <= 10_000):
             raise ValueError(f"prefill_hold_ms must be a number of milliseconds in [0, 10000]; got {self.prefill_hold_ms!r}")
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative decoding runs each step before scheduling the next (the tokens a step "
+                             "keeps are known only then); drop async_scheduling")

@@ -198,9 +198,36 @@ def select_ops(device: torch.device, backend: str, pdl: bool | None = None) -> t
 
 def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBatch:
     """The sampling parameters of the items that sample, with the output position of the token
-    each samples (which counts pending tokens, unlike num_output_tokens)."""
-    return SamplingBatch([items[i].seq.params for i in sampled],
-                         [items[i].end - items[i].seq.num_prompt_tokens for i in sampled])
+    each samples (which counts pending tokens, unlike num_output_tokens); an item that verifies a
+    draft samples at each of its positions, as many rows (a seeded row's token at an output position
+    is the one it would be without the draft)."""
+    params, positions = [], []
+    for i in sampled:
+        it = items[i]
+        if it.draft is None:
+            params.append(it.seq.params)
+            positions.append(it.end - it.seq.num_prompt_tokens)
+        else:
+            first = it.start + 1 - it.seq.num_prompt_tokens
+            params += [it.seq.params] * it.num_new_tokens
+            positions += range(first, first + it.num_new_tokens)
+    return SamplingBatch(params, positions)
+
+
+def _logit_items(items: list[ScheduledSeq], sampled: list[int]) -> list[ScheduledSeq]:
+    """The item of each row of logits a step samples (_sampling_batch's rows)."""
+    return [items[i] for i in sampled for _ in range(items[i].num_new_tokens if items[i].draft is not None else 1)]
+
+
+def accepted(rows: list[int], draft: list[int]) -> list[int]:
+    """A verified draft's tokens: rows[j] sampled after the input's j-th token (the last known one,
+    then the draft's); each draft token stands while it equals the token sampled before it, and the
+    first that does not is replaced by that sample. The result is drawn as without the draft: where a
+    draft token equals the sample, the model's next position saw the token it would have."""
+    n = 0
+    while n < len(draft) and rows[n] == draft[n]:
+        n += 1
+    return rows[:n + 1]
 
 
 @dataclass
@@ -215,6 +242,8 @@ class Launched:
     sent: Sent | None = None  # a pipeline stage's carry on its way to the next stage
     deferred: DeferredSample | None = None  # constrained rows' sampling, waiting for finish()
     prompt: PromptSamples | None = None  # prompt logprobs of the step's chunks (engine/prompt_logprobs.py)
+    # speculative decoding: per sampling item, its first row of samples and its draft (None: one row)
+    drafts: list[tuple[int, list[int] | None]] | None = None
 
 
 @dataclass
@@ -271,6 +300,8 @@ class ModelRunner:
         self.adjuster = LogitAdjuster()  # penalties, logit_bias, min_p, min_tokens (engine/logit_adjust.py)
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
+        if cfg.speculative_config is not None:  # a step's kept tokens are known only once it has run
+            self.overlap = False
 
         log.debug("start-up: building the model runner")
         clock = time.perf_counter()
@@ -764,7 +795,7 @@ class ModelRunner:
         sampled = host.sampled
         sbatch = _sampling_batch(items, sampled)
         input_ids = d64[:n_tok]
-        n_logits = len(sampled)
+        n_logits = host.num_logits
         if host.num_pending:
             k, at = host.num_pending, 3 * n_tok + n_logits
             assert prev is not None and prev.samples is not None
@@ -853,6 +884,10 @@ class ModelRunner:
         for i, it in enumerate(items):
             rows.append(self._table_row(it.seq.seq_id, it.seq.block_table))
             toks = it.seq.token_ids
+            if it.draft is not None:  # the last known token, then the draft (no pending token)
+                ids_list.append(toks[it.start])
+                ids_list += it.draft
+                continue
             if it.end <= len(toks):
                 ids_list += toks[it.start:it.end]
                 continue
@@ -869,7 +904,11 @@ class ModelRunner:
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
         slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         sampled = [i for i, it in enumerate(items) if it.samples]
-        logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
+        if any(it.draft is not None for it in items):  # every position of a draft's item samples
+            logit_idx = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if items[i].draft is not None else qsl[i + 1:i + 2] - 1
+                                        for i in sampled]).astype(np.int64)
+        else:
+            logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
         i32[:n_seqs] = starts + q_lens
         i32[n_seqs:2 * n_seqs + 1] = qsl
         if n_pq:
@@ -954,7 +993,8 @@ class ModelRunner:
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
         if self.steps is not None and not batch.is_decode_only:
             key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
-            if key is not None:
+            # a draft's positions each take a logit row, which the graph's inputs hold up to 3 a sequence
+            if key is not None and n + sum(len(it.draft) for it in batch.items if it.draft) <= 3 * self.steps.num_seqs:
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
         hidden = self._forward(input_ids, positions, meta)
@@ -1014,11 +1054,19 @@ class ModelRunner:
         n = len(batch.items)
         if not sampled:
             return Launched(None, {}, [], n)
-        rows = {batch.items[i].seq.seq_id: j for j, i in enumerate(sampled)}
+        items = batch.items
+        if any(items[i].draft is not None for i in sampled):
+            # a draft's rows are consecutive; no step follows before these tokens are known
+            starts = np.cumsum([0] + [items[i].num_new_tokens if items[i].draft is not None else 1 for i in sampled])
+            launched = Launched(None, {items[i].seq.seq_id: int(starts[j]) for j, i in enumerate(sampled)}, sampled, n,
+                                drafts=[(int(starts[j]), items[i].draft) for j, i in enumerate(sampled)])
+            self._draw(launched, logits, sbatch, _logit_items(items, sampled), None)
+            return launched
+        rows = {items[i].seq.seq_id: j for j, i in enumerate(sampled)}
         launched = Launched(None, rows, sampled, n)
         # where a decode graph that follows reads its pending input tokens
         tokens_out = self.graphs.tokens[:len(sampled)] if self.graphs is not None else None
-        self._draw(launched, logits, sbatch, [batch.items[i] for i in sampled], tokens_out)
+        self._draw(launched, logits, sbatch, [items[i] for i in sampled], tokens_out)
         return launched
 
     def _draw(self, launched: Launched, logits: torch.Tensor, sbatch: SamplingBatch, items: list[ScheduledSeq],
@@ -1132,8 +1180,16 @@ class ModelRunner:
                 for j, i in enumerate(launched.sampled):
                     outputs[i] = SampleOutput(tokens[0][j], None, list(later[j]))
                 return outputs
-            for j, i in enumerate(launched.sampled):
-                outputs[i] = SampleOutput(tokens[j], logprobs[j])
+            if launched.drafts is not None:
+                for i, (row, draft) in zip(launched.sampled, launched.drafts):
+                    if draft is None:
+                        outputs[i] = SampleOutput(tokens[row], logprobs[row])
+                    else:
+                        kept = accepted(tokens[row:row + len(draft) + 1], draft)
+                        outputs[i] = SampleOutput(kept[0], None, kept[1:])
+            else:
+                for j, i in enumerate(launched.sampled):
+                    outputs[i] = SampleOutput(tokens[j], logprobs[j])
         if launched.prompt is not None:
             for i, entries in launched.prompt.to_host().items():
                 out = outputs[i]

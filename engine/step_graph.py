@@ -258,7 +258,7 @@ class StepGraphs:
         self.tables[:n_rows, :width].copy_(self.stage[tables_at:tables_at + n_rows * width * 4]
                                           .view(torch.int32).view(n_rows, width))
         ext = self.ext[:extra]
-        num_logits = len(host.sampled)
+        num_logits = host.num_logits
         if host.num_pending:
             assert samples is not None
             take_pending(self.io[:t], ext[num_logits:], host.num_pending, samples)

@@ -28,6 +28,12 @@ class HostInputs:
     sampled: list[int]  # the items that sample
     num_pending: int  # input tokens read from prev's samples on the device
 
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step samples from: one per sampling item, a draft's tokens and one more
+        per item that verifies a draft."""
+        return len(self.i64) - 3 * self.num_tokens - 2 * self.num_pending
+
 
 def take_pending(input_ids: torch.Tensor, words: torch.Tensor, num_pending: int, samples: torch.Tensor) -> None:
     """The pending input tokens into input_ids, on the device: words (int64, uploaded) holds

@@ -88,6 +88,9 @@ class EngineSnapshot:
     kv_offload_bytes_in: int | None = None  # KV bytes copied host -> device
     host_kv_used_blocks: int | None = None
     host_kv_total_blocks: int | None = None
+    # speculative decoding (scheduler/ngram.py): draft tokens verified, and of them accepted; None without it
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -115,7 +118,8 @@ class EngineSnapshot:
         return cls(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
-                   core.has_unfinished(), core.hold_wait(), *tier)
+                   core.has_unfinished(), core.hold_wait(), *(tier or (None,) * 5),
+                   *((sched.num_draft_tokens, sched.num_accepted_tokens) if sched.proposer is not None else ()))
 
 
 _snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))

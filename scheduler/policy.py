@@ -41,7 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache.block_manager import BlockManager
-from scheduler.request import Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, StepOutput
+from scheduler.ngram import NgramProposer
+from scheduler.request import (Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, SpeculativeConfig,
+                               StepOutput)
 
 HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
 ENDED_DECAY = 0.95  # the weight of the last ended sequence's lengths against those before (_demand)
@@ -68,6 +70,9 @@ class SchedulerConfig:
     # the budget paces prompts by the demand (a pipeline stage's cost model): only then is it computed,
     # so that other engines' steps don't pay for a look at the waiting prompts they would ignore
     paced: bool = False
+    # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); the engine then runs
+    # each step before scheduling the next (the tokens a step keeps are known only once it has run)
+    speculative: SpeculativeConfig | None = None
 
 
 class Scheduler:
@@ -86,6 +91,11 @@ class Scheduler:
         self._prompted = False  # the last step carried prompt tokens (multi-step: a decode round is next)
         # prompt and output tokens of the sequences that ended, the older ones decayed (_demand)
         self._ended_prompt = self._ended_output = 0.0
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         if spec is not None else None)
+        self.num_draft_tokens = 0  # draft tokens verified, and of them accepted
+        self.num_accepted_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -119,22 +129,25 @@ class Scheduler:
         in flight, which no other batch may carry (they may still be preempted), and max_seqs, the
         most sequences this batch takes, so that the queue's batches share the work."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
-        others: list[ScheduledSeq] = []
-        preempted = self._schedule_decodes(decodes, busy, max_seqs)
-        budget = self.config.max_num_batched_tokens - len(decodes)
+        others: list[ScheduledSeq] = []  # decodes with a draft, then prompt chunks
+        preempted = self._schedule_decodes(decodes, busy, max_seqs, others)
+        budget = self.config.max_num_batched_tokens - len(decodes) - sum(it.num_new_tokens for it in others)
         # multi-step with a prompt budget: after a step with prompt tokens comes a round of decode
         # steps, prompts waiting (one round at most), so that the host's work per round is paid once
         # for several steps
         budgeted = self.config.prompt_budget is not None
         decode_round = budgeted and self.config.num_scheduler_steps > 1 and self._prompted and bool(decodes)
+        rows = len(decodes) + sum(it.num_new_tokens for it in others)  # a draft's tokens cost as rows
         if decode_round:
             budget = 0
-        elif decodes and budgeted:
-            # it.end: the decode's context, its new token included
-            demand = self._demand(len(decodes)) if self.config.paced else self._backlog()
-            budget = min(budget, self.config.prompt_budget(len(decodes), sum(it.end for it in decodes), demand))
-        room = None if max_seqs is None else max_seqs - len(decodes)
-        budget, preempted_for_prompt = self._schedule_prefills(budget, others, not decodes, busy, room)
+        elif rows and budgeted:
+            # it.end: the decode's context, its new tokens included
+            demand = self._demand(len(decodes) + len(others)) if self.config.paced else self._backlog()
+            context = sum(it.end for it in decodes) + sum(it.end for it in others)
+            budget = min(budget, self.config.prompt_budget(rows, context, demand))
+        drafts = len(others)
+        room = None if max_seqs is None else max_seqs - len(decodes) - drafts
+        budget, preempted_for_prompt = self._schedule_prefills(budget, others, not rows, busy, room)
         preempted = preempted or preempted_for_prompt
         self.hold_release = None
         # admitting new work right after a preemption would only thrash: wait for room
@@ -147,7 +160,7 @@ class Scheduler:
         prompts_wait = (bool(self.waiting) and not decode_round
                         and len(self.running) < self.config.max_num_seqs)
         steps = 1 if others else self._steps(decodes, prompts_wait)
-        self._prompted = bool(others)
+        self._prompted = len(others) > drafts
         for it in items:  # the step is committed: the next schedule() continues after it
             seq = it.seq
             seq.num_computed_tokens = it.end + steps - 1
@@ -194,14 +207,18 @@ class Scheduler:
         return k
 
     def _schedule_decodes(self, decodes: list[ScheduledSeq], busy: set[int] | None = None,
-                          max_seqs: int | None = None) -> bool:
+                          max_seqs: int | None = None, drafted: list[ScheduledSeq] | None = None) -> bool:
         """Every running sequence whose next step is one token, oldest first; preempts the newest
-        when the cache is full. Returns whether anything was preempted."""
+        when the cache is full. With speculative decoding, those with a draft go to drafted (their
+        input: the last token and the draft) where the cache and the step's tokens have room for it.
+        Returns whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
         most = self.config.max_num_batched_tokens if max_seqs is None else min(max_seqs, self.config.max_num_batched_tokens)
+        proposer = self.proposer if drafted is not None else None
+        tokens = 0  # of drafts
         preempted = False
         i = 0
-        while i < len(running) and len(decodes) < most:
+        while i < len(running) and len(decodes) + (len(drafted) if drafted else 0) < most:
             seq = running[i]
             if busy and seq.seq_id in busy:
                 i += 1
@@ -218,11 +235,41 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                decodes.append(ScheduledSeq(seq, start, 1))
+                draft = None
+                if proposer is not None and not pending:
+                    room = self.config.max_num_batched_tokens - len(decodes) - len(drafted) - tokens - 1
+                    draft = self._draft(seq, start, room, len(running) - i - 1)
+                if draft:
+                    drafted.append(ScheduledSeq(seq, start, 1 + len(draft), draft))
+                    tokens += len(draft)
+                else:
+                    decodes.append(ScheduledSeq(seq, start, 1))
                 if start < len(seq.token_ids) and (start + 1) % bs == 0:  # a block completed by a known token
                     bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + 1)
                 i += 1
         return preempted
+
+    def _draft(self, seq: Sequence, start: int, room: int, others: int) -> list[int] | None:
+        """seq's n-gram draft (its last token known, at position start), as long as its output, the
+        context, the step's tokens (room) and the cache allow, leaving a free block for each of the
+        `others` sequences still to decode (a draft never preempts); None for rows whose sampling
+        depends on more than the logits (logprobs, a grammar, logit adjustments)."""
+        p = seq.params
+        if p.logprobs is not None or p.grammar is not None or p.adjusts_logits:
+            return None
+        limit = min(room, self.config.max_model_len - 1 - start)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1)
+        assert self.proposer is not None
+        draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+        if not draft:
+            return None
+        bm = self.bm
+        new_blocks = bm.blocks_needed(start + 1 + len(draft)) - len(seq.block_table)
+        if new_blocks > 0 and (new_blocks > bm.num_free_blocks - others
+                               or bm.append(seq.block_table, start + 1 + len(draft)) is None):
+            return None
+        return draft
 
     def _schedule_prefills(self, budget: int, others: list[ScheduledSeq], may_preempt: bool,
                            busy: set[int] | None = None, room: int | None = None) -> tuple[int, bool]:
@@ -369,12 +416,18 @@ class Scheduler:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             token_ids = seq.token_ids
             new = [sample.token_id] if sample.more is None else [sample.token_id, *sample.more]
+            draft = it.draft
+            if draft is not None:  # the tokens that matched the draft, then the next one
+                if seq.status is status_running:  # (a preempted one recomputes from its start)
+                    seq.num_computed_tokens = it.start + len(new)  # the rejected positions' KV is not kept
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += len(new) - 1
             reason = None
-            # a multi-step batch's tokens in turn, until one ends the sequence (the rest are dropped)
+            # a multi-step batch's (or a draft's) tokens in turn, until one ends the sequence (the rest are dropped)
             for j, token in enumerate(new):
                 token_ids.append(token)
-                end = it.end + j
-                if it.num_new_tokens == 1 and end % bs == 0 and seq.status is status_running:
+                end = it.end + j if draft is None else it.start + 1 + j
+                if (it.num_new_tokens == 1 or draft is not None) and end % bs == 0 and seq.status is status_running:
                     # a decode, not preempted since, completed a block: schedule() could not register it
                     # if its input token was pending then (prefill chunks never have one)
                     self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end)
@@ -424,6 +477,8 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.drop(seq.seq_id)
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
         if reason in ("stop", "length"):

@@ -12,6 +12,7 @@ import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcache.host_tier import KVMoves
 
@@ -120,6 +121,48 @@ class SamplingParams:
         """Anything of engine/logit_adjust.py applies to this request's rows."""
         return (self.penalizes or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
                 or (self.min_p > 0.0 and self.temperature > 0.0))
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+class SpeculativeConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings (scheduler/ngram.py), as vLLM's speculative_config for n-gram drafts: {"method": "ngram", "num_speculative_tokens": K,
+    "prompt_lookup_max": N, "prompt_lookup_min": M}."""
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise SpeculativeConfigError(f"speculative_config must be a JSON object; got {d!r}")
+        method = d.get("method", "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise SpeculativeConfigError(f"speculative_config method {method!r} is not supported (only {', '.join(SPECULATIVE_METHODS)})")
+        unknown = sorted(set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown:
+            raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} (method, num_speculative_tokens, "
+                                         "prompt_lookup_max, prompt_lookup_min)")
+        if "num_speculative_tokens" not in d:
+            raise SpeculativeConfigError("speculative_config needs num_speculative_tokens (the draft's length, e.g. 4)")
+        hi = d.get("prompt_lookup_max", max(cls.prompt_lookup_max, d.get("prompt_lookup_min", 0)))
+        lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else cls.prompt_lookup_min)
+        return cls(d["num_speculative_tokens"], hi, lo)
+
+    def __post_init__(self) -> None:
+        for name, top in (("num_speculative_tokens", 16), ("prompt_lookup_max", 64), ("prompt_lookup_min", 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+                raise SpeculativeConfigError(f"speculative_config {name} must be an integer from 1 to {top}; got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeConfigError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                                         f"prompt_lookup_max ({self.prompt_lookup_max})")
 
 
 class SequenceStatus(enum.Enum):
@@ -241,13 +284,18 @@ class ScheduledSeq:
     num_new_tokens: int
     end: int
     samples: bool
+    # speculative decoding: tokens proposed to follow the sequence's last one, verified in this step
+    # (its input is that token and the draft; each position samples, and the tokens that match the
+    # draft plus the next one are kept)
+    draft: list[int] | None
 
-    def __init__(self, seq: Sequence, start: int, num_new_tokens: int) -> None:
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int, draft: list[int] | None = None) -> None:
         self.seq = seq
         self.start = start
         self.num_new_tokens = num_new_tokens
         self.end = end = start + num_new_tokens
-        self.samples = end == len(seq.token_ids) + seq.num_pending
+        self.draft = draft
+        self.samples = draft is not None or end == len(seq.token_ids) + seq.num_pending
 
 
 @dataclass

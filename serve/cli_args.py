@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from engine.config import AUTO_SCHEDULER_STEPS, DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 from engine.cost_model import MULTI_STEP_MS, STALL_FACTOR
@@ -76,7 +77,22 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: quantize a 16-bit checkpoint's projections to FP8 per output channel as it loads "
                         "(half the weight memory and bytes a decode step reads; inputs quantized per token). "
                         "FP8 checkpoints are read as FP8 without it")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each decode carries up to K tokens that '
+                        "followed the same n-gram earlier in its prompt or output, and a step keeps those the model "
+                        "agrees with (greedy output unchanged; steps then run one at a time)")
     g.add_argument("--seed", type=int, default=0)
+
+
+def _speculative_config(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -93,4 +109,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel,
                         disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed,
-                        kv_offload_gib=args.kv_offload_gib, quantization=args.quantization)
+                        kv_offload_gib=args.kv_offload_gib, quantization=args.quantization,
+                        speculative_config=args.speculative_config)

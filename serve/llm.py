@@ -41,6 +41,7 @@ class LLM:
                  max_step_ms: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
                  disable_custom_all_reduce: bool = False, quantization: str | None = None,
+                 speculative_config: dict | None = None,
                  generation_config: str = "auto", show_progress: bool = False) -> None:
         """generation_config: where generate() without SamplingParams takes its defaults from
         (serve/generation_config.py): auto, the model's generation_config.json; vllm, SamplingParams()'s."""
@@ -56,7 +57,8 @@ class LLM:
                                    tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size, seed=seed,
                                    enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib,
-                                   disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization)
+                                   disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization,
+                                   speculative_config=speculative_config)
         self.defaults = sampling_defaults(generation_config, model_folder(self.config))
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer

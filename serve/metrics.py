@@ -107,6 +107,12 @@ class _EngineCollector(Collector):
                          snap("prefix_cache_hits"))
         if any(row.snapshot.host_kv_total_blocks is not None for row in rows):
             yield from self._host_tier_metrics(names, rows)
+        if any(row.snapshot.spec_draft_tokens is not None for row in rows):
+            yield metric(CounterMetricFamily, "spec_decode_num_draft_tokens",
+                         "Speculative decoding: draft tokens verified.", lambda row: row.snapshot.spec_draft_tokens or 0)
+            yield metric(CounterMetricFamily, "spec_decode_num_accepted_tokens",
+                         "Speculative decoding: draft tokens the model agreed with (kept).",
+                         lambda row: row.snapshot.spec_accepted_tokens or 0)
 
     def _host_tier_metrics(self, names: list[str], rows: list[_Source]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """The host tier of the prefix cache (--kv-offload-gib): hits per tier, bytes each way, occupancy."""

@@ -15,7 +15,7 @@ from scheduler.request import Batch, ScheduledSeq, Sequence, SequenceStatus
 # (new sequences [(seq_id, params, num_prompt_tokens)], rows, num_decode, num_steps, dropped seq_ids,
 # host-tier moves (kvcache/host_tier.py KVMoves, or None): each rank does them on its own shard);
 # a row: (seq_id, start, num_new_tokens, samples, token base, tokens from it, new table?, table base,
-# table entries from it)
+# table entries from it, draft or None)
 Message = tuple
 # ([(seq_id, token base, tokens from it)], seq_ids finished)
 TokenUpdate = tuple[list[tuple[int, int, list[int]]], list[int]]
@@ -50,7 +50,7 @@ class BatchEncoder:
             fresh = table is not s.table or len(table) < s.num_table
             tbase = 0 if fresh else s.num_table
             rows.append((seq.seq_id, it.start, it.num_new_tokens, it.samples, base, toks, fresh, tbase,
-                         table[tbase:]))
+                         table[tbase:], it.draft))
             s.table, s.num_table = table, len(table)
         dropped = [sid for sid, s in sent.items() if s.seq.is_finished]
         for sid in dropped:
@@ -97,7 +97,7 @@ class BatchDecoder:
             seq.num_prompt_tokens = num_prompt
             seqs[sid] = seq
         items = []
-        for sid, start, n, samples, base, toks, fresh, tbase, table in rows:
+        for sid, start, n, samples, base, toks, fresh, tbase, table, draft in rows:
             seq = seqs[sid]
             _extend(seq, base, toks)
             if fresh:
@@ -105,7 +105,7 @@ class BatchDecoder:
             else:
                 assert len(seq.block_table) == tbase, "block tables out of step"
                 seq.block_table.extend(table)
-            item = ScheduledSeq(seq, start, n)
+            item = ScheduledSeq(seq, start, n, draft)
             item.samples = samples
             items.append(item)
         return Batch(items, num_decode, num_steps, kv_moves)

@@ -1,0 +1,160 @@
+"""Speculative decoding with n-gram drafts (scheduler/ngram.py): the proposer finds the tokens that
+followed the longest recent n-gram; an engine with it gives the tokens of one without it (greedy,
+and seeded sampling, whose tokens are drawn per output position) and transformers', in fewer
+steps where the output repeats, beside chunked prompts, preemption, rows it leaves without drafts
+(logprobs, grammars, penalties), stops and max_tokens, and across tensor-parallel ranks and
+pipeline stages."""
+from __future__ import annotations
+
+import pytest
+
+from engine.grammar import regex_grammar
+from scheduler.ngram import NgramProposer
+from scheduler.request import SpeculativeConfig, SpeculativeConfigError
+from serve import LLM, SamplingParams
+from tests.models import hf_greedy
+
+CPU = dict(dtype="float32", device="cpu")
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# prompts that repeat themselves, so that drafts exist from the first decode on
+PROMPTS = [[5, 9, 11, 13, 5, 9, 11, 13, 5, 9, 11], [40, 41, 42, 43, 44, 45, 40, 41, 42], [7] * 12,
+           list(range(3, 30)) + list(range(3, 12)), [300, 301, 302, 303, 304] * 6]
+
+
+def test_proposer_takes_the_longest_recent_ngram():
+    p = NgramProposer(3, 2, 3)
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
+    # the 3-gram (1, 2, 3) occurred at the start: 4, 9, 2 followed it
+    assert p.propose(0, tokens, 8) == [4, 9, 2]
+    assert p.propose(0, tokens, 2) == [4, 9]
+    tokens += [7, 2, 3]  # (7, 2, 3) is new; the 2-gram (2, 3) last occurred before 1, 2, 3 -> 7
+    assert p.propose(0, tokens, 8) == [7, 2, 3]
+    tokens.append(99)
+    assert p.propose(0, tokens, 8) == []  # (3, 99) never occurred
+    assert p.propose(1, [1, 2], 4) == []  # too short
+    assert p.propose(0, tokens, 0) == []
+    # an index built as the tokens grew equals one built at once
+    fresh = NgramProposer(3, 2, 3)
+    for cut in range(3, len(tokens) + 1):
+        assert p.propose(0, tokens[:cut], 8) == fresh.propose(cut, tokens[:cut], 8)
+    p.drop(0)
+    assert 0 not in p._index
+
+
+def test_config_checks():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 3, 2)
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_max": 1}).prompt_lookup_min == 1
+    for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+                       ({"method": "ngram"}, "needs num_speculative_tokens"),
+                       ({"num_speculative_tokens": 0}, "from 1 to 16"),
+                       ({"num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
+                       ("ngram", "JSON object")):
+        with pytest.raises(SpeculativeConfigError, match=words):
+            SpeculativeConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="drop async_scheduling"):
+        LLM(None, speculative_config=SPEC, async_scheduling=True, **CPU)
+
+
+def generate(model, params, prompts=PROMPTS, **kw):
+    with LLM(str(model), num_kv_blocks=kw.pop("num_kv_blocks", 64), **CPU, **kw) as llm:
+        outs = llm.generate(prompts, params)
+        core = llm.engine.core
+        sched = core.scheduler
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        sched.check_integrity()
+        stats = dict(steps=core.stats.num_steps, drafted=sched.num_draft_tokens, accepted=sched.num_accepted_tokens,
+                     preemptions=core.stats.num_preemptions)
+    return [(o.token_ids, o.finish_reason) for o in outs], stats, outs
+
+
+@pytest.mark.parametrize("setting", ["roomy", "chunked-preempt"])
+def test_greedy_equals_without_drafts_and_transformers(tiny_models, setting):
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    kw = dict() if setting == "roomy" else dict(num_kv_blocks=9, max_num_batched_tokens=16)
+    plain, base, _ = generate(model, params, **kw)
+    spec, stats, _ = generate(model, params, speculative_config=SPEC, **kw)
+    assert spec == plain
+    assert [ids for ids, _ in spec] == hf_greedy(model, PROMPTS, 30)
+    assert stats["accepted"] > 0 and stats["steps"] < base["steps"]
+    if setting == "chunked-preempt":
+        assert stats["preemptions"] > 0
+
+
+def test_seeded_sampling_equals_without_drafts(tiny_models):
+    """A seeded row draws each output position's token from that position's own noise: with a draft,
+    the kept tokens are the ones it would have drawn without."""
+    params = [SamplingParams(max_tokens=25, temperature=t, top_p=tp, seed=s, ignore_eos=True)
+              for t, tp, s in ((0.3, 1.0, 1), (0.8, 0.9, 2), (0.2, 1.0, 3), (1.0, 1.0, 4), (0.1, 0.95, 5))]
+    plain, _, _ = generate(tiny_models["llama"], params)
+    spec, stats, _ = generate(tiny_models["llama"], params, speculative_config=SPEC)
+    assert spec == plain and stats["accepted"] > 0
+
+
+def test_rows_without_drafts_beside_rows_with(tiny_models):
+    """Logprobs, a grammar and penalties keep one token a step, in the same steps as drafted rows;
+    stop tokens and max_tokens end drafted rows where they would end without drafts."""
+    model = tiny_models["llama"]
+    plain_out = generate(model, [SamplingParams(max_tokens=40, temperature=0)] * len(PROMPTS))[0]
+    stop = plain_out[0][0][8]  # a token the first row samples: a stop for it
+    params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0, grammar=regex_grammar("[a-z ]{10,40}")),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    plain, _, plain_outs = generate(model, params)
+    spec, stats, spec_outs = generate(model, params, speculative_config=SPEC)
+    assert spec == plain and stats["accepted"] > 0
+    assert spec[0][1] == "stop" and spec[0][0][-1] == stop and len(spec[4][0]) == 7
+    assert [lp.token_id for lp in spec_outs[1].logprobs] == spec[1][0]
+    assert [round(lp.logprob, 4) for lp in spec_outs[1].logprobs] == [round(lp.logprob, 4) for lp in plain_outs[1].logprobs]
+
+
+def test_tensor_parallel_and_pipeline_stages_equal_one_process(tiny_models):
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    one, single, _ = generate(model, params, speculative_config=SPEC)
+    assert single["accepted"] > 0
+    tp, stats, _ = generate(model, params, speculative_config=SPEC, tensor_parallel_size=2)
+    assert tp == one and stats == single
+    pp, stats, _ = generate(model, params, speculative_config=SPEC, pipeline_parallel_size=2)
+    assert pp == one and stats["accepted"] > 0
+
+
+def test_served_with_metrics(tiny_models):
+    """Over HTTP (an engine process, as `serve run` starts it): completions equal the engine's without
+    drafts, and /metrics counts the draft tokens and those kept."""
+    from tests.serve.helpers import ServerThread, build, build_process
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    with ServerThread(build(tiny_models["llama"])) as srv:
+        want = srv.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with ServerThread(build_process(tiny_models["llama"], speculative_config=SPEC)) as srv:
+        r = srv.http.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        text = srv.http.get("/metrics").text
+    counts = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("pagedserve:spec_decode_num_")}
+    drafted, kept = counts["pagedserve:spec_decode_num_draft_tokens_total"], counts["pagedserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < kept <= drafted
+
+
+@pytest.mark.gpu
+def test_on_the_gpu(tiny_models):
+    """On a GPU: verifying steps through the whole-step graphs (up to 16 drafted rows) and the
+    piecewise ones (more), the Triton sampler for seeded rows: the tokens of an engine without drafts."""
+    model = tiny_models["llama"]
+    prompts = PROMPTS * 4  # 20 rows: more than a whole-step graph takes while all of them draft
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.2, seed=7, ignore_eos=True)] * 10
+    runs = []
+    for spec in (None, SPEC):
+        with LLM(str(model), device="cuda", num_kv_blocks=256, speculative_config=spec) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+            runs.append([o.token_ids for o in llm.generate(prompts[:3], params[:3])])  # few rows: whole-step graphs
+            if spec is not None:
+                assert llm.engine.core.scheduler.num_accepted_tokens > 0
+                assert llm.engine.runner.steps is None or llm.engine.runner.steps.num_runs > 0
+    assert runs[2:] == runs[:2]
