@@ -294,8 +294,7 @@ class EngineConfig:
     # "fp8": a 16-bit checkpoint's projections quantized to FP8 as they load (engine/quant.py); None:
     # the checkpoint's own weights (an FP8 checkpoint stays FP8)
     quantization: str | None = None
-    # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig;
-    # steps then run one at a time (no async scheduling)
+    # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -350,6 +349,6 @@ class EngineConfig:
             raise ValueError(f"prefill_hold_ms must be a number of milliseconds in [0, 10000]; got {self.prefill_hold_ms!r}")
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative decoding runs each step before scheduling the next (the tokens a step "
-                             "keeps are known only then); drop async_scheduling")
+        if self.speculative_config is not None and (self.num_scheduler_steps or 1) > 1:
+            raise ValueError("speculative decoding takes the place of multi-step rounds (a draft needs its sequence's "
+                             "last token); drop num_scheduler_steps")

@@ -300,8 +300,6 @@ class ModelRunner:
         self.adjuster = LogitAdjuster()  # penalties, logit_bias, min_p, min_tokens (engine/logit_adjust.py)
         # Overlap (async scheduling) pays where launches return before the work is done: on a GPU.
         self.overlap = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
-        if cfg.speculative_config is not None:  # a step's kept tokens are known only once it has run
-            self.overlap = False
 
         log.debug("start-up: building the model runner")
         clock = time.perf_counter()
@@ -357,9 +355,10 @@ class ModelRunner:
         # send stay outside them); it has no whole-step graphs and runs no multi-step rounds
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         # decode steps per scheduling round: multi-step rounds replay the decode graphs; by default
-        # only where the host's work per round is a large share of a decode step (a small model)
+        # only where the host's work per round is a large share of a decode step (a small model);
+        # never with drafts (each needs its sequence's last token on the host)
         self.num_scheduler_steps = 1
-        if graphs and pp is None:
+        if graphs and pp is None and cfg.speculative_config is None:
             self.num_scheduler_steps = cfg.num_scheduler_steps or (
                 self.cost_model.scheduler_steps(min(64, cfg.max_num_seqs), AUTO_SCHEDULER_STEPS)
                 if self.cost_model is not None else AUTO_SCHEDULER_STEPS)
@@ -884,8 +883,14 @@ class ModelRunner:
         for i, it in enumerate(items):
             rows.append(self._table_row(it.seq.seq_id, it.seq.block_table))
             toks = it.seq.token_ids
-            if it.draft is not None:  # the last known token, then the draft (no pending token)
-                ids_list.append(toks[it.start])
+            if it.draft is not None:  # the last token, then the draft
+                if it.start < len(toks):
+                    ids_list.append(toks[it.start])
+                else:  # sampled by prev
+                    assert prev is not None and it.start == len(toks), "a pending token without the step that samples it"
+                    ids_list.append(0)
+                    pend_at.append(int(qsl[i]))
+                    pend_rows.append(prev.rows[it.seq.seq_id])
                 ids_list += it.draft
                 continue
             if it.end <= len(toks):

@@ -38,15 +38,15 @@ def time_decode(llm, prompts: list[list[int]], params, profile_path: str | None 
     sync()
     if profile_path:
         write_profile(profile_path, lambda: [core.step() for _ in range(10)])
-    n, steps, t0 = 0, 0, time.perf_counter()
+    n, launched, t0 = 0, core.stats.num_steps, time.perf_counter()
     done = False
     while not done and core.has_unfinished():
         outs = core.step()
         n += sum(len(out.new_token_ids) for out in outs)
-        steps += 1
         done = any(out.finished for out in outs)
     sync()
     elapsed = time.perf_counter() - t0
+    steps = core.stats.num_steps - launched  # launched (a call that only collects a step launches none)
     for seq in seqs:
         core.abort(seq.seq_id)
     return n, elapsed, steps

@@ -1,7 +1,8 @@
 """What a speculative decoding step costs against a decode step: B sequences decoding, each step
 verifying k draft tokens a sequence (forced: the drafts are the sequence's last token repeated, so
-the cost is measured whatever the model accepts), on one engine with n-gram speculation and on one
-without it (async scheduling, the default), in the same call. From the step times, the tokens a
+the cost is measured whatever the model accepts; k = 0: no drafts, what the engine costs where
+none is found), on one engine with n-gram speculation and on one without it (async
+scheduling, the default), in the same call. From the step times, the tokens a
 step must keep for a draft to pay: t_verify(k) / t_decode; and with drafts accepted independently
 at rate a, a step keeps (1 - a^(k+1)) / (1 - a) tokens a sequence.
 
@@ -10,6 +11,7 @@ python -m lab.spec_steps --model .models/llama3-8b --batch 1 8 32 --drafts 2 4 8
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -57,14 +59,20 @@ def main(argv: list[str] | None = None) -> int:
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": max(args.drafts)}
         with LLM(args.model, **kw) as llm:
             for b in args.batch:
-                for k in (args.drafts if spec else [0]):
+                for k in (([0] + args.drafts) if spec else [0]):
                     row = {"engine": "speculative" if spec else "default", **measure(llm, b, k, args.input_len,
                                                                                      args.output_len)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+        del llm  # the next engine sizes its KV cache from the memory this one leaves
+        gc.collect()
+        torch.cuda.empty_cache()
     base = {r["batch"]: r["step_ms"] for r in rows if r["engine"] == "default"}
     for r in rows:
-        if r["engine"] == "speculative":
+        if r["engine"] == "speculative" and not r["drafts"]:  # no drafts: what the n-gram engine costs where none is found
+            r["step_vs_decode"] = r["step_ms"] / base[r["batch"]]
+            print(f"B={r['batch']} no drafts on the n-gram engine: {r['step_ms']:.2f} ms = {r['step_vs_decode']:.2f}x", flush=True)
+        if r["engine"] == "speculative" and r["drafts"]:
             r["step_vs_decode"] = r["step_ms"] / base[r["batch"]]
             ratio = r["step_vs_decode"]
             # the acceptance rate a at which (1 - a^(k+1)) / (1 - a) tokens a step pay for its time

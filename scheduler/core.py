@@ -155,7 +155,9 @@ class EngineCore:
         queue = self._in_flight
         outputs: list[StepOutput] = []
         launched = False
-        if len(queue) < self._max_in_flight:
+        # a step that verifies drafts is collected before the next is scheduled: how many of its
+        # tokens each sequence keeps decides where that sequence goes on
+        if len(queue) < self._max_in_flight and (self._exclusive or not queue or not queue[-1].batch.has_drafts):
             before = self.scheduler.num_preemptions
             held = self.scheduler.num_held_steps
             if self._exclusive:

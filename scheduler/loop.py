@@ -119,7 +119,8 @@ class EngineSnapshot:
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
                    core.has_unfinished(), core.hold_wait(), *(tier or (None,) * 5),
-                   *((sched.num_draft_tokens, sched.num_accepted_tokens) if sched.proposer is not None else ()))
+                   *((sched.num_draft_tokens, sched.num_accepted_tokens)
+                     if getattr(sched, "proposer", None) is not None else ()))
 
 
 _snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))

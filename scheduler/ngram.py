@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+
 @dataclass
 class _Index:
     tokens: list[int]  # the sequence's token list (the scheduler's, extended in place)
@@ -40,10 +41,16 @@ class NgramProposer:
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 after[tuple(tokens[end + 1 - n:end + 1])] = end + 1
         idx.upto = max(idx.upto, last)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            at = after.get(tuple(tokens[len(tokens) - n:]))
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            at = after.get(tuple(tokens[size - n:]))
             if at is not None:
-                return tokens[at:at + limit]
+                # what followed; where that runs into the tokens being predicted (a repeat of period
+                # size - at), those predictions continue it
+                draft: list[int] = []
+                for src in range(at, at + limit):
+                    draft.append(tokens[src] if src < size else draft[src - size])
+                return draft
         return []
 
     def drop(self, seq_id: int) -> None:

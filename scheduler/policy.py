@@ -70,8 +70,8 @@ class SchedulerConfig:
     # the budget paces prompts by the demand (a pipeline stage's cost model): only then is it computed,
     # so that other engines' steps don't pay for a look at the waiting prompts they would ignore
     paced: bool = False
-    # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); the engine then runs
-    # each step before scheduling the next (the tokens a step keeps are known only once it has run)
+    # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); a step with drafts is
+    # collected before the next is scheduled (the tokens it keeps are known only once it has run)
     speculative: SpeculativeConfig | None = None
 
 
@@ -186,7 +186,7 @@ class Scheduler:
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
         sequence gets the cache blocks of all the steps, or the batch runs one step."""
         k = self.config.num_scheduler_steps
-        if k <= 1 or prompts_wait:
+        if k <= 1 or prompts_wait or self.proposer is not None:  # a draft needs its sequence's last token
             return 1
         max_len = self.config.max_model_len
         for it in decodes:
@@ -236,9 +236,9 @@ class Scheduler:
                     break
             else:
                 draft = None
-                if proposer is not None and not pending:
+                if proposer is not None and pending <= 1:
                     room = self.config.max_num_batched_tokens - len(decodes) - len(drafted) - tokens - 1
-                    draft = self._draft(seq, start, room, len(running) - i - 1)
+                    draft = self._draft(seq, start, room, len(running) - i - 1, pending)
                 if draft:
                     drafted.append(ScheduledSeq(seq, start, 1 + len(draft), draft))
                     tokens += len(draft)
@@ -249,19 +249,22 @@ class Scheduler:
                 i += 1
         return preempted
 
-    def _draft(self, seq: Sequence, start: int, room: int, others: int) -> list[int] | None:
-        """seq's n-gram draft (its last token known, at position start), as long as its output, the
-        context, the step's tokens (room) and the cache allow, leaving a free block for each of the
-        `others` sequences still to decode (a draft never preempts); None for rows whose sampling
-        depends on more than the logits (logprobs, a grammar, logit adjustments)."""
+    def _draft(self, seq: Sequence, start: int, room: int, others: int, pending: int) -> list[int] | None:
+        """seq's n-gram draft to follow its last token (at position start), as long as its output,
+        the context, the step's tokens (room) and the cache allow, leaving a free block for each of
+        the `others` sequences still to decode (a draft never preempts); None for rows whose sampling
+        depends on more than the logits (logprobs, a grammar, logit adjustments). With its last token
+        pending (sampled by the step in flight), the lookup's first token stands in for it and the
+        draft is what follows; where the pending token differs, the draft is most likely rejected,
+        never wrong."""
         p = seq.params
         if p.logprobs is not None or p.grammar is not None or p.adjusts_logits:
             return None
         limit = min(room, self.config.max_model_len - 1 - start)
         if p.max_tokens is not None:
-            limit = min(limit, p.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1)
+            limit = min(limit, p.max_tokens - (len(seq.token_ids) + pending - seq.num_prompt_tokens) - 1)
         assert self.proposer is not None
-        draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+        draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit + pending)[pending:]
         if not draft:
             return None
         bm = self.bm

@@ -318,6 +318,10 @@ class Batch:
     def is_decode_only(self) -> bool:
         return self.num_decode == len(self.items)
 
+    @property
+    def has_drafts(self) -> bool:
+        return any(it.draft is not None for it in self.items[self.num_decode:])
+
 
 class ExecutorLost(RuntimeError):
     """The executor can run no more steps (a tensor-parallel rank died, or the ranks fell out of

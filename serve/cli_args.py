@@ -81,7 +81,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each decode carries up to K tokens that '
                         "followed the same n-gram earlier in its prompt or output, and a step keeps those the model "
-                        "agrees with (greedy output unchanged; steps then run one at a time)")
+                        "agrees with (greedy output unchanged; no multi-step rounds)")
     g.add_argument("--seed", type=int, default=0)
 
 
