@@ -10,10 +10,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine import int4
-from kernels import reference
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.layers import Shard
 from engine.quant import FP8_GROUP, INT4_PACK, UNUSED_SUFFIXES, Int4Format, quantize_weight
+from kernels import reference
 
 FP8 = torch.float8_e4m3fn
 INT4 = torch.int32  # a 4-bit weight's dtype: eight values a word (engine/int4.py)
@@ -193,7 +193,7 @@ def _rows_in_down_order(files: list[Path], wmap: dict, params: dict[str, torch.T
     for name, (ours, _) in wmap.items():
         shard = shards.get(ours)
         if ours.endswith("mlp.down_proj.weight") and name.endswith(quant.tensor_names()[0]) and \
-                ours + "_perm" not in params and shard.local_size != shard.global_size:
+                ours + "_perm" not in params and shard is not None and shard.local_size != shard.global_size:
             wanted[_group_index_name(name, quant)] = (ours.replace("down_proj", "gate_up_proj"), shard)
     rows: dict[str, torch.Tensor] = {}
     for path in files if wanted else []:

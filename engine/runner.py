@@ -910,8 +910,8 @@ class ModelRunner:
         slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         sampled = [i for i, it in enumerate(items) if it.samples]
         if any(it.draft is not None for it in items):  # every position of a draft's item samples
-            logit_idx = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if items[i].draft is not None else qsl[i + 1:i + 2] - 1
-                                        for i in sampled]).astype(np.int64)
+            logit_idx = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if items[i].draft is not None
+                                        else qsl[i + 1:i + 2] - 1 for i in sampled]).astype(np.int64)
         else:
             logit_idx = qsl[1:][sampled] - 1 if sampled else np.zeros(0, dtype=np.int64)
         i32[:n_seqs] = starts + q_lens
@@ -998,8 +998,10 @@ class ModelRunner:
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
         if self.steps is not None and not batch.is_decode_only:
             key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
-            # a draft's positions each take a logit row, which the graph's inputs hold up to 3 a sequence
-            if key is not None and n + sum(len(it.draft) for it in batch.items if it.draft) <= 3 * self.steps.num_seqs:
+            # a draft's positions each take a logit row; the graph's inputs hold 3 words a sequence for
+            # a logit row and a pending token's two
+            drafted = sum(len(it.draft) for it in batch.items[batch.num_decode:] if it.draft is not None)
+            if key is not None and (not drafted or 3 * n + drafted <= 3 * self.steps.num_seqs):
                 return self._launch_step_graph(batch, prev, key)
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
         hidden = self._forward(input_ids, positions, meta)

@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     base = {r["batch"]: r["step_ms"] for r in rows if r["engine"] == "default"}
     for r in rows:
-        if r["engine"] == "speculative" and not r["drafts"]:  # no drafts: what the n-gram engine costs where none is found
+        if r["engine"] == "speculative" and not r["drafts"]:  # what the n-gram engine costs where it finds none
             r["step_vs_decode"] = r["step_ms"] / base[r["batch"]]
-            print(f"B={r['batch']} no drafts on the n-gram engine: {r['step_ms']:.2f} ms = {r['step_vs_decode']:.2f}x", flush=True)
+            print(f"B={r['batch']} no drafts on the n-gram engine: {r['step_ms']:.2f} ms = {r['step_vs_decode']:.2f}x",
+                  flush=True)
         if r["engine"] == "speculative" and r["drafts"]:
             r["step_vs_decode"] = r["step_ms"] / base[r["batch"]]
             ratio = r["step_vs_decode"]

@@ -132,8 +132,9 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding's settings (scheduler/ngram.py), as vLLM's speculative_config for n-gram drafts: {"method": "ngram", "num_speculative_tokens": K,
-    "prompt_lookup_max": N, "prompt_lookup_min": M}."""
+    """Speculative decoding's settings (scheduler/ngram.py), as vLLM's speculative_config for n-gram
+    drafts: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+    "prompt_lookup_min": M}."""
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -144,15 +145,19 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"speculative_config must be a JSON object; got {d!r}")
         method = d.get("method", "ngram")
         if method not in SPECULATIVE_METHODS:
-            raise SpeculativeConfigError(f"speculative_config method {method!r} is not supported (only {', '.join(SPECULATIVE_METHODS)})")
+            raise SpeculativeConfigError(f"speculative_config method {method!r} is not supported "
+                                         f"(only {', '.join(SPECULATIVE_METHODS)})")
         unknown = sorted(set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
         if unknown:
-            raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} (method, num_speculative_tokens, "
-                                         "prompt_lookup_max, prompt_lookup_min)")
+            raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} (method, "
+                                         "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
         if "num_speculative_tokens" not in d:
             raise SpeculativeConfigError("speculative_config needs num_speculative_tokens (the draft's length, e.g. 4)")
-        hi = d.get("prompt_lookup_max", max(cls.prompt_lookup_max, d.get("prompt_lookup_min", 0)))
-        lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else cls.prompt_lookup_min)
+        hi, lo = d.get("prompt_lookup_max"), d.get("prompt_lookup_min")
+        if hi is None:  # one bound given: the other's default moves to keep min <= max
+            hi = max(cls.prompt_lookup_max, lo) if isinstance(lo, int) else cls.prompt_lookup_max
+        if lo is None:
+            lo = min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else cls.prompt_lookup_min
         return cls(d["num_speculative_tokens"], hi, lo)
 
     def __post_init__(self) -> None:
