@@ -44,6 +44,14 @@ def test_proposer_takes_the_longest_recent_ngram():
     assert NgramProposer(4, 2, 3).propose(3, [9, 5, 5, 5], 8) == [5, 5, 5, 5]
 
 
+def test_kept_tokens_stop_at_the_first_disagreement():
+    from engine.runner import accepted
+
+    assert accepted([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept, then the next sample
+    assert accepted([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # the second differs: its sample replaces it
+    assert accepted([8, 5, 6, 7], [4, 5, 6]) == [8]
+
+
 def test_config_checks():
     c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 3, 2)
