@@ -27,16 +27,18 @@ def test_proposer_takes_the_longest_recent_ngram():
     # the 3-gram (1, 2, 3) occurred at the start: 4, 9, 2 followed it
     assert p.propose(0, tokens, 8) == [4, 9, 2]
     assert p.propose(0, tokens, 2) == [4, 9]
-    tokens += [7, 2, 3]  # (7, 2, 3) is new; the 2-gram (2, 3) last occurred before 1, 2, 3 -> 7
+    tokens += [7, 2, 3]  # (7, 2, 3) is new; the 2-gram (2, 3) last ended 1, 2, 3, and 7, 2, 3 followed
     assert p.propose(0, tokens, 8) == [7, 2, 3]
     tokens.append(99)
     assert p.propose(0, tokens, 8) == []  # (3, 99) never occurred
     assert p.propose(1, [1, 2], 4) == []  # too short
     assert p.propose(0, tokens, 0) == []
-    # an index built as the tokens grew equals one built at once
-    fresh = NgramProposer(3, 2, 3)
-    for cut in range(3, len(tokens) + 1):
-        assert p.propose(0, tokens[:cut], 8) == fresh.propose(cut, tokens[:cut], 8)
+    # an index extended as the list grows (the scheduler's token list, appended to) equals one built at once
+    grown, growing = NgramProposer(3, 2, 3), []
+    for t in tokens:
+        growing.append(t)
+        assert grown.propose(5, growing, 8) == NgramProposer(3, 2, 3).propose(5, list(growing), 8)
+    assert grown._index[5].upto == len(tokens) - 1
     p.drop(0)
     assert 0 not in p._index
     # a repeat: what followed the last occurrence runs into the tokens being predicted, and goes on
