@@ -214,9 +214,14 @@ def _sampling_batch(items: list[ScheduledSeq], sampled: list[int]) -> SamplingBa
     return SamplingBatch(params, positions)
 
 
+def _logit_rows(it: ScheduledSeq) -> int:
+    """The rows of logits a sampling item takes: one, or each position of a draft's item."""
+    return 1 if it.draft is None else it.num_new_tokens
+
+
 def _logit_items(items: list[ScheduledSeq], sampled: list[int]) -> list[ScheduledSeq]:
     """The item of each row of logits a step samples (_sampling_batch's rows)."""
-    return [items[i] for i in sampled for _ in range(items[i].num_new_tokens if items[i].draft is not None else 1)]
+    return [items[i] for i in sampled for _ in range(_logit_rows(items[i]))]
 
 
 def accepted(rows: list[int], draft: list[int]) -> list[int]:
@@ -909,7 +914,7 @@ class ModelRunner:
         positions = np.arange(n_tok, dtype=np.int64) - np.repeat(qsl[:-1], q_lens) + np.repeat(starts, q_lens)
         slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         sampled = [i for i, it in enumerate(items) if it.samples]
-        if any(it.draft is not None for it in items):  # every position of a draft's item samples
+        if batch.has_drafts:  # every position of a draft's item samples
             logit_idx = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if items[i].draft is not None
                                         else qsl[i + 1:i + 2] - 1 for i in sampled]).astype(np.int64)
         else:
@@ -1062,9 +1067,9 @@ class ModelRunner:
         if not sampled:
             return Launched(None, {}, [], n)
         items = batch.items
-        if any(items[i].draft is not None for i in sampled):
+        if batch.has_drafts:
             # a draft's rows are consecutive; no step follows before these tokens are known
-            starts = np.cumsum([0] + [items[i].num_new_tokens if items[i].draft is not None else 1 for i in sampled])
+            starts = np.cumsum([0] + [_logit_rows(items[i]) for i in sampled])
             launched = Launched(None, {items[i].seq.seq_id: int(starts[j]) for j, i in enumerate(sampled)}, sampled, n,
                                 drafts=[(int(starts[j]), items[i].draft) for j, i in enumerate(sampled)])
             self._draw(launched, logits, sbatch, _logit_items(items, sampled), None)

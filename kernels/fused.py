@@ -222,8 +222,7 @@ def gather_columns(x: torch.Tensor, order: torch.Tensor, pdl: bool = False) -> t
     """x [M, K] -> x[:, order] [M, len(order)] (order int64; an entry of -1 gives a column of zeros):
     a 4-bit projection's input in its weight's activation order, where no kernel before it writes
     that order (kernels/int4.py)."""
-    M, K = x.shape
-    N = order.shape[0]
+    M, N = x.shape[0], order.shape[0]
     assert order.dim() == 1 and order.dtype == torch.int64 and x.stride(1) == 1
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:

@@ -131,13 +131,13 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []  # decodes with a draft, then prompt chunks
         preempted = self._schedule_decodes(decodes, busy, max_seqs, others)
-        budget = self.config.max_num_batched_tokens - len(decodes) - sum(it.num_new_tokens for it in others)
+        rows = len(decodes) + sum(it.num_new_tokens for it in others)  # a draft's tokens cost as rows
+        budget = self.config.max_num_batched_tokens - rows
         # multi-step with a prompt budget: after a step with prompt tokens comes a round of decode
         # steps, prompts waiting (one round at most), so that the host's work per round is paid once
         # for several steps
         budgeted = self.config.prompt_budget is not None
         decode_round = budgeted and self.config.num_scheduler_steps > 1 and self._prompted and bool(decodes)
-        rows = len(decodes) + sum(it.num_new_tokens for it in others)  # a draft's tokens cost as rows
         if decode_round:
             budget = 0
         elif rows and budgeted:

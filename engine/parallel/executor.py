@@ -138,15 +138,13 @@ class TPExecutor:
         self._send(("finish", handle.step, self._encoder.tokens([it.seq for it in deferred.items])))
         self._run(self.runner.finish, handle.inner)
 
-    def enable_grammar(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> bool:
+    def enable_grammar(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         """Constrained decoding on every rank that samples (engine/grammar_mask.py): each builds its
-        own masks from the same tokens, so every rank draws the same token. False where the
+        own masks from the same tokens, so every rank draws the same token. Nothing where the
         tokenizer can't drive a grammar."""
         self.runner.grammar = build_grammar_masks(tokenizer, vocab_size, eos_token_ids, self.runner.device)
-        if self.runner.grammar is None:
-            return False
-        self._send(("grammar", tokenizer, vocab_size, eos_token_ids))
-        return True
+        if self.runner.grammar is not None:
+            self._send(("grammar", tokenizer, vocab_size, eos_token_ids))
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:
         self._send(("launch", next(self._steps), None, self._encoder.encode(batch), True))
