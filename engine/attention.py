@@ -67,6 +67,9 @@ class Ops:
     # order (kernels/int4.py); and the MLP's activation with a 4-bit gate_up weight
     int4_linear: Callable = reference.int4_linear
     int4_gate_up_silu: Callable = reference.int4_gate_up_silu
+    # x [T, 2I] (gate then up) -> silu(gate) * up [T, I]: the MLP's activation after a gate_up
+    # projection that LoRA adapters add to (engine/lora.py)
+    silu_and_mul: Callable = reference.silu_and_mul
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

@@ -296,6 +296,9 @@ class EngineConfig:
     quantization: str | None = None
     # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | None = None
+    # LoRA adapters served beside the base model (engine/lora.py): (name, PEFT folder) pairs, or a
+    # dict of them; a request's SamplingParams.lora names one by its place here, from 1
+    lora_modules: tuple[tuple[str, str], ...] | dict = ()
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple[str, ...]) -> None:
@@ -349,6 +352,20 @@ class EngineConfig:
             raise ValueError(f"prefill_hold_ms must be a number of milliseconds in [0, 10000]; got {self.prefill_hold_ms!r}")
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        object.__setattr__(self, "lora_modules", lora_pairs(self.lora_modules))
         if self.speculative_config is not None and (self.num_scheduler_steps or 1) > 1:
             raise ValueError("speculative decoding takes the place of multi-step rounds (a draft needs its sequence's "
                              "last token); drop num_scheduler_steps")
+
+
+def lora_pairs(modules: Any) -> tuple[tuple[str, str], ...]:
+    """LoRA adapters as (name, folder) pairs, in order, from pairs or a dict; ValueError says what is wrong."""
+    pairs = tuple(modules.items()) if isinstance(modules, dict) else tuple(tuple(p) for p in modules)
+    names = set()
+    for pair in pairs:
+        if len(pair) != 2 or not all(isinstance(v, str) and v for v in pair):
+            raise ValueError(f"a LoRA adapter is a name and a folder; got {pair!r}")
+        if pair[0] in names:
+            raise ValueError(f"two LoRA adapters are named {pair[0]!r}")
+        names.add(pair[0])
+    return pairs

@@ -20,6 +20,7 @@ from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, St
 from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.logit_adjust import LogitAdjuster
+from engine.lora import LoraError, LoraMasks, attach, load_adapter
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
@@ -333,6 +334,11 @@ class ModelRunner:
         model.fold_act_orders()
         model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
         self.model = model.eval()
+        # LoRA adapters (engine/lora.py): which adapter each token uses, set before each step
+        self.lora: LoraMasks | None = None
+        self._lora_uploads: UploadRing | None = None
+        if cfg.lora_modules:
+            self._attach_lora()
         phase("weights")
         if tp.size > 1 and self.device.type == "cuda" and not cfg.disable_custom_all_reduce:
             why_not = self.comm.use_peer_memory(self.device)  # a collective: every rank, here
@@ -432,6 +438,42 @@ class ModelRunner:
             finish_compiles()  # anything the early pass compiled that no phase launched
             phase("warm-up")
             self._check_budget()
+
+    def _attach_lora(self) -> None:
+        cfg, model_cfg = self.cfg, self.model_cfg
+        if model_cfg.num_experts:
+            raise LoraError("LoRA adapters of a mixture-of-experts model are not supported yet")
+        if getattr(model_cfg.quant, "act_order", False):
+            raise LoraError("LoRA adapters on a 4-bit checkpoint in activation order are not supported yet; "
+                            "serve a checkpoint without act-order (desc_act) or a 16-bit one")
+        adapters = [load_adapter(name, path, model_cfg) for name, path in cfg.lora_modules]
+        drafts = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
+        tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + drafts), COST_MAX_ROWS)
+        self.lora = attach(self.model, adapters, tokens, self.device, self.dtype)
+        if self.device.type == "cuda":
+            self._lora_uploads = UploadRing(8 * tokens, slots=4)
+        log.info("LoRA adapters %s (rank up to %d)", ", ".join(a.name for a in adapters), max(a.rank for a in adapters))
+
+    def _lora_inputs(self, items: list[ScheduledSeq]) -> None:
+        """The LoRA masks of a step: each token's adapter slot (SamplingParams.lora - 1), in the
+        token order every input layout shares (an item's tokens together, items in order)."""
+        lora = self.lora
+        if lora is None:
+            return
+        loras = [it.seq.params.lora for it in items]
+        if not any(loras):
+            lora.set(None)
+            return
+        per_token = np.repeat(np.array(loras, dtype=np.int64) - 1, [it.num_new_tokens for it in items])
+        n = len(per_token)
+        ring = self._lora_uploads
+        if ring is None:
+            slots = torch.from_numpy(per_token)
+        else:
+            slots = torch.empty(n, dtype=torch.int64, device=self.device)
+            ring.buffer()[:8 * n] = per_token.view(np.uint8)
+            ring.send(slots.view(torch.uint8), 8 * n)
+        lora.set(slots)
 
     def _check_budget(self) -> None:
         """Say so when start-up ended past the memory budget: the pool was sized from estimates of
@@ -994,6 +1036,7 @@ class ModelRunner:
             self.finish(prev)  # this step may read prev's tokens on the device
         if self.offload is not None:  # the host tier's copies, before this step's forward (kvcache/host_pool.py)
             self.offload.before_step(batch.kv_moves)
+        self._lora_inputs(batch.items)
         if self.pipe is not None:
             return self._launch_stage(batch)
         n = len(batch.items)

@@ -23,6 +23,11 @@ from kvcache.host_tier import HostEntry, HostTier, KVMoves
 WRITE_AHEAD_MIN = 32  # blocks the write-ahead may queue per step, at least (more after steps that allocate more)
 
 
+def lora_root(lora: int) -> int | None:
+    """The parent of the first block of a sequence on LoRA adapter `lora` (None: the base model)."""
+    return hash((-1, lora)) if lora else None
+
+
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     """The name of a full block: its parent's name and its own token ids. (Inlined where every
     block of every prompt is hashed: _extend_memo, match_prefix.)"""
@@ -112,14 +117,16 @@ class BlockManager:
 
     # -- prefix caching ------------------------------------------------------------------------
 
-    def prefix_hashes(self, token_ids: Seq[int], hashes: list[int], num_blocks: int | None = None) -> list[int]:
+    def prefix_hashes(self, token_ids: Seq[int], hashes: list[int], num_blocks: int | None = None,
+                      root: int | None = None) -> list[int]:
         """Extend `hashes` (a sequence's memo) to cover every full block of token_ids, or its
-        first num_blocks blocks; return it."""
+        first num_blocks blocks; return it. root: the first block's parent (lora_root: blocks of a
+        LoRA adapter's sequence hold other K/V than the base model's)."""
         full = len(token_ids) // self.block_size
         if num_blocks is not None:
             full = min(num_blocks, full)
         if len(hashes) < full:
-            self._extend_memo(hashes, list(self._blocks(token_ids, len(hashes), full)), len(hashes))
+            self._extend_memo(hashes, list(self._blocks(token_ids, len(hashes), full)), len(hashes), root)
         return hashes
 
     def _blocks(self, token_ids: Seq[int], first: int, last: int) -> Iterator[tuple[int, ...]]:
@@ -130,16 +137,16 @@ class BlockManager:
         return zip(*[tokens] * self.block_size)
 
     @staticmethod
-    def _extend_memo(hashes: list[int], blocks: list[tuple[int, ...]], first: int) -> None:
+    def _extend_memo(hashes: list[int], blocks: list[tuple[int, ...]], first: int, root: int | None = None) -> None:
         """Append the hashes of blocks (the token ids of blocks first, first + 1, ...) that the
         memo lacks; it covers the blocks before first."""
         assert len(hashes) >= first, "the memo must cover the blocks before these"
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root
         for block in blocks[len(hashes) - first:]:
             parent = hash((parent, block))  # block_hash(), inlined: this runs for every block of every prompt
             hashes.append(parent)
 
-    def match_prefix(self, token_ids: Seq[int], hashes: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: Seq[int], hashes: list[int], root: int | None = None) -> list[int]:
         """The cached blocks holding the longest prefix of token_ids (full blocks only). Looks,
         takes nothing: pass the result to admit(). Extends the memo `hashes` up to the first miss,
         in the same pass (cache_blocks() hashes the rest)."""
@@ -147,7 +154,7 @@ class BlockManager:
             return []
         cached, block_tokens = self.cached, self.block_tokens
         known = len(hashes)
-        parent = None
+        parent = root
         hits = []
         for i, block in enumerate(self._blocks(token_ids, 0, len(token_ids) // self.block_size)):
             if i < known:
@@ -192,7 +199,7 @@ class BlockManager:
             self.moves.outs.append((b, slot))
             self.num_blocks_out += 1
 
-    def match_host(self, token_ids: Seq[int], hashes: list[int], first: int) -> list[HostEntry]:
+    def match_host(self, token_ids: Seq[int], hashes: list[int], first: int, root: int | None = None) -> list[HostEntry]:
         """The host-tier entries of the blocks after the first `first` (the device hits), up to the
         first miss. Extends the memo `hashes` as it goes."""
         host = self.host
@@ -201,11 +208,11 @@ class BlockManager:
         full = len(token_ids) // self.block_size
         if first >= full:
             return []
-        self.prefix_hashes(token_ids, hashes, first)
+        self.prefix_hashes(token_ids, hashes, first, root)
         found = []
         for i, block in enumerate(self._blocks(token_ids, first, full), first):
             if i >= len(hashes):
-                self._extend_memo(hashes, [block], i)
+                self._extend_memo(hashes, [block], i, root)
             e = host.lookup(hashes[i], block)
             if e is None:
                 break
@@ -275,7 +282,8 @@ class BlockManager:
         table.extend(self.allocate(max(0, new)) or [])
         return table
 
-    def cache_blocks(self, block_table: Seq[int], token_ids: Seq[int], hashes: list[int], start: int, end: int) -> None:
+    def cache_blocks(self, block_table: Seq[int], token_ids: Seq[int], hashes: list[int], start: int, end: int,
+                     root: int | None = None) -> None:
         """Register the blocks that become full while tokens [start, end) are computed. The
         scheduler calls this when it schedules them, so a sequence admitted later in the same
         step can share them: every layer writes the step's K/V into the pages before any attention
@@ -286,9 +294,9 @@ class BlockManager:
         first, last = start // bs, min(end // bs, len(block_table))
         if first >= last:
             return  # no block becomes full in this range (most decode steps)
-        self.prefix_hashes(token_ids, hashes, first)  # the chain before this range
+        self.prefix_hashes(token_ids, hashes, first, root)  # the chain before this range
         blocks = list(self._blocks(token_ids, first, last))
-        self._extend_memo(hashes, blocks, first)
+        self._extend_memo(hashes, blocks, first, root)
         cached, block_hashes = self.cached, self.block_hashes
         for i, block in enumerate(blocks, first):
             b, h = block_table[i], hashes[i]

@@ -22,11 +22,13 @@ def time_decode(llm, prompts: list[list[int]], params, profile_path: str | None 
     """Steps the engine until every sequence has its first token (all prefills done), then times
     the steps in which all of them decode, up to the first that finishes: (decoded tokens,
     seconds, steps) of pure decode at the full batch. With profile_path, torch.profiler records
-    the first 10 of those steps instead (then untimed). Aborts what is left at the end."""
+    the first 10 of those steps instead (then untimed). Aborts what is left at the end. params: one
+    SamplingParams for all, or one per prompt."""
     import torch
 
     core = llm.engine.core
-    seqs = [core.add_request(ids, params) for ids in prompts]
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    seqs = [core.add_request(ids, p) for ids, p in zip(prompts, plist)]
     started: set[int] = set()
     while len(started) < len(prompts):
         for out in core.step():

@@ -73,6 +73,7 @@ class SchedulerConfig:
     # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); a step with drafts is
     # collected before the next is scheduled (the tokens it keeps are known only once it has run)
     speculative: SpeculativeConfig | None = None
+    num_loras: int = 0  # LoRA adapters the engine serves (SamplingParams.lora 1..num_loras)
 
 
 class Scheduler:
@@ -106,6 +107,9 @@ class Scheduler:
         n = seq.num_prompt_tokens
         if n == 0:
             raise RequestRejected("the prompt is empty; send at least one token")
+        if seq.params.lora > self.config.num_loras:
+            raise RequestRejected(f"LoRA adapter {seq.params.lora} is not loaded; this engine has "
+                                  f"{self.config.num_loras or 'no'} adapter{'s' if self.config.num_loras != 1 else ''}")
         if n >= self.config.max_model_len:
             raise RequestRejected(f"the prompt has {n} tokens but the model's context length is "
                                   f"{self.config.max_model_len}; shorten the prompt to at most "
@@ -245,7 +249,7 @@ class Scheduler:
                 else:
                     decodes.append(ScheduledSeq(seq, start, 1))
                 if start < len(seq.token_ids) and (start + 1) % bs == 0:  # a block completed by a known token
-                    bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + 1)
+                    bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + 1, seq.hash_root)
                 i += 1
         return preempted
 
@@ -306,7 +310,7 @@ class Scheduler:
             others.append(ScheduledSeq(seq, start, n))
             end = min(start + n, len(seq.token_ids))  # a block completed by a pending token: see update()
             if end // bs > start // bs:
-                bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end)
+                bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, end, seq.hash_root)
             budget -= n
             i += 1
         return budget, preempted
@@ -368,8 +372,8 @@ class Scheduler:
             if seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing is read from the cache
                 hits, host_hits = [], []
             else:
-                hits = bm.match_prefix(seq.token_ids, seq.block_hashes)
-                host_hits = bm.match_host(seq.token_ids, seq.block_hashes, len(hits)) if bm.host is not None else []
+                hits = bm.match_prefix(seq.token_ids, seq.block_hashes, seq.hash_root)
+                host_hits = bm.match_host(seq.token_ids, seq.block_hashes, len(hits), seq.hash_root) if bm.host is not None else []
             if (len(hits) + len(host_hits)) * bs >= num_tokens:
                 (host_hits or hits).pop()  # compute at least the last block, so the step yields logits
             num_cached = (len(hits) + len(host_hits)) * bs
@@ -391,7 +395,7 @@ class Scheduler:
             (decodes if n == 1 else others).append(ScheduledSeq(seq, num_cached, n))
             # Registered now, so the next waiting sequence with the same prefix shares these
             # blocks within this very step instead of computing the prefix again.
-            bm.cache_blocks(table, seq.token_ids, seq.block_hashes, num_cached, num_cached + n)
+            bm.cache_blocks(table, seq.token_ids, seq.block_hashes, num_cached, num_cached + n, seq.hash_root)
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -433,7 +437,7 @@ class Scheduler:
                 if (it.num_new_tokens == 1 or draft is not None) and end % bs == 0 and seq.status is status_running:
                     # a decode, not preempted since, completed a block: schedule() could not register it
                     # if its input token was pending then (prefill chunks never have one)
-                    self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end)
+                    self.bm.cache_blocks(seq.block_table, token_ids, seq.block_hashes, end - 1, end, seq.hash_root)
                 reason = self._finish_reason(seq, token)
                 if reason is not None:
                     del new[j + 1:]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache.block_manager import lora_root
 from kvcache.host_tier import KVMoves
 
 
@@ -66,6 +67,8 @@ class SamplingParams:
     grammar: str | None = None
     # disaggregated prefill/decode (scheduler/disagg.py): where this sequence's KV comes from or goes
     kv_transfer: KVTransferParams | None = None
+    # the LoRA adapter that serves this request: its place (from 1) in the engine's lora_modules; 0 = none
+    lora: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 0:
+            raise ValueError(f"lora must be an adapter's number (1, 2, ...) or 0 for none, got {self.lora!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -211,8 +216,10 @@ class Sequence:
     # (take_prompt_logprobs)
     prompt_logprobs: PromptLogprobs | None = None
     num_prompt_tokens: int = field(init=False)  # a plain attribute: read several times per sequence and step
+    hash_root: int | None = field(init=False)  # the prefix cache's chain starts here (its LoRA adapter's)
 
     def __post_init__(self) -> None:
+        self.hash_root = lora_root(self.params.lora)
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.request import SamplingParams
+from serve.lora import LoRARequest
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

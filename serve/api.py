@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -67,6 +67,7 @@ class ServerState:
     tokenizers: TokenizePool | None
     tokenize: ThreadPoolExecutor
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
+    adapters: list[tuple[str, str]]  # LoRA adapters (name, folder): a request's "model" may name one
 
 
 class Companion(Protocol):
@@ -95,7 +96,8 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
     state = ServerState(engine, loop, Metrics(name, loop, getattr(engine, "api_process", None)), config, planner,
                         TokenStrings(engine.tokenizer), name, time.time(), pool,
                         ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
-                        GrammarChecker(engine, config.grammar_timeout_s))
+                        GrammarChecker(engine, config.grammar_timeout_s),
+                        list(getattr(getattr(engine, "config", None), "lora_modules", ())))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -132,30 +134,34 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
 def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        _check_model(st, body.model)
+        lora = _check_model(st, body.model)
         text = isinstance(body.prompt, str) or bool(body.prompt) and isinstance(body.prompt[0], str)
         plan = await _planned(st, st.planner.completion_draft, body) if text else st.planner.completion(body)
         await st.grammars.check(plan.grammars)
-        return await _serve(st, request, plan, CompletionFormat(plan, st.model_name, st.strings, st.engine.tokenizer))
+        return await _serve(st, request, plan, CompletionFormat(plan, _name(st, lora), st.strings, st.engine.tokenizer),
+                            lora)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        _check_model(st, body.model)
+        lora = _check_model(st, body.model)
         plan = await _planned(st, st.planner.chat_draft, body)
         await st.grammars.check(plan.grammars)
-        return await _serve(st, request, plan, ChatFormat(plan, st.model_name, st.strings))
+        return await _serve(st, request, plan, ChatFormat(plan, _name(st, lora), st.strings), lora)
 
-    def card() -> ModelCard:
+    def card(lora: int = 0) -> ModelCard:
+        if lora:
+            name, folder = st.adapters[lora - 1]
+            return ModelCard(id=name, created=int(st.started), max_model_len=st.engine.max_model_len, root=folder,
+                             parent=st.model_name)
         return ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(i) for i in range(len(st.adapters) + 1)])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def model(model: str) -> ModelCard:
-        _check_model(st, model)
-        return card()
+        return card(_check_model(st, model))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -217,15 +223,29 @@ def _version() -> str:
         return "unknown"
 
 
-def _check_model(st: ServerState, model: str | None) -> None:
-    if model is not None and model != st.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(st: ServerState, model: str | None) -> int:
+    """The request's LoRA adapter (SamplingParams.lora: 0 for the base model) by its model field."""
+    if model is None or model == st.model_name:
+        return 0
+    for i, (name, _) in enumerate(st.adapters):
+        if model == name:
+            return i + 1
+    served = ", ".join(repr(n) for n in [st.model_name] + [name for name, _ in st.adapters])
+    raise APIError(404, f"model {model!r} is not served here; this server serves {served}",
+                   param="model", code="model_not_found")
 
 
-async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format) -> Any:
+def _name(st: ServerState, lora: int) -> str:
+    """The model a response names: the adapter's name, or the served model's."""
+    return st.adapters[lora - 1][0] if lora else st.model_name
+
+
+async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lora: int = 0) -> Any:
+    sequences = plan.sequences()
+    if lora:
+        sequences = [(ids, replace(params, lora=lora)) for ids, params in sequences]
     try:
-        stream = await st.loop.add_requests(plan.sequences(), request.scope.get(RECEIVED))
+        stream = await st.loop.add_requests(sequences, request.scope.get(RECEIVED))
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
     except EngineUnavailable as e:

@@ -82,7 +82,28 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each decode carries up to K tokens that '
                         "followed the same n-gram earlier in its prompt or output, and a step keeps those the model "
                         "agrees with (greedy output unchanged; no multi-step rounds)")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=FOLDER",
+                   help="LoRA adapters (PEFT folders) served beside the base model, as vLLM takes them: name=folder or "
+                        '\'{"name": ..., "path": ...}\'; a request picks one by its name in the "model" field, and '
+                        "one step serves any mix of them and the base model")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's switch for LoRA adapters; --lora-modules implies it")
     g.add_argument("--seed", type=int, default=0)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError('a JSON adapter is {"name": "...", "path": "..."}')
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"an adapter is NAME=FOLDER; got {text!r}")
+    return name, path
 
 
 def _speculative_config(text: str) -> dict:
@@ -110,4 +131,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_expert_parallel=args.enable_expert_parallel,
                         disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed,
                         kv_offload_gib=args.kv_offload_gib, quantization=args.quantization,
-                        speculative_config=args.speculative_config)
+                        speculative_config=args.speculative_config, lora_modules=_lora_modules(args))
+
+
+def _lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    modules = tuple(getattr(args, "lora_modules", []) or [])
+    if getattr(args, "enable_lora", False) and not modules:
+        raise ValueError("--enable-lora needs the adapters: --lora-modules name=folder ... (they load at start-up)")
+    return modules

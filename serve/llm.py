@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
 
 from engine.config import EngineConfig
@@ -10,6 +10,7 @@ from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
 from serve.chat_template import check_chat_template
 from serve.generation_config import model_folder, sampling_defaults
+from serve.lora import LoRARequest, lora_number
 
 
 @dataclass
@@ -41,10 +42,14 @@ class LLM:
                  max_step_ms: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
                  disable_custom_all_reduce: bool = False, quantization: str | None = None,
-                 speculative_config: dict | None = None,
-                 generation_config: str = "auto", show_progress: bool = False) -> None:
+                 speculative_config: dict | None = None, enable_lora: bool = False,
+                 lora_modules: dict[str, str] | None = None, generation_config: str = "auto", show_progress: bool = False) -> None:
         """generation_config: where generate() without SamplingParams takes its defaults from
-        (serve/generation_config.py): auto, the model's generation_config.json; vllm, SamplingParams()'s."""
+        (serve/generation_config.py): auto, the model's generation_config.json; vllm, SamplingParams()'s.
+        lora_modules: LoRA adapters to serve, {name: PEFT folder} (generate()'s lora_request picks one);
+        enable_lora is vLLM's switch, implied by them."""
+        if enable_lora and not lora_modules:
+            raise ValueError("enable_lora needs the adapters: LLM(lora_modules={name: folder}) (they load at start-up)")
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -58,7 +63,7 @@ class LLM:
                                    pipeline_parallel_size=pipeline_parallel_size, seed=seed,
                                    enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib,
                                    disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization,
-                                   speculative_config=speculative_config)
+                                   speculative_config=speculative_config, lora_modules=lora_modules or ())
         self.defaults = sampling_defaults(generation_config, model_folder(self.config))
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
@@ -104,8 +109,10 @@ class LLM:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[GenerationOutput]:
-        """One output per prompt, in order. prompts: strings or token-id lists."""
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None) -> list[GenerationOutput]:
+        """One output per prompt, in order. prompts: strings or token-id lists. lora_request: the
+        LoRA adapter (a LoRARequest or its name) for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -114,6 +121,11 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is not None:
+            loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+            plist = [replace(p, lora=lora_number(self.config, r)) for p, r in zip(plist, loras)]
         vocab = self.engine.model_config.vocab_size
         for p in plist:
             for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or [])):

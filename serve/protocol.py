@@ -386,6 +386,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

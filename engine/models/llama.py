@@ -90,14 +90,19 @@ def rank_config(cfg: ModelConfig, comm: Comm) -> ModelConfig:
 
 def project(ops: Ops, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ layer's weight.T (+ its bias): a 16-bit weight by ops.linear, an FP8 one by
-    ops.fp8_linear, a 4-bit one by ops.int4_linear."""
+    ops.fp8_linear, a 4-bit one by ops.int4_linear; plus each token's LoRA adapter's part
+    (engine/lora.py) where the layer has adapters."""
     bias = getattr(layer, "bias", None)
     if layer.weight_scale is None:
-        return ops.linear(x, layer.weight, bias, out=out)
-    if layer.weight_zero is not None:
-        return ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out,
-                               order=layer.weight_perm)
-    return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
+        y = ops.linear(x, layer.weight, bias, out=out)
+    elif layer.weight_zero is not None:
+        y = ops.int4_linear(x, layer.weight, layer.weight_scale, layer.weight_zero, bias, out=out,
+                            order=layer.weight_perm)
+    else:
+        y = ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, out=out)
+    if layer.lora is not None:
+        layer.lora.add_delta(x, y)
+    return y
 
 
 def _order_into_norm(layer: nn.Module, norm: RMSNorm) -> None:
@@ -163,7 +168,9 @@ class MLP(nn.Module):
         """-> this rank's part of the output (a sum over the ranks)."""
         # after the fused cross-GPU sum the gate/up kernel pulls its first weights into L2 meanwhile
         gate_up = self.gate_up_proj
-        if gate_up.weight_zero is not None:
+        if gate_up.lora is not None:  # the adapters' part joins before the activation
+            h = ops.silu_and_mul(project(ops, gate_up, x))
+        elif gate_up.weight_zero is not None:
             h = ops.int4_gate_up_silu(x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero,
                                       order=gate_up.weight_perm)
         elif gate_up.weight_scale is not None:

@@ -91,6 +91,7 @@ def _weight(module: nn.Module, shard: Shard, rows: int, cols: int, quant: Weight
       rows choose, no weight_perm); else every group, holding this rank's columns of it and
       zeros for the rest (weight_perm -1 there): the weight is as wide as the whole one."""
     module.quant = quant
+    module.lora = None  # LoRA adapters' stacked weights, where some adapter targets it (engine/lora.py)
     scale = zero = perm = None
     if isinstance(quant, Int4Format):
         ordered = quant.act_order and not (by_group and shard.dim == 1 and shard.local_size != shard.global_size)

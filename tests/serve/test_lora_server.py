@@ -1,0 +1,77 @@
+"""`serve run --lora-modules` as a real subprocess, alone, with two replicas and with a prefill and
+a decode engine: the "model" field picks an adapter (its tokens those of transformers with the
+adapter merged, streamed or whole, beside base-model requests), and /v1/models lists the adapters;
+an unknown model is a 404, a malformed flag one line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.engine.test_lora import ALL, merged_greedy, save_adapter
+from tests.serve.helpers import free_port
+from tests.serve.test_shutdown import REPO, start_server
+from tests.serve.test_tensor_parallel_server import MAX_NEW, PROMPTS, stop
+
+
+def complete(port: int, model: str | None, prompt: list[int], stream: bool) -> str:
+    import json
+
+    body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if model is not None:
+        body["model"] = model
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    if not stream:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == (model or "llama")
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.parametrize("mode", [[], ["--data-parallel-size", "2"], ["--disaggregate", "1:1"]])
+def test_requests_pick_adapters_by_model_name(model_dir, tmp_path, mode):
+    from transformers import AutoTokenizer
+
+    sql = save_adapter(tmp_path / "sql", model_dir, ALL, r=4, alpha=8, seed=5)
+    chat = save_adapter(tmp_path / "chat", model_dir, ("q_proj", "v_proj"), r=8, alpha=16, seed=6)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    want = {name: [tok.decode(ids, skip_special_tokens=True) for ids in merged_greedy(model_dir, path, PROMPTS, MAX_NEW)]
+            for name, path in ((None, None), ("sql", sql), ("chat", chat))}
+    assert want["sql"] != want[None] and want["chat"] != want[None]
+    proc, port = start_server(model_dir, *mode, "--lora-modules", f"sql={sql}", f'{{"name": "chat", "path": "{chat}"}}')
+    try:
+        jobs = [(name, PROMPTS[i % 2], i % 3 == 0) for i, name in enumerate([None, "sql", "chat", "sql", None, "chat"])]
+        with ThreadPoolExecutor(6) as pool:  # side by side: one step carries several adapters
+            got = list(pool.map(lambda a: complete(port, *a), jobs))
+        assert got == [want[name][i % 2] for i, (name, _, _) in enumerate(jobs)]
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in models] == [("llama", None, None), ("sql", "llama", str(sql)),
+                                                                       ("chat", "llama", str(chat))]
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models/chat").json()["root"] == str(chat)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "nope", "prompt": [5, 6]})
+        assert r.status_code == 404 and "'llama', 'sql', 'chat'" in r.json()["error"]["message"]
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
+def test_a_bad_adapter_is_one_line(model_dir, tmp_path):
+    for flags, line in ((["--lora-modules", "sql"], "an adapter is NAME=FOLDER; got 'sql'"),
+                        (["--lora-modules", f"x={tmp_path}"], f"no adapter_config.json in {tmp_path}"),
+                        (["--enable-lora"], "--enable-lora needs the adapters")):
+        cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--device", "cpu",
+               "--port", str(free_port()), *flags]
+        r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and line in r.stderr.strip().splitlines()[-1], r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
