@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,9 @@ class DecodeGraphs:
         self._uploads = UploadRing(words * 8)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each bucket's output: logits, or a stage's carry out
+        # with LoRA adapters (engine/lora.py): each bucket's graph and output without them, for the
+        # steps in which no sequence uses one (the adapters' matmuls cost a decode step ~30%)
+        self.plain: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.device = device
         self.pool_bytes = 0
         self.carry: torch.Tensor | None = None  # [2, max_bs, hidden]: a later pipeline stage's input
@@ -131,7 +135,9 @@ class DecodeGraphs:
             self._forward(bs)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, without_adapters: Callable[[], AbstractContextManager[None]] | None = None) -> None:
+        """without_adapters: the model's LoRA adapters detached inside it; each bucket is captured
+        once more that way (self.plain)."""
         self.inputs.slot_mapping.fill_(-1)  # warm-up and capture runs write nowhere
         # cached blocks of earlier work would be released by the empty_cache() below and offset the
         # pool's growth (a tiny model's pool then measured 0 bytes)
@@ -142,11 +148,17 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
             self.graphs[bs], self.logits[bs] = capture_graph(lambda: self._forward(bs), pool)
+        if without_adapters is not None:
+            with without_adapters():
+                for bs in reversed(self.buckets):
+                    self._forward(bs)
+                    torch.cuda.synchronize(self.device)
+                    self.plain[bs] = capture_graph(lambda: self._forward(bs), pool)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager warm-ups' memory, cached by the allocator, goes back
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.info("captured %d decode graphs (batch 1..%d) in %.1f MiB", len(self.graphs), self.max_bs,
-                 self.pool_bytes / 2**20)
+        log.info("captured %d decode graphs (batch 1..%d%s) in %.1f MiB", len(self.graphs), self.max_bs,
+                 ", with and without the LoRA adapters" if self.plain else "", self.pool_bytes / 2**20)
 
     def bucket_for(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)
@@ -155,35 +167,43 @@ class DecodeGraphs:
         """The pinned buffer (int64 words) to write the next replay's inputs into."""
         return self._uploads.buffer().view(np.int64)
 
-    def replay(self, n: int, words: int, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _graph(self, bs: int, adapters: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Bucket bs's graph and output; adapters=False: the one without LoRA adapters, if captured."""
+        if not adapters and self.plain:
+            return self.plain[bs]
+        return self.graphs[bs], self.logits[bs]
+
+    def replay(self, n: int, words: int, logits: bool = True,
+               adapters: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Upload the first `words` of host_inputs() and run the graph of n rows' bucket ->
         (logits [n, V] or None without `logits`, greedy tokens [n]). The tokens are a view of a
         static buffer that the next replay overwrites, and so are the logits on one GPU (under
-        tensor parallelism they are gathered after the graph: its greedy tokens need no gather)."""
+        tensor parallelism they are gathered after the graph: its greedy tokens need no gather).
+        adapters=False: no row uses a LoRA adapter (the graph without them serves)."""
         self._uploads.send(self.stage.view(torch.uint8), words * 8)
-        bs = self.bucket_for(n)
-        self.graphs[bs].replay()
-        return (self.model.gather_logits(self.logits[bs][:n]) if logits else None), self.tokens[:n]
+        graph, out = self._graph(self.bucket_for(n), adapters)
+        graph.replay()
+        return (self.model.gather_logits(out[:n]) if logits else None), self.tokens[:n]
 
-    def replay_carry(self, n: int, words: int) -> torch.Tensor:
+    def replay_carry(self, n: int, words: int, adapters: bool = True) -> torch.Tensor:
         """replay() on a pipeline stage before the last -> its carry out [2, n, hidden], a view of a
         static buffer that the next replay overwrites."""
         self._uploads.send(self.stage.view(torch.uint8), words * 8)
-        bs = self.bucket_for(n)
-        self.graphs[bs].replay()
-        return self.logits[bs][:, :n]
+        graph, out = self._graph(self.bucket_for(n), adapters)
+        graph.replay()
+        return out[:, :n]
 
     def replay_steps(self, n: int, words: int, steps: int,
-                     draw: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+                     draw: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                     adapters: bool = True) -> torch.Tensor:
         """replay(), then steps - 1 more replays, each on the tokens the one before sampled, one
         position further: on the device, the staged positions go up by one and every row's input is
         pending on its own row, so the host only queues the replays (the rows' blocks must cover
         all the positions). draw(logits [n, V], step) -> tokens [n]: where rows sample rather than
         take the graph's greedy tokens, queued after each replay, its tokens the next one's input.
         -> every step's tokens [steps, n], a view of a static buffer."""
-        _, tokens = self.replay(n, words, logits=False)
-        bs = self.bucket_for(n)
-        graph = self.graphs[bs]
+        _, tokens = self.replay(n, words, logits=False, adapters=adapters)
+        graph, logits = self._graph(self.bucket_for(n), adapters)
         out = self.step_tokens[:steps, :n]
         positions = self.stage[2 + n:2 + 2 * n]
         self.stage[2 + 2 * n:2 + 3 * n].copy_(self._rows[:n])
@@ -192,6 +212,6 @@ class DecodeGraphs:
                 positions.add_(1)
                 graph.replay()
             if draw is not None:
-                tokens.copy_(draw(self.model.gather_logits(self.logits[bs][:n]), j))
+                tokens.copy_(draw(self.model.gather_logits(logits[:n]), j))
             out[j].copy_(tokens)
         return out

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,12 +134,25 @@ class LoraWeights:
 class LoraMasks:
     """Which stacked columns each of a step's tokens uses, one mask per packing (1, 2 or 3 parts),
     shared by every layer's projections: set before each step, outside the CUDA graphs, which
-    read them like any other input (a padded row's mask is never read back)."""
+    read them like any other input (a padded row's mask is never read back). Also the projections
+    that have adapters (detached(): the model without them, for graphs of steps that use none)."""
 
     def __init__(self, slots: int, rank: int, max_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         self.masks = {p: torch.zeros(max_tokens, slots * p * rank, dtype=dtype, device=device) for p in (1, 2, 3)}
         self.columns = {p: torch.arange(slots * p * rank, device=device) // (p * rank) for p in (1, 2, 3)}
         self.set_rows = 0  # rows before this may be non-zero
+        self.modules: list[tuple[nn.Module, LoraWeights]] = []
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        """The model's projections without their adapters inside the block."""
+        for module, _ in self.modules:
+            module.lora = None
+        try:
+            yield
+        finally:
+            for module, weights in self.modules:
+                module.lora = weights
 
     def set(self, token_slots: torch.Tensor | None) -> None:
         """The masks of a step whose tokens use these adapter slots (-1: none); None: no token uses one."""
@@ -195,4 +210,5 @@ def attach(model: nn.Module, adapters: list[LoraAdapter], max_tokens: int, devic
                         a_all[col:col + r] = a[:, seg.start:seg.start + seg.length]
                         b_all[:, col:col + r] = b
             module.lora = LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), masks.masks[parts])
+            masks.modules.append((module, module.lora))
     return masks

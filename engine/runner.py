@@ -337,6 +337,7 @@ class ModelRunner:
         # LoRA adapters (engine/lora.py): which adapter each token uses, set before each step
         self.lora: LoraMasks | None = None
         self._lora_uploads: UploadRing | None = None
+        self._lora_used = False  # a token of the step being launched uses an adapter
         if cfg.lora_modules:
             self._attach_lora()
         phase("weights")
@@ -416,7 +417,7 @@ class ModelRunner:
             self._compile_ahead()
             phase("compiles")
         if self.graphs is not None:
-            self.graphs.capture()
+            self.graphs.capture(self.lora.detached if self.lora is not None else None)
             phase("decode graphs")
             if self.piecewise is not None:
                 self.piecewise.capture()
@@ -461,7 +462,8 @@ class ModelRunner:
         if lora is None:
             return
         loras = [it.seq.params.lora for it in items]
-        if not any(loras):
+        self._lora_used = any(loras)
+        if not self._lora_used:
             lora.set(None)
             return
         per_token = np.repeat(np.array(loras, dtype=np.int64) - 1, [it.num_new_tokens for it in items])
@@ -1080,7 +1082,7 @@ class ModelRunner:
             if pipe.prev is not None:
                 g.carry[:, :n].copy_(self._recv_carry(n))
             # a copy: the next replay overwrites the static output while the send may still read it
-            return Launched(None, {}, [], n, sent=pipe.send_carry(g.replay_carry(n, words).clone()))
+            return Launched(None, {}, [], n, sent=pipe.send_carry(g.replay_carry(n, words, self._lora_used).clone()))
         input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch)
         out = self._forward(input_ids, positions, meta, self._recv_carry(input_ids.shape[0]))
         if pipe.next is not None:
@@ -1185,12 +1187,13 @@ class ModelRunner:
             if any(p.temperature != 0.0 or p.adjusts_logits for p in params):
                 sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
                 draw = lambda logits, step: self._sample_adjusted(logits, items, sbatch, step).tokens  # noqa: E731
-            samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw))
+            samples = DeviceSamples(g.tokens[:n], params, steps=g.replay_steps(n, words, batch.num_steps, draw,
+                                                                               self._lora_used))
         elif all(p.temperature == 0.0 and p.logprobs is None and p.grammar is None and not p.adjusts_logits
                  for p in params):
-            samples = DeviceSamples(g.replay(n, words, logits=False)[1], params)
+            samples = DeviceSamples(g.replay(n, words, logits=False, adapters=self._lora_used)[1], params)
         else:  # sampled, with logprobs, constrained or adjusted: from the graph's logits
-            logits, tokens = g.replay(n, words)
+            logits, tokens = g.replay(n, words, adapters=self._lora_used)
             sbatch = SamplingBatch(params, [it.end - it.seq.num_prompt_tokens for it in items])
             launched = Launched(None, {it.seq.seq_id: i for i, it in enumerate(items)}, list(range(n)), n)
             self._draw(launched, logits, sbatch, items, tokens)

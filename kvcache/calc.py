@@ -264,6 +264,32 @@ def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: in
 
 
 @dataclass(frozen=True)
+class LoraShape:
+    """LoRA adapters as the engine stacks them (engine/lora.py): `slots` adapters of up to `rank`,
+    on these PEFT targets (q_proj, ..., down_proj), every packed part and adapter at that rank."""
+    slots: int
+    rank: int
+    targets: frozenset[str]
+
+    def bytes_per_layer(self, model: ModelShape, dtype: str, tp: int = 1) -> int:
+        """One layer's stacked A and B on one tensor-parallel rank."""
+        h, hd = model.hidden_size, model.head_dim
+        q, kv, i = model.num_heads * hd // tp, max(1, model.num_kv_heads // tp) * hd, model.intermediate_size // tp
+        t = self.targets
+        width = self.slots * self.rank  # a packed part's columns
+        elements = 0
+        if t & {"q_proj", "k_proj", "v_proj"}:
+            elements += 3 * width * (h + q + 2 * kv)  # A [.., hidden], B [this rank's q|k|v rows, ..]
+        if "o_proj" in t:
+            elements += width * (q + h)  # A [.., this rank's inputs], B [hidden, ..]
+        if t & {"gate_proj", "up_proj"}:
+            elements += 2 * width * (h + 2 * i)
+        if "down_proj" in t:
+            elements += width * (i + h)
+        return elements * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
 class ActivationEstimate:
     """What one GPU holds beside the weights and the KV cache, as the engine's profile sees it:
     the peak of one forward over the profile's tokens, the rope table, and the memory CUDA holds
@@ -502,11 +528,11 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
          activation_bytes: int | None = None, graph_bytes: int = 0, *,
          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, model_name: str = "the model",
-         pipeline_parallel_size: int = 1) -> KVPlan:
+         pipeline_parallel_size: int = 1, lora: LoraShape | None = None) -> KVPlan:
     """Size one GPU's KV cache. Raises KVCalcInputError for unusable values, WeightsDontFitError
     when the weights exceed the budget, NoRoomForKVCacheError when not one block is left. With
     several pipeline stages: the stage whose GPU holds the fewest blocks (each stage's cache holds
-    its own layers' KV)."""
+    its own layers' KV). lora: LoRA adapters, counted with the weights."""
     weight_dtype = resolve_model_dtype(dtype, model)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
     check_tensor_parallel(model, tensor_parallel_size)
@@ -523,14 +549,15 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
                                f"{model.max_context_len:,}")
     spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size,
                                  kv_dtype, tensor_parallel_size)
-    weights = weight_bytes_per_gpu(model, weight_dtype, tensor_parallel_size)
+    lora_layer = lora.bytes_per_layer(model, weight_dtype, tensor_parallel_size) if lora is not None else 0
+    weights = weight_bytes_per_gpu(model, weight_dtype, tensor_parallel_size) + lora_layer * model.num_layers
     estimated = activation_bytes is None
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(model, weight_dtype, tensor_parallel_size, max_num_batched_tokens,
                                                      max_num_seqs, max_len, pipeline_parallel_size).total_bytes
     if pipeline_parallel_size > 1:
         spec, weights = _binding_stage(model, weight_dtype, spec, tensor_parallel_size, pipeline_parallel_size,
-                                       gpu_memory_bytes, memory_utilization, activation_bytes, graph_bytes)
+                                       gpu_memory_bytes, memory_utilization, activation_bytes, graph_bytes, lora_layer)
     kv_bytes = kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, activation_bytes, graph_bytes)
 
     budget = int(gpu_memory_bytes * memory_utilization)
@@ -563,12 +590,13 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
 
 
 def _binding_stage(model: ModelShape, dtype: str, whole: KVCacheSpec, tp: int, pp: int, gpu_memory_bytes: int,
-                   memory_utilization: float, activation_bytes: int, graph_bytes: int) -> tuple[KVCacheSpec, int]:
-    """(KV spec, weight bytes) of the stage whose GPU holds the fewest KV blocks."""
+                   memory_utilization: float, activation_bytes: int, graph_bytes: int,
+                   lora_layer_bytes: int = 0) -> tuple[KVCacheSpec, int]:
+    """(KV spec, weight bytes, LoRA adapters' included) of the stage whose GPU holds the fewest KV blocks."""
     best: tuple[int, KVCacheSpec, int] | None = None
     for s, (start, end) in enumerate(stage_layer_ranges(model.num_layers, pp)):
         spec = replace(whole, num_layers=end - start)
-        weights = stage_weight_bytes(model, dtype, tp, end - start, s == 0, s == pp - 1)
+        weights = stage_weight_bytes(model, dtype, tp, end - start, s == 0, s == pp - 1) + lora_layer_bytes * (end - start)
         blocks = spec.num_blocks_for(kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, activation_bytes,
                                                     graph_bytes))
         if best is None or (blocks, -weights) < (best[0], -best[2]):

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests", type=int, default=128, help="the offline workload's requests (all at once)")
     ap.add_argument("--engine", default="{}", help="more LLM() arguments, as JSON")
+    ap.add_argument("--adapter-dir", default=None, help="where the random adapters go (default: a temporary folder)")
+    ap.add_argument("--repeats", type=int, default=3, help="offline runs per case (the median counts)")
     ap.add_argument("--result-json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve import LLM, SamplingParams
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    tmp = Path(tempfile.mkdtemp(prefix="lora-cost-"))
+    tmp = Path(args.adapter_dir) if args.adapter_dir else Path(tempfile.mkdtemp(prefix="lora-cost-"))
     t0 = time.perf_counter()
     adapters = {f"a{i}": str(random_adapter(tmp / f"a{i}", args.model, args.rank, i)) for i in range(args.adapters)}
     print(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -93,14 +95,20 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
                 prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
                 llm.generate(prompts[:4], plist(4))  # warm
-                sync()
-                t = time.perf_counter()
-                outs = llm.generate(prompts, plist(args.requests))
-                sync()
-                elapsed = time.perf_counter() - t
+                times = []
+                for r in range(args.repeats):  # fresh prompts each time: no prefix-cache hits
+                    if r:
+                        prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)]
+                                   for _ in range(args.requests)]
+                    sync()
+                    t = time.perf_counter()
+                    llm.generate(prompts, plist(args.requests))
+                    sync()
+                    times.append(time.perf_counter() - t)
+                elapsed = sorted(times)[len(times) // 2]
                 row = {"engine": engine, "requests_use": use, "kind": "offline", "requests": args.requests,
                        "input_len": args.input_len, "output_len": args.output_len, "seconds": elapsed,
-                       "output_tok_s": sum(len(o.token_ids) for o in outs) / elapsed}
+                       "runs_s": times, "output_tok_s": args.requests * args.output_len / elapsed}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del llm

@@ -18,7 +18,7 @@ from engine.quant import AT_LOAD
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
                           DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
-                          resolve_model_dtype, table_kv_dtypes, weight_bytes_per_gpu)
+                          LoraShape, resolve_model_dtype, table_kv_dtypes, weight_bytes_per_gpu)
 from kvcache.gpus import GPUMemory, PresetError, find_gpu_preset, resolve_gpu_memory
 from kvcache.host_tier import host_tier_blocks
 from kvcache.spec import default_block_size
@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="fp8: the projections quantized as they load (serve run --quantization fp8); an FP8 "
                              "checkpoint is counted in FP8 without it")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=FOLDER",
+                        help="LoRA adapters served beside the model (serve run --lora-modules): their stacked "
+                             "weights are counted with the model's")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
@@ -77,6 +80,7 @@ class CalcRequest:
     max_num_seqs: int
     pipeline_parallel_size: int = 1
     gpu_rates: tuple[float, float] | None = None  # copy bandwidth and matmul rate, where the GPU is known
+    lora: LoraShape | None = None  # --lora-modules
 
 
 def _parse_int(flag: str, value: Any) -> int:
@@ -153,9 +157,27 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
         max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
         gpu_rates=gpu.rates,
+        lora=_lora(getattr(args, "lora_modules", None) or []),
     )
     _check_engine_limits(req)
     return req
+
+
+def _lora(modules: list[str]) -> LoraShape | None:
+    if not modules:
+        return None
+    from serve.lora import lora_shape
+
+    folders = []
+    for text in modules:
+        name, sep, folder = text.partition("=")
+        if not sep or not name or not folder:
+            raise KVCalcInputError(f"--lora-modules: an adapter is NAME=FOLDER; got {text!r}")
+        folders.append(folder)
+    try:
+        return lora_shape(folders)
+    except ValueError as e:
+        raise KVCalcInputError(str(e)) from None
 
 
 # The engine's measured step costs put its largest mixed step at 640 to 1,024 tokens on H100s
@@ -234,7 +256,7 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
-                model_name=req.model_name, pipeline_parallel_size=req.pipeline_parallel_size)
+                model_name=req.model_name, pipeline_parallel_size=req.pipeline_parallel_size, lora=req.lora)
 
 
 def format_bytes(n: int) -> str:
@@ -272,7 +294,9 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         f" = {format_bytes(base.budget_bytes)}{tp}",
         _line(f"weights ({base.dtype}{'' if quant is None else ', projections ' + quant.label.lower()})",
               format_bytes(base.weight_bytes), f"{base.num_params / 1e9:.2f}B parameters"
-              + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")),
+              + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")
+              + (f"; {req.lora.slots} LoRA adapter{'s' if req.lora.slots > 1 else ''} of rank up to {req.lora.rank} "
+                 "included" if req.lora is not None else "")),
         _line("activations", format_bytes(base.activation_bytes), act),
         _line("CUDA graphs", format_bytes(base.graph_bytes),
               "decode, piecewise and step graphs (under TP, NCCL's share too), reserved as the engine does"),
@@ -374,7 +398,8 @@ def _run_measure(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=req.memory_utilization,
                            tensor_parallel_size=req.tensor_parallel_size,
                            pipeline_parallel_size=req.pipeline_parallel_size,
-                           quantization="fp8" if req.model.quant == AT_LOAD else None)
+                           quantization="fp8" if req.model.quant == AT_LOAD else None,
+                           lora_modules=tuple(m.partition("=")[::2] for m in getattr(args, "lora_modules", None) or []))
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
         # read before shutdown, which frees the graphs

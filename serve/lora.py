@@ -37,3 +37,33 @@ def lora_number(config: Any, request: LoRARequest | str | None) -> int:
         if Path(request.lora_path).expanduser().resolve() != Path(path).expanduser().resolve():
             raise ValueError(f"LoRA adapter {name!r} was loaded from {path}, not {request.lora_path}")
     return names.index(name) + 1
+
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_shape(folders: list[str]) -> Any:
+    """kvcache/calc.py's LoraShape of these PEFT adapters, from their adapter_config.json alone
+    (the largest rank, rank_pattern's included; the projections their target_modules name), for
+    sizing without loading them; ValueError says what is wrong."""
+    import json
+    import re
+    from pathlib import Path
+
+    from kvcache.calc import LoraShape
+
+    rank, targets = 0, set()
+    for folder in folders:
+        path = Path(folder).expanduser() / "adapter_config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"LoRA adapter {folder}: can't read {path} ({e})") from None
+        rank = max([rank, int(config.get("r", 8))] + [int(r) for r in (config.get("rank_pattern") or {}).values()])
+        wanted = config.get("target_modules") or []
+        for t in TARGETS:
+            module = f"model.layers.0.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}"
+            if (wanted == "all-linear" or (isinstance(wanted, str) and re.fullmatch(wanted, module))
+                    or (isinstance(wanted, list) and any(module == w or module.endswith("." + w) for w in wanted))):
+                targets.add(t)
+    return LoraShape(len(folders), rank, frozenset(targets))

@@ -64,10 +64,11 @@ class NoReplica(Exception):
     """Every replica has failed."""
 
 
-def prompt_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks, in order."""
+def prompt_block_hashes(token_ids: Seq[int], block_size: int, root: int | None = None) -> list[int]:
+    """The chained hashes of the prompt's full blocks, in order, from root (its LoRA adapter's:
+    kvcache/block_manager.py lora_root)."""
     hashes: list[int] = []
-    parent = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = block_hash(parent, tuple(token_ids[start:start + block_size]))
         hashes.append(parent)
@@ -87,16 +88,17 @@ class Router:
     def alive(self) -> list[bool]:
         return list(self._alive)
 
-    def route(self, token_ids: Seq[int], loads: Seq[Load | None]) -> Route:
+    def route(self, token_ids: Seq[int], loads: Seq[Load | None], root: int | None = None) -> Route:
         """Pick the replica for a prompt and remember that it now holds the prompt's blocks.
         loads: one per replica; None for one that takes nothing now (stopping, or failing before
-        remove() is called). Raises NoReplica when no replica can take it."""
+        remove() is called). root: the hash chain's root (the prompt's LoRA adapter's). Raises
+        NoReplica when no replica can take it."""
         if len(loads) != self.config.num_replicas:
             raise ValueError(f"got {len(loads)} loads for {self.config.num_replicas} replicas")
         live = [i for i, ok in enumerate(self._alive) if ok and loads[i] is not None]
         if not live:
             raise NoReplica("every replica has failed" if not any(self._alive) else "no replica is accepting requests")
-        hashes = prompt_block_hashes(token_ids, self.config.block_size)
+        hashes = prompt_block_hashes(token_ids, self.config.block_size, root)
         load = {i: loads[i] for i in live}
         least = min(live, key=lambda i: (load[i].sequences, load[i].prompt_tokens, self.routed[i], i))
         matched = {i: self._matched_blocks(i, hashes) for i in live}

@@ -152,12 +152,17 @@ def test_on_the_gpu(setup):
                  max_num_batched_tokens=48, lora_modules=adapters,
                  step_graph_max_tokens=0 if graphs == "piecewise" else 2304) as llm:
             runs[dtype, graphs] = [o.token_ids for o in llm.generate(prompts, params, lora_request=names)]
+            # no sequence on an adapter: the decode graphs captured without them
+            runs[dtype, graphs, "base"] = [o.token_ids for o in llm.generate(prompts, params)]
             runner = llm.engine.runner
+            assert (runner.graphs is None) == (graphs == "none")
+            assert runner.graphs is None or len(runner.graphs.plain) == len(runner.graphs.graphs)
             if graphs == "step":
                 assert runner.steps is not None and runner.steps.num_runs > 0
             if graphs == "piecewise":
                 assert runner.steps is None and runner.piecewise.num_runs > 0
     assert runs["float32", "step"] == runs["float32", "none"] == runs["float32", "piecewise"]
+    assert runs["float32", "step", "base"] == runs["float32", "none", "base"] == runs["float32", "piecewise", "base"]
     import transformers
 
     for name in (None, "a", "b"):
@@ -167,6 +172,8 @@ def test_on_the_gpu(setup):
             _merge(hf, Path(adapters[name]))
         want = [_greedy(hf, prompts[i], 16) for i in rows]
         compare(want, [runs["float32", "step"][i] for i in rows], hf, [prompts[i] for i in rows], f"lora {name}")
+        if name is None:
+            compare([_greedy(hf, p, 16) for p in prompts], runs["float32", "step", "base"], hf, prompts, "no adapter")
 
 
 def _merge(model, adapter: Path) -> None:
@@ -193,3 +200,39 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def test_the_calculator_counts_what_the_adapters_take(setup, tmp_path):
+    """kv-calc's LoraShape (from the adapters' configs alone) gives the bytes engine/lora.py
+    allocates, on one rank and on each of two, and the KV cache shrinks by them."""
+    from engine.config import ModelConfig
+    from engine.lora import attach, load_adapter
+    from engine.models.llama import LlamaForCausalLM
+    from engine.parallel.comm import Comm
+    from kvcache.calc import plan
+    from serve.lora import lora_shape
+
+    model, adapters, _ = setup
+    cfg = ModelConfig.from_path(model)
+    shape = lora_shape(list(adapters.values()))
+    assert (shape.slots, shape.rank) == (2, 4) and shape.targets == frozenset(ALL)
+    loaded = [load_adapter(n, p, cfg) for n, p in adapters.items()]
+    for tp in (1, 2):
+        allocated = 0
+        for rank in range(tp):
+            comm = Comm()
+            comm.rank, comm.size = rank, tp
+            with torch.device("meta"):
+                m = LlamaForCausalLM(cfg, comm)
+            m = m.to_empty(device="cpu")
+            masks = attach(m, loaded, 16, torch.device("cpu"), torch.float32)
+            allocated = sum(w.a.numel() + w.b.numel() for _, w in masks.modules) * 4
+            assert allocated == shape.bytes_per_layer(cfg, "float32", tp) * cfg.num_layers
+    base = plan(cfg, 1 << 30, dtype="float32")
+    with_lora = plan(cfg, 1 << 30, dtype="float32", lora=shape)
+    assert with_lora.weight_bytes - base.weight_bytes == shape.bytes_per_layer(cfg, "float32") * cfg.num_layers
+    assert with_lora.kv_cache_bytes < base.kv_cache_bytes
+    # a regex target and all-linear read as PEFT reads them
+    regex = save_adapter(tmp_path / "re", model, ("q_proj", "v_proj"), r=2, alpha=2, seed=1,
+                         target_modules=r".*\.(q_proj|v_proj)", rank_pattern={"v_proj": 6})
+    assert lora_shape([str(regex)]).targets == {"q_proj", "v_proj"} and lora_shape([str(regex)]).rank == 6

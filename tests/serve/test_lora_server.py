@@ -75,3 +75,22 @@ def test_a_bad_adapter_is_one_line(model_dir, tmp_path):
                            timeout=120)
         assert r.returncode != 0 and line in r.stderr.strip().splitlines()[-1], r.stderr
         assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_kv_calc_counts_the_adapters(model_dir, tmp_path, capsys):
+    import json
+
+    from serve import kv_calc_cmd
+
+    sql = save_adapter(tmp_path / "sql", model_dir, ALL, r=8, alpha=8, seed=5)
+    args = ["--model", "Llama-3-8B", "--gpu-memory", "H100", "--json"]
+    assert kv_calc_cmd.main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert kv_calc_cmd.main(args + ["--lora-modules", f"sql={sql}", f"b={sql}"]) == 0
+    with_lora = json.loads(capsys.readouterr().out)
+    # two rank-8 adapters on all of Llama-3-8B's projections: 2 x 8 x (qkv 3 x 10,240 + o 8,192 +
+    # gate/up 2 x 32,768 + down 18,432) x 32 layers x 2 bytes
+    assert with_lora["weight_bytes"] - base["weight_bytes"] == 2 * 8 * (3 * 10240 + 8192 + 2 * 32768 + 18432) * 32 * 2
+    assert with_lora["num_blocks"] < base["num_blocks"]
+    assert kv_calc_cmd.main(args + ["--lora-modules", "x"]) == 2
+    assert "an adapter is NAME=FOLDER" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.block_manager import BlockManager
+from kvcache.block_manager import BlockManager, lora_root
 from serve.router import Load, NoReplica, Router, RouterConfig, prompt_block_hashes
 
 B = 4  # block size
@@ -24,6 +24,14 @@ def test_hashes_are_the_engines():
     bm = BlockManager(8, B)
     assert prompt_block_hashes(ids, B) == bm.prefix_hashes(ids, [])
     assert len(prompt_block_hashes(ids, B)) == 2 and prompt_block_hashes(ids[:3], B) == []
+    # a LoRA adapter's chain: the engine's, and none of the base model's
+    root = lora_root(2)
+    assert prompt_block_hashes(ids, B, root) == bm.prefix_hashes(ids, [], root=root)
+    assert not set(prompt_block_hashes(ids, B, root)) & set(prompt_block_hashes(ids, B))
+    r = router()
+    first = r.route(ids, IDLE, root).replica
+    assert r.route(ids, IDLE).reason == "load"  # the base model's prompt is not where the adapter's went
+    assert r.route(ids, IDLE, root) == r.route(ids, IDLE, root) and r.route(ids, IDLE, root).replica == first
 
 
 def test_idle_replicas_take_turns():
