@@ -297,8 +297,15 @@ class EngineConfig:
     # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | None = None
     # LoRA adapters served beside the base model (engine/lora.py): (name, PEFT folder) pairs, or a
-    # dict of them; a request's SamplingParams.lora names one by its place here, from 1
+    # dict of them; a request's SamplingParams.lora names one by its place here, from 1 (adapters
+    # loaded later take the next numbers: serve/lora.py)
     lora_modules: tuple[tuple[str, str], ...] | dict = ()
+    # adapters loaded while serving too (LLM.generate's LoRARequest): slots on every projection for
+    # max_loras adapters (0: 1, or as many as lora_modules) of rank up to max_lora_rank (0: 16, or
+    # lora_modules' largest); without it the slots are lora_modules' own
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple[str, ...]) -> None:
@@ -353,6 +360,10 @@ class EngineConfig:
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         object.__setattr__(self, "lora_modules", lora_pairs(self.lora_modules))
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: the default); got {v!r}")
         if self.speculative_config is not None and (self.num_scheduler_steps or 1) > 1:
             raise ValueError("speculative decoding takes the place of multi-step rounds (a draft needs its sequence's "
                              "last token); drop num_scheduler_steps")

@@ -131,28 +131,40 @@ class LoraWeights:
         y.addmm_(h, self.b.t())
 
 
+@dataclass
+class LoraModule:
+    """A projection that holds adapters: its place (layer, path in the layer) and weights."""
+    module: nn.Module
+    layer: int  # the model's layer index (not the pipeline stage's)
+    path: str  # in the decoder layer (PARTS)
+    weights: LoraWeights
+
+
 class LoraMasks:
-    """Which stacked columns each of a step's tokens uses, one mask per packing (1, 2 or 3 parts),
-    shared by every layer's projections: set before each step, outside the CUDA graphs, which
-    read them like any other input (a padded row's mask is never read back). Also the projections
-    that have adapters (detached(): the model without them, for graphs of steps that use none)."""
+    """The adapters' slots on this rank: which stacked columns each of a step's tokens uses, one
+    mask per packing (1, 2 or 3 parts), shared by every layer's projections: set before each step,
+    outside the CUDA graphs, which read them like any other input (a padded row's mask is never read
+    back). Also the projections that hold adapters: write() fills a slot in place (the graphs keep
+    their addresses), detached() gives the model without them (graphs of steps that use none)."""
 
     def __init__(self, slots: int, rank: int, max_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.slots, self.rank = slots, rank
         self.masks = {p: torch.zeros(max_tokens, slots * p * rank, dtype=dtype, device=device) for p in (1, 2, 3)}
         self.columns = {p: torch.arange(slots * p * rank, device=device) // (p * rank) for p in (1, 2, 3)}
         self.set_rows = 0  # rows before this may be non-zero
-        self.modules: list[tuple[nn.Module, LoraWeights]] = []
+        self.modules: list[LoraModule] = []
+        self.layers: range = range(0)  # the model's layers on this rank (a pipeline stage's)
 
     @contextmanager
     def detached(self) -> Iterator[None]:
         """The model's projections without their adapters inside the block."""
-        for module, _ in self.modules:
-            module.lora = None
+        for m in self.modules:
+            m.module.lora = None
         try:
             yield
         finally:
-            for module, weights in self.modules:
-                module.lora = weights
+            for m in self.modules:
+                m.module.lora = m.weights
 
     def set(self, token_slots: torch.Tensor | None) -> None:
         """The masks of a step whose tokens use these adapter slots (-1: none); None: no token uses one."""
@@ -167,48 +179,61 @@ class LoraMasks:
             m[:n].copy_(token_slots[:, None] == self.columns[p])
         self.set_rows = max(self.set_rows, n)
 
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """This rank's part of adapter into slot (what was there before is gone). LoraError where
+        it does not fit the slots: a larger rank, or a projection the slots were not made for."""
+        if adapter.rank > self.rank:
+            raise LoraError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}; the adapter slots hold up to "
+                            f"{self.rank} (max_lora_rank)")
+        held = {(m.layer, t) for m in self.modules for t, (p, _) in TARGETS.items() if p == m.path}
+        missing = sorted({t for layer, t in adapter.weights if layer in self.layers and (layer, t) not in held})
+        if missing:
+            raise LoraError(f"LoRA adapter {adapter.name!r} adapts {', '.join(missing)}, which the adapter slots "
+                            "were not made for; load it at start-up or enable LoRA for every projection")
+        for m in self.modules:
+            self._write_module(m, slot, adapter)
 
-def attach(model: nn.Module, adapters: list[LoraAdapter], max_tokens: int, device: torch.device,
-           dtype: torch.dtype) -> LoraMasks:
-    """Give the model's projections that some adapter targets a LoraWeights (module.lora; None on
-    the others) holding this rank's part of every adapter; adapter i is slot i. -> the masks, which
-    the runner sets before each step."""
-    rank = max(a.rank for a in adapters)
-    masks = LoraMasks(len(adapters), rank, max_tokens, device, dtype)
+    def _write_module(self, m: LoraModule, slot: int, adapter: LoraAdapter) -> None:
+        parts, rank = PARTS[m.path], self.rank
+        a_all, b_all, shard = m.weights.a, m.weights.b, m.module.shard
+        first = slot * parts * rank
+        a_all[first:first + parts * rank].zero_()
+        b_all[:, first:first + parts * rank].zero_()
+        for t, (path, part) in TARGETS.items():
+            ab = adapter.weights.get((m.layer, t)) if path == m.path else None
+            if ab is None:
+                continue
+            a, b = ab
+            col, r = first + part * rank, a.shape[0]
+            if shard.dim == 0:  # column parallel: this rank's rows of each part's B
+                seg, at = shard.segments[part], shard.local_offset(part)
+                a_all[col:col + r].copy_(a)
+                b_all[at:at + seg.length, col:col + r].copy_(b[seg.start:seg.start + seg.length])
+            else:  # row parallel: this rank's input columns of A
+                seg = shard.segments[0]
+                a_all[col:col + r].copy_(a[:, seg.start:seg.start + seg.length])
+                b_all[:, col:col + r].copy_(b)
+
+
+def attach(model: nn.Module, slots: int, rank: int, targets: frozenset[str], max_tokens: int,
+           device: torch.device, dtype: torch.dtype) -> LoraMasks:
+    """Adapter slots on the model's projections that `targets` name: each gets a LoraWeights
+    (module.lora; None on the others) of `slots` adapters of up to `rank`, all zeros until
+    LoraMasks.write() fills a slot. -> the masks, which the runner sets before each step."""
+    masks = LoraMasks(slots, rank, max_tokens, device, dtype)
+    masks.layers = range(model.stage.start, model.stage.end)
     hidden = model.global_cfg.hidden_size
-    first = model.stage.start
     for i, layer in enumerate(model.layers):
         for path, parts in PARTS.items():
             module = layer.get_submodule(path)
             module.lora = None
-            targets = [t for t, (p, _) in TARGETS.items() if p == path]
-            if not any((first + i, t) in a.weights for a in adapters for t in targets):
+            if not any(TARGETS[t][0] == path for t in targets):
                 continue
-            width = len(adapters) * parts * rank
+            width = slots * parts * rank
             shard = module.shard
-            if shard.dim == 0:  # column parallel: this rank's rows of each part's B
-                a_all = torch.zeros(width, hidden)
-                b_all = torch.zeros(shard.local_size, width)
-            else:  # row parallel: this rank's input columns of A
-                a_all = torch.zeros(width, shard.local_size)
-                b_all = torch.zeros(hidden, width)
-            for slot, adapter in enumerate(adapters):
-                for t in targets:
-                    ab = adapter.weights.get((first + i, t))
-                    if ab is None:
-                        continue
-                    a, b = ab
-                    part = TARGETS[t][1]
-                    col = (slot * parts + part) * rank
-                    r = a.shape[0]
-                    if shard.dim == 0:
-                        seg, at = shard.segments[part], shard.local_offset(part)
-                        a_all[col:col + r] = a
-                        b_all[at:at + seg.length, col:col + r] = b[seg.start:seg.start + seg.length]
-                    else:
-                        seg = shard.segments[0]
-                        a_all[col:col + r] = a[:, seg.start:seg.start + seg.length]
-                        b_all[:, col:col + r] = b
-            module.lora = LoraWeights(a_all.to(device, dtype), b_all.to(device, dtype), masks.masks[parts])
-            masks.modules.append((module, module.lora))
+            a_in = hidden if shard.dim == 0 else shard.local_size
+            b_out = shard.local_size if shard.dim == 0 else hidden
+            module.lora = LoraWeights(torch.zeros(width, a_in, device=device, dtype=dtype),
+                                      torch.zeros(b_out, width, device=device, dtype=dtype), masks.masks[parts])
+            masks.modules.append(LoraModule(module, model.stage.start + i, path, module.lora))
     return masks

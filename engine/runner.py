@@ -20,7 +20,7 @@ from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, St
 from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.logit_adjust import LogitAdjuster
-from engine.lora import LoraError, LoraMasks, attach, load_adapter
+from engine.lora import TARGETS, LoraError, LoraMasks, attach, load_adapter
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
 from engine.parallel.comm import Comm
@@ -338,7 +338,8 @@ class ModelRunner:
         self.lora: LoraMasks | None = None
         self._lora_uploads: UploadRing | None = None
         self._lora_used = False  # a token of the step being launched uses an adapter
-        if cfg.lora_modules:
+        self.lora_slot_of: dict[int, int] = {}  # SamplingParams.lora -> its adapter's slot
+        if cfg.lora_modules or cfg.enable_lora:
             self._attach_lora()
         phase("weights")
         if tp.size > 1 and self.device.type == "cuda" and not cfg.disable_custom_all_reduce:
@@ -448,16 +449,46 @@ class ModelRunner:
             raise LoraError("LoRA adapters on a 4-bit checkpoint in activation order are not supported yet; "
                             "serve a checkpoint without act-order (desc_act) or a 16-bit one")
         adapters = [load_adapter(name, path, model_cfg) for name, path in cfg.lora_modules]
+        ranks = [a.rank for a in adapters]
+        if cfg.max_lora_rank and ranks and max(ranks) > cfg.max_lora_rank:
+            raise LoraError(f"LoRA adapter {adapters[ranks.index(max(ranks))].name!r} has rank {max(ranks)}, more than "
+                            f"max_lora_rank {cfg.max_lora_rank}")
+        if cfg.enable_lora:  # any adapter may come later: every projection, vLLM's default sizes
+            slots = max(cfg.max_loras or 1, len(adapters))
+            rank = max([cfg.max_lora_rank or 16] + ranks)
+            targets = frozenset(TARGETS)
+        else:
+            slots, rank = len(adapters), max(ranks)
+            targets = frozenset(t for a in adapters for _, t in a.weights)
         drafts = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
         tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + drafts), COST_MAX_ROWS)
-        self.lora = attach(self.model, adapters, tokens, self.device, self.dtype)
+        self.lora = attach(self.model, slots, rank, targets, tokens, self.device, self.dtype)
+        for slot, adapter in enumerate(adapters):
+            self.lora.write(slot, adapter)
+            self.lora_slot_of[slot + 1] = slot
         if self.device.type == "cuda":
             self._lora_uploads = UploadRing(8 * tokens, slots=4)
-        log.info("LoRA adapters %s (rank up to %d)", ", ".join(a.name for a in adapters), max(a.rank for a in adapters))
+        log.info("LoRA: %d adapter slots of rank up to %d%s", slots, rank,
+                 f"; loaded {', '.join(a.name for a in adapters)}" if adapters else "")
+
+    @property
+    def lora_slots(self) -> int:
+        """How many LoRA adapters the engine holds at once (0: none)."""
+        return 0 if self.lora is None else self.lora.slots
+
+    def load_lora(self, slot: int, lora_id: int, name: str, path: str) -> None:
+        """The adapter at path into slot, for requests with SamplingParams.lora = lora_id (the
+        adapter there before is gone, and so is its id). LoraError where it does not fit. The
+        copies queue behind the steps launched before, which read the slot as it was."""
+        if self.lora is None:
+            raise LoraError("this engine has no LoRA adapter slots; start it with enable_lora")
+        self.lora.write(slot, load_adapter(name, path, self.model_cfg))
+        self.lora_slot_of = {i: s for i, s in self.lora_slot_of.items() if s != slot}
+        self.lora_slot_of[lora_id] = slot
 
     def _lora_inputs(self, items: list[ScheduledSeq]) -> None:
-        """The LoRA masks of a step: each token's adapter slot (SamplingParams.lora - 1), in the
-        token order every input layout shares (an item's tokens together, items in order)."""
+        """The LoRA masks of a step: each token's adapter slot (lora_slot_of its SamplingParams.lora),
+        in the token order every input layout shares (an item's tokens together, items in order)."""
         lora = self.lora
         if lora is None:
             return
@@ -466,7 +497,9 @@ class ModelRunner:
         if not self._lora_used:
             lora.set(None)
             return
-        per_token = np.repeat(np.array(loras, dtype=np.int64) - 1, [it.num_new_tokens for it in items])
+        slot_of = self.lora_slot_of
+        per_token = np.repeat(np.array([slot_of[i] if i else -1 for i in loras], dtype=np.int64),
+                              [it.num_new_tokens for it in items])
         n = len(per_token)
         ring = self._lora_uploads
         if ring is None:

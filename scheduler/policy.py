@@ -80,6 +80,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
+        # the LoRA adapters requests may use (SamplingParams.lora); whoever loads one adds it
+        self.loras: set[int] = set(range(1, config.num_loras + 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
@@ -107,9 +109,9 @@ class Scheduler:
         n = seq.num_prompt_tokens
         if n == 0:
             raise RequestRejected("the prompt is empty; send at least one token")
-        if seq.params.lora > self.config.num_loras:
-            raise RequestRejected(f"LoRA adapter {seq.params.lora} is not loaded; this engine has "
-                                  f"{self.config.num_loras or 'no'} adapter{'s' if self.config.num_loras != 1 else ''}")
+        if seq.params.lora and seq.params.lora not in self.loras:
+            raise RequestRejected(f"LoRA adapter {seq.params.lora} is not loaded (loaded: "
+                                  f"{', '.join(map(str, sorted(self.loras))) or 'none'})")
         if n >= self.config.max_model_len:
             raise RequestRejected(f"the prompt has {n} tokens but the model's context length is "
                                   f"{self.config.max_model_len}; shorten the prompt to at most "

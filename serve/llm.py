@@ -10,7 +10,7 @@ from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
 from serve.chat_template import check_chat_template
 from serve.generation_config import model_folder, sampling_defaults
-from serve.lora import LoRARequest, lora_number
+from serve.lora import LoRARequest, LoraManager
 
 
 @dataclass
@@ -43,13 +43,13 @@ class LLM:
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False, kv_offload_gib: float = 0.0,
                  disable_custom_all_reduce: bool = False, quantization: str | None = None,
                  speculative_config: dict | None = None, enable_lora: bool = False,
-                 lora_modules: dict[str, str] | None = None, generation_config: str = "auto", show_progress: bool = False) -> None:
+                 lora_modules: dict[str, str] | None = None, max_loras: int = 0, max_lora_rank: int = 0,
+                 generation_config: str = "auto", show_progress: bool = False) -> None:
         """generation_config: where generate() without SamplingParams takes its defaults from
         (serve/generation_config.py): auto, the model's generation_config.json; vllm, SamplingParams()'s.
-        lora_modules: LoRA adapters to serve, {name: PEFT folder} (generate()'s lora_request picks one);
-        enable_lora is vLLM's switch, implied by them."""
-        if enable_lora and not lora_modules:
-            raise ValueError("enable_lora needs the adapters: LLM(lora_modules={name: folder}) (they load at start-up)")
+        lora_modules: LoRA adapters loaded at start-up, {name: PEFT folder} (generate()'s lora_request
+        picks one). enable_lora: generate() also loads adapters its LoRARequests name, into
+        max_loras slots (default 1) of rank up to max_lora_rank (default 16), as vLLM does."""
         self.config = EngineConfig(model=None if model is None else str(model), dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -63,10 +63,12 @@ class LLM:
                                    pipeline_parallel_size=pipeline_parallel_size, seed=seed,
                                    enable_expert_parallel=enable_expert_parallel, kv_offload_gib=kv_offload_gib,
                                    disable_custom_all_reduce=disable_custom_all_reduce, quantization=quantization,
-                                   speculative_config=speculative_config, lora_modules=lora_modules or ())
+                                   speculative_config=speculative_config, lora_modules=lora_modules or (),
+                                   enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.defaults = sampling_defaults(generation_config, model_folder(self.config))
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
+        self.loras = LoraManager(self.config, self.engine.core)
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "LLM":
@@ -75,6 +77,7 @@ class LLM:
         self.defaults = sampling_defaults("auto", model_folder(config))
         self.engine = build_engine(config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
+        self.loras = LoraManager(config, self.engine.core)
         return self
 
     def shutdown(self) -> None:
@@ -125,7 +128,7 @@ class LLM:
             loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
-            plist = [replace(p, lora=lora_number(self.config, r)) for p, r in zip(plist, loras)]
+            plist = [replace(p, lora=i) for p, i in zip(plist, self.loras.ids(loras))]
         vocab = self.engine.model_config.vocab_size
         for p in plist:
             for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or [])):

@@ -146,6 +146,16 @@ class TPExecutor:
         if self.runner.grammar is not None:
             self._send(("grammar", tokenizer, vocab_size, eos_token_ids))
 
+    @property
+    def lora_slots(self) -> int:
+        return self.runner.lora_slots
+
+    def load_lora(self, slot: int, lora_id: int, name: str, path: str) -> None:
+        """ModelRunner.load_lora on every rank: rank 0 first, so that an adapter that does not fit
+        fails here (LoraError) before the others read it."""
+        self.runner.load_lora(slot, lora_id, name, path)
+        self._send(("lora", slot, lora_id, name, path))
+
     def execute(self, batch: Batch) -> list[SampleOutput | None]:
         self._send(("launch", next(self._steps), None, self._encoder.encode(batch), True))
         return self._run(self.runner.execute, batch)

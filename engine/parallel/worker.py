@@ -3,14 +3,15 @@ collectives in the same order), then runs every step rank 0 sends it and drops t
 
 Tensor parallel (follow), messages by Comm.broadcast_object over the control group:
     ("launch", step, prev step or None, wire.Message, sync)  ("finish", step, wire.TokenUpdate)
-    ("grammar", tokenizer, vocab_size, eos_token_ids)  ("stop",)
+    ("grammar", tokenizer, vocab_size, eos_token_ids)  ("lora", slot, lora_id, name, path)  ("stop",)
 The follower launches the step on prev's samples, as rank 0 does, then collects the steps before it
 (rank 0 does the same right after); sync: collect this one too (rank 0 ran execute()). finish: a
 launched step's constrained rows sample now, their earlier tokens known (the message brings them).
 grammar: constrained decoding is on (rank 0's tokenizer, pickled: each rank fills its own masks).
+lora: a LoRA adapter into a slot (each rank reads its own part of the files).
 
 Pipeline parallel (follow_stages), messages posted by rank 0 to each rank (channel.py):
-    ("launch", step, wire.Message)  ("grammar", ...)  ("stop",)
+    ("launch", step, wire.Message)  ("grammar", ...)  ("lora", ...)  ("stop",)
 Each rank runs its stage of the step (receiving the carry from the stage before, sending it on) and
 collects it; the last stage's first rank posts (step, samples) back to rank 0."""
 from __future__ import annotations
@@ -50,6 +51,9 @@ def follow(runner: ModelRunner, comm: Comm) -> None:
         if msg[0] == "grammar":
             _enable_grammar(runner, *msg[1:])
             continue
+        if msg[0] == "lora":
+            runner.load_lora(*msg[1:])
+            continue
         if msg[0] == "finish":
             _, step, update = msg
             decoder.apply_tokens(update)
@@ -79,6 +83,9 @@ def follow_stages(runner: ModelRunner, topo: Topology) -> None:
             break
         if msg[0] == "grammar":
             _enable_grammar(runner, *msg[1:])
+            continue
+        if msg[0] == "lora":
+            runner.load_lora(*msg[1:])
             continue
         _, step, payload = msg
         samples = runner.collect(runner.launch(decoder.decode(payload)))

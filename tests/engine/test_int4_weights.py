@@ -374,3 +374,18 @@ def test_gpu_int4_checkpoint_equals_transformers(wide_llama, tmp_path, fmt):
         check_prompt_logprobs(llm, hf, prompts, max_gap=1e-3)
         outs = llm.generate(prompts, GREEDY)
     check_greedy_near_best(hf, prompts, outs, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_act_order_equals_transformers(wide_llama, tmp_path):
+    """An act-order checkpoint over two GPUs (o's padded gather, down's groups in order, the
+    kernels and graphs): prompt logprobs and greedy tokens as transformers' dequantized weights."""
+    dst = tmp_path / "act"
+    weights = write_act_order_checkpoint(wide_llama, dst, 64)
+    hf = hf_with(wide_llama, weights)
+    prompts = prompts_of(4, 60, 7)
+    with LLM(str(dst), dtype="float32", max_num_batched_tokens=48, tensor_parallel_size=2) as llm:
+        check_prompt_logprobs(llm, hf, prompts, max_gap=1e-3)
+        outs = llm.generate(prompts, GREEDY)
+    check_greedy_near_best(hf, prompts, outs, 1e-3)

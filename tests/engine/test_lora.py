@@ -116,6 +116,52 @@ def test_adapters_across_ranks(setup, split):
         assert [o.token_ids for o in outs] == [want[n or "base"][i] for i, n in enumerate(names)]
 
 
+def test_adapters_load_on_first_use_as_vllm_loads_them(setup, tmp_path):
+    """enable_lora: a LoRARequest's path loads the adapter into a free slot, or over the one least
+    recently asked for; one loaded again by name later gets the tokens it gave before, and an
+    adapter in a slot another had used never reads that one's cached prefix blocks."""
+    model, adapters, want = setup
+    c = save_adapter(tmp_path / "c", model, ("o_proj", "up_proj"), r=8, alpha=4, seed=7)
+    want["c"] = merged_greedy(model, c, PROMPTS, GREEDY.max_tokens)
+    with LLM(str(model), enable_lora=True, max_loras=2, max_lora_rank=8, **CPU) as llm:
+        runner, loras = llm.engine.runner, llm.loras
+
+        def run(requests):
+            outs = llm.generate(PROMPTS, GREEDY, lora_request=requests)
+            names = requests if isinstance(requests, list) else [requests] * len(PROMPTS)
+            for i, (r, o) in enumerate(zip(names, outs)):
+                name = r if isinstance(r, str) or r is None else r.lora_name
+                assert o.token_ids == want[name or "base"][i], (i, name)
+
+        run(LoRARequest("a", 1, adapters["a"]))  # vLLM's example
+        run([LoRARequest("b", 2, adapters["b"]), None, "b", "a"])
+        assert runner.lora_slots == 2 and sorted(loras.loaded) == ["a", "b"]
+        slot_a = loras.loaded["a"][1]
+        run("b")  # a is now the least recently used
+        run(LoRARequest("c", 3, str(c)))
+        assert sorted(loras.loaded) == ["b", "c"] and loras.loaded["c"][1] == slot_a
+        run(["a", None, "c", "a"])  # a again, by name, over b
+        assert sorted(loras.loaded) == ["a", "c"]
+        assert llm.engine.core.scheduler.prefix_cache_hits > 0
+        with pytest.raises(ValueError, match="ask for 3 LoRA adapters; the engine holds 2"):
+            llm.generate(PROMPTS[:3], GREEDY, lora_request=["a", "b", "c"])
+        with pytest.raises(ValueError, match="'d' is not loaded.*lora_path loads it"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request="d")
+        wide = save_adapter(tmp_path / "wide", model, ("q_proj",), r=16, alpha=2, seed=3)
+        with pytest.raises(LoraError, match="rank 16; the adapter slots hold up to 8"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("w", 4, str(wide)))
+        run(["c", "a", None, "c"])  # a failed load leaves the loaded ones as they were
+
+
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_adapters_load_on_every_rank(setup, split):
+    model, adapters, want = setup
+    with LLM(str(model), enable_lora=True, max_loras=1, max_lora_rank=4, **split, **CPU) as llm:
+        for name in ("a", "b", "a"):
+            outs = llm.generate(PROMPTS, GREEDY, lora_request=[LoRARequest(name, 0, adapters[name]), None] * 2)
+            assert [o.token_ids for o in outs] == [want[name][0], want["base"][1], want[name][2], want["base"][3]]
+
+
 def test_checkpoints_that_do_not_fit(setup, tmp_path):
     model, adapters, _ = setup
     other = build_model("llama", tmp_path / "wide", hidden_size=96)
@@ -129,8 +175,8 @@ def test_checkpoints_that_do_not_fit(setup, tmp_path):
         LLM(str(model), lora_modules={"d": str(dora)}, **CPU)
     with pytest.raises(ValueError, match="two LoRA adapters are named"):
         LLM(str(model), lora_modules=[("a", adapters["a"]), ("a", adapters["b"])], **CPU)
-    with pytest.raises(ValueError, match="enable_lora needs"):
-        LLM(str(model), enable_lora=True, **CPU)
+    with pytest.raises(LoraError, match="more than max_lora_rank 2"):
+        LLM(str(model), lora_modules=adapters, max_lora_rank=2, **CPU)
 
 
 @pytest.mark.gpu
@@ -225,8 +271,9 @@ def test_the_calculator_counts_what_the_adapters_take(setup, tmp_path):
             with torch.device("meta"):
                 m = LlamaForCausalLM(cfg, comm)
             m = m.to_empty(device="cpu")
-            masks = attach(m, loaded, 16, torch.device("cpu"), torch.float32)
-            allocated = sum(w.a.numel() + w.b.numel() for _, w in masks.modules) * 4
+            masks = attach(m, len(loaded), max(a.rank for a in loaded), frozenset(ALL), 16, torch.device("cpu"),
+                           torch.float32)
+            allocated = sum(x.weights.a.numel() + x.weights.b.numel() for x in masks.modules) * 4
             assert allocated == shape.bytes_per_layer(cfg, "float32", tp) * cfg.num_layers
     base = plan(cfg, 1 << 30, dtype="float32")
     with_lora = plan(cfg, 1 << 30, dtype="float32", lora=shape)
@@ -236,3 +283,53 @@ def test_the_calculator_counts_what_the_adapters_take(setup, tmp_path):
     regex = save_adapter(tmp_path / "re", model, ("q_proj", "v_proj"), r=2, alpha=2, seed=1,
                          target_modules=r".*\.(q_proj|v_proj)", rank_pattern={"v_proj": 6})
     assert lora_shape([str(regex)]).targets == {"q_proj", "v_proj"} and lora_shape([str(regex)]).rank == 6
+
+
+@pytest.mark.gpu
+def test_loading_on_the_gpu(setup):
+    """Adapters loaded into a slot after start-up, under the CUDA graphs captured before (the
+    slots keep their addresses): float32 tokens equal transformers' with each adapter merged."""
+    import transformers
+
+    from tests.engine.test_gpu import compare
+
+    model, adapters, _ = setup
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    with LLM(str(model), device="cuda", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=48,
+             enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        for name in ("a", "b", "a"):
+            got = [o.token_ids for o in llm.generate(prompts, params, lora_request=LoRARequest(name, 0, adapters[name]))]
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
+            _merge(hf, Path(adapters[name]))
+            compare([_greedy(hf, p, 16) for p in prompts], got, hf, prompts, f"loaded {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus(setup):
+    """Tensor parallel over two GPUs in float32 (the fused all-reduce, the graphs): an adapter
+    loaded at start-up, one loaded on first use and the base model in the same steps, then the base
+    model alone (the decode graphs without adapters) equal transformers with each merged."""
+    import transformers
+
+    from tests.engine.test_gpu import compare
+
+    model, adapters, _ = setup
+    names = ["a", None, "b", "a", "b", None, None, "a"]
+    prompts = [PROMPTS[i % 4] for i in range(8)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), dtype="float32", tensor_parallel_size=2, num_kv_blocks=256, max_num_batched_tokens=48,
+             lora_modules={"a": adapters["a"]}, enable_lora=True, max_loras=2, max_lora_rank=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params,
+                                                 lora_request=[n and LoRARequest(n, 0, adapters[n]) for n in names])]
+        base = [o.token_ids for o in llm.generate(prompts, params)]
+    for name in (None, "a", "b"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
+        if name is not None:
+            _merge(hf, Path(adapters[name]))
+        rows = [i for i, n in enumerate(names) if n == name]
+        compare([_greedy(hf, prompts[i], 16) for i in rows], [got[i] for i in rows], hf, [prompts[i] for i in rows],
+                f"two GPUs, {name}")
+        if name is None:
+            compare([_greedy(hf, p, 16) for p in prompts], base, hf, prompts, "two GPUs, no adapter")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from engine.grammar import choice_grammar, json_schema_grammar, regex_grammar
 from serve import LLM, SamplingParams
@@ -34,9 +35,9 @@ def prompts(n: int) -> list[list[int]]:
     return [[5 + i, 40, 41, 42 + i] + [60 + 3 * i] * (i % 3) for i in range(n)]
 
 
-def run(model: str, params: list[SamplingParams], ps: list[list[int]] | None = None,
+def run(model: str, params: list[SamplingParams], ps: list[list[int]] | None = None, where: dict = CPU,
         **kw) -> list[tuple[list[int], str]]:
-    with LLM(model, **CPU, **kw) as llm:
+    with LLM(model, **where, **kw) as llm:
         outs = llm.generate(ps or prompts(len(params)), params)
         core = llm.engine.core
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
@@ -78,3 +79,13 @@ def test_pp2_constrained_equals_one_stage(tiny_models):
     model = str(tiny_models["qwen2"])
     one = run(model, constrained_mix(), num_kv_blocks=64)
     assert run(model, constrained_mix(), pipeline_parallel_size=2, num_kv_blocks=64) == one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_constrained_equal_one(tiny_models):
+    """On two GPUs in float32, async scheduling and the graphs on (the defaults): one GPU's tokens."""
+    model = str(tiny_models["llama"])
+    gpu = dict(dtype="float32", device="cuda")
+    one = run(model, constrained_mix(), where=gpu, num_kv_blocks=64)
+    assert run(model, constrained_mix(), where=gpu, num_kv_blocks=64, tensor_parallel_size=2) == one
