@@ -14,6 +14,7 @@ queue has room, and collects the oldest when it is full or nothing more could be
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from kvcache.block_manager import BlockManager
 from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.lora import LoraRegistry
 from scheduler.token_bytes import token_bytes_table
 from scheduler.trace import StepTrace
 from scheduler.policy import Scheduler, SchedulerConfig
@@ -73,6 +75,9 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_blocks, block_size, scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.loras = LoraRegistry(scheduler_config.lora_modules, int(getattr(executor, "lora_slots", 0)),
+                                  scheduler_config.runtime_loras, getattr(executor, "load_lora", None),
+                                  self.scheduler.loras)
         self.eos_token_ids = eos_token_ids
         self.detok: dict[int, IncrementalDetokenizer] = {}
         self.token_bytes = {True: token_bytes_table(tokenizer, True), False: token_bytes_table(tokenizer, False)}
@@ -99,11 +104,28 @@ class EngineCore:
         ExecutorLost once the executor is gone."""
         if self.lost is not None:
             raise ExecutorLost(self.lost)
+        params = self.lora_params(params)
         seq = Sequence(seq_id if seq_id is not None else next_seq_id(), prompt_token_ids, params,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         self.scheduler.add(seq)
         self.detok[seq.seq_id] = IncrementalDetokenizer.for_params(self.tokenizer, params, self.token_bytes)
         return seq
+
+    def lora_params(self, params: SamplingParams) -> SamplingParams:
+        """params with the number of the LoRA adapter they name (UnknownAdapter if not loaded)."""
+        if params.lora_name is None:
+            return params
+        return dataclasses.replace(params, lora=self.loras.number(params.lora_name))
+
+    def load_lora(self, name: str, path: str = "", pinned: frozenset[str] = frozenset()) -> int:
+        """A LoRA adapter's number, loading it where it is not loaded (scheduler/lora.py)."""
+        return self.loras.load(name, path, self._loras_in_use(), pinned)
+
+    def unload_lora(self, name: str) -> None:
+        self.loras.unload(name, self._loras_in_use())
+
+    def _loras_in_use(self) -> set[int]:
+        return {seq.params.lora for seq in self.scheduler.seqs.values()}
 
     def abort(self, seq_id: int) -> bool:
         self.detok.pop(seq_id, None)

@@ -226,6 +226,7 @@ class DecodeCore(EngineCore):
             return super().add_request(prompt_token_ids, params, seq_id)
         if self.lost is not None:
             raise ExecutorLost(self.lost)
+        params = self.lora_params(params)  # this engine's number of the adapter (the prefill engine's may differ)
         n = kv.remote_tokens
         if not 0 < n < len(prompt_token_ids):
             raise ValueError(f"remote_tokens {n} must leave at least one generated token of {len(prompt_token_ids)}")

@@ -73,15 +73,18 @@ class SchedulerConfig:
     # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); a step with drafts is
     # collected before the next is scheduled (the tokens it keeps are known only once it has run)
     speculative: SpeculativeConfig | None = None
-    num_loras: int = 0  # LoRA adapters the engine serves (SamplingParams.lora 1..num_loras)
+    # LoRA adapters (scheduler/lora.py): those loaded at start-up, (name, folder); runtime: more load
+    # while serving
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    runtime_loras: bool = False
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        # the LoRA adapters requests may use (SamplingParams.lora); whoever loads one adds it
-        self.loras: set[int] = set(range(1, config.num_loras + 1))
+        # the LoRA adapters' numbers requests may use (SamplingParams.lora): scheduler/lora.py keeps it
+        self.loras: set[int] = set()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}

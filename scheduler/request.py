@@ -67,8 +67,9 @@ class SamplingParams:
     grammar: str | None = None
     # disaggregated prefill/decode (scheduler/disagg.py): where this sequence's KV comes from or goes
     kv_transfer: KVTransferParams | None = None
-    # the LoRA adapter that serves this request: its number (serve/lora.py: its place from 1 in the
-    # engine's lora_modules, or a later load's); 0 = none
+    # the LoRA adapter that serves this request, by name (the engine core sets `lora` from it) or by
+    # its number in the engine (scheduler/lora.py); 0 = none
+    lora_name: str | None = None
     lora: int = 0
 
     def __post_init__(self) -> None:

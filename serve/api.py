@@ -15,13 +15,15 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
+from scheduler.lora import UnknownAdapter, load_lora, loaded_adapters, unload_lora
 from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
 from serve.generation_config import model_folder, sampling_defaults
@@ -31,8 +33,8 @@ from serve.metrics import RECEIVED, HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
 from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                            DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest,
-                            TokenizeResponse)
+                            DetokenizeRequest, DetokenizeResponse, ErrorResponse, LoadLoraAdapterRequest, ModelCard,
+                            ModelList, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.replicas import ReplicaSet, ReplicatedEngine
 from serve.server_config import ServerConfig
@@ -67,7 +69,8 @@ class ServerState:
     tokenizers: TokenizePool | None
     tokenize: ThreadPoolExecutor
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
-    adapters: list[tuple[str, str]]  # LoRA adapters (name, folder): a request's "model" may name one
+    adapters: list[tuple[str, str]]  # LoRA adapters of --lora-modules (name, folder): a "model" may name one
+    runtime_loras: bool  # --enable-lora: adapters load and unload while serving (scheduler/lora.py)
 
 
 class Companion(Protocol):
@@ -97,7 +100,8 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
                         TokenStrings(engine.tokenizer), name, time.time(), pool,
                         ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
                         GrammarChecker(engine, config.grammar_timeout_s),
-                        list(getattr(getattr(engine, "config", None), "lora_modules", ())))
+                        list(getattr(getattr(engine, "config", None), "lora_modules", ())),
+                        bool(getattr(getattr(engine, "config", None), "enable_lora", False)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -138,30 +142,49 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         text = isinstance(body.prompt, str) or bool(body.prompt) and isinstance(body.prompt[0], str)
         plan = await _planned(st, st.planner.completion_draft, body) if text else st.planner.completion(body)
         await st.grammars.check(plan.grammars)
-        return await _serve(st, request, plan, CompletionFormat(plan, _name(st, lora), st.strings, st.engine.tokenizer),
-                            lora)
+        return await _serve(st, request, plan, CompletionFormat(plan, lora or st.model_name, st.strings,
+                                                                st.engine.tokenizer), lora)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         lora = _check_model(st, body.model)
         plan = await _planned(st, st.planner.chat_draft, body)
         await st.grammars.check(plan.grammars)
-        return await _serve(st, request, plan, ChatFormat(plan, _name(st, lora), st.strings), lora)
+        return await _serve(st, request, plan, ChatFormat(plan, lora or st.model_name, st.strings), lora)
 
-    def card(lora: int = 0) -> ModelCard:
-        if lora:
-            name, folder = st.adapters[lora - 1]
-            return ModelCard(id=name, created=int(st.started), max_model_len=st.engine.max_model_len, root=folder,
-                             parent=st.model_name)
+    def card(adapter: tuple[str, str] | None = None) -> ModelCard:
+        if adapter is not None:
+            return ModelCard(id=adapter[0], created=int(st.started), max_model_len=st.engine.max_model_len,
+                             root=adapter[1], parent=st.model_name)
         return ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[card(i) for i in range(len(st.adapters) + 1)])
+        return ModelList(data=[card()] + [card(a) for a in await _adapters(st)])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def model(model: str) -> ModelCard:
-        return card(_check_model(st, model))
+        if model == st.model_name:
+            return card()
+        for adapter in await _adapters(st):
+            if adapter[0] == model:
+                return card(adapter)
+        raise _unknown_model(st, model)
+
+    @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        _check_runtime_loras(st)
+        if body.lora_name == st.model_name:
+            raise APIError(400, f"{body.lora_name!r} is the served model's name; name the adapter otherwise",
+                           param="lora_name")
+        await _on_engines(st, partial(load_lora, body.lora_name, body.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        _check_runtime_loras(st)
+        await _on_engines(st, partial(unload_lora, body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -223,33 +246,61 @@ def _version() -> str:
         return "unknown"
 
 
-def _check_model(st: ServerState, model: str | None) -> int:
-    """The request's LoRA adapter (SamplingParams.lora: 0 for the base model) by its model field."""
+def _check_model(st: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's model field names (None: the served model). With runtime loading
+    the engine decides whether it is loaded (UnknownAdapter: 404 then)."""
     if model is None or model == st.model_name:
-        return 0
-    for i, (name, _) in enumerate(st.adapters):
-        if model == name:
-            return i + 1
+        return None
+    if st.runtime_loras or any(model == name for name, _ in st.adapters):
+        return model
+    raise _unknown_model(st, model)
+
+
+def _unknown_model(st: ServerState, model: str, why: str = "") -> APIError:
     served = ", ".join(repr(n) for n in [st.model_name] + [name for name, _ in st.adapters])
-    raise APIError(404, f"model {model!r} is not served here; this server serves {served}",
-                   param="model", code="model_not_found")
+    return APIError(404, why or f"model {model!r} is not served here; this server serves {served}",
+                    param="model", code="model_not_found")
 
 
-def _name(st: ServerState, lora: int) -> str:
-    """The model a response names: the adapter's name, or the served model's."""
-    return st.adapters[lora - 1][0] if lora else st.model_name
+async def _adapters(st: ServerState) -> list[tuple[str, str]]:
+    """The LoRA adapters the engine holds now, (name, folder)."""
+    if not st.runtime_loras:
+        return st.adapters
+    return (await _on_engines(st, loaded_adapters))[0]
 
 
-async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lora: int = 0) -> Any:
+def _check_runtime_loras(st: ServerState) -> None:
+    if not st.runtime_loras:
+        raise APIError(404, "this server loads LoRA adapters only at start-up; start it with --enable-lora to load "
+                            "and unload them while it serves")
+
+
+async def _on_engines(st: ServerState, fn: Callable[[Any], Any]) -> list[Any]:
+    """fn(core) on every engine (replicas, prefill and decode engines) -> their results; a
+    ValueError of one (an adapter that can't load, is not loaded, is in use) is a 400 or 404."""
+    try:
+        out = await st.loop.call(fn)
+    except UnknownAdapter as e:
+        raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
+    except ValueError as e:
+        raise APIError(400, str(e), param="lora_name") from None
+    except EngineUnavailable as e:
+        raise APIError(503, str(e), code="unavailable", headers={"Retry-After": "5"}) from None
+    return out if isinstance(st.loop, (ReplicaSet, DisaggregatedSet)) else [out]
+
+
+async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lora: str | None = None) -> Any:
     sequences = plan.sequences()
-    if lora:
-        sequences = [(ids, replace(params, lora=lora)) for ids, params in sequences]
+    if lora is not None:
+        sequences = [(ids, replace(params, lora_name=lora)) for ids, params in sequences]
     try:
         stream = await st.loop.add_requests(sequences, request.scope.get(RECEIVED))
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
     except EngineUnavailable as e:
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": "5"}) from None
+    except UnknownAdapter as e:
+        raise _unknown_model(st, lora or "", str(e)) from None
     except RequestRejected as e:
         raise APIError(400, str(e)) from None
     if plan.stream:

@@ -87,7 +87,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         '\'{"name": ..., "path": ...}\'; a request picks one by its name in the "model" field, and '
                         "one step serves any mix of them and the base model")
     g.add_argument("--enable-lora", action="store_true",
-                   help="vLLM's switch for LoRA adapters; --lora-modules implies it")
+                   help="load and unload LoRA adapters while serving (POST /v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter, as vLLM's): slots on every projection for --max-loras adapters of "
+                        "rank up to --max-lora-rank")
+    g.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="with --enable-lora: adapters held at once (default: 1, or as many as --lora-modules); "
+                        "a load past it replaces the one least recently asked for that no request uses")
+    g.add_argument("--max-lora-rank", type=int, default=0, metavar="R",
+                   help="with --enable-lora: the largest adapter rank a slot holds (default 16)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -131,11 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_expert_parallel=args.enable_expert_parallel,
                         disable_custom_all_reduce=args.disable_custom_all_reduce, seed=args.seed,
                         kv_offload_gib=args.kv_offload_gib, quantization=args.quantization,
-                        speculative_config=args.speculative_config, lora_modules=_lora_modules(args))
-
-
-def _lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    modules = tuple(getattr(args, "lora_modules", []) or [])
-    if getattr(args, "enable_lora", False) and not modules:
-        raise ValueError("--enable-lora needs the adapters: --lora-modules name=folder ... (they load at start-up)")
-    return modules
+                        speculative_config=args.speculative_config,
+                        lora_modules=tuple(getattr(args, "lora_modules", []) or []),
+                        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 0),
+                        max_lora_rank=getattr(args, "max_lora_rank", 0))

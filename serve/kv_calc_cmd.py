@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=FOLDER",
                         help="LoRA adapters served beside the model (serve run --lora-modules): their stacked "
                              "weights are counted with the model's")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="count LoRA slots on every projection, as serve run --enable-lora makes them")
+    parser.add_argument("--max-loras", default="0", help="with --enable-lora: adapters held at once (default 1)")
+    parser.add_argument("--max-lora-rank", default="0", help="with --enable-lora: their largest rank (default 16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
@@ -83,15 +87,15 @@ class CalcRequest:
     lora: LoraShape | None = None  # --lora-modules
 
 
-def _parse_int(flag: str, value: Any) -> int:
+def _parse_int(flag: str, value: Any, least: int = 1) -> int:
     text = str(value).strip().lower()
     scale = 1024 if text.endswith("k") else 1
     try:
         number = int(text[:-1] if scale > 1 else text) * scale
     except ValueError:
         raise KVCalcInputError(f"{flag} must be a whole number; got {value!r}") from None
-    if number < 1:
-        raise KVCalcInputError(f"{flag} must be >= 1; got {value!r}")
+    if number < least:
+        raise KVCalcInputError(f"{flag} must be >= {least}; got {value!r}")
     return number
 
 
@@ -157,16 +161,17 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
         max_num_batched_tokens=_parse_int("--max-num-batched-tokens", args.max_num_batched_tokens),
         max_num_seqs=_parse_int("--max-num-seqs", args.max_num_seqs),
         gpu_rates=gpu.rates,
-        lora=_lora(getattr(args, "lora_modules", None) or []),
+        lora=_lora(getattr(args, "lora_modules", None) or [], getattr(args, "enable_lora", False),
+                   _parse_int("--max-loras", getattr(args, "max_loras", "0"), 0),
+                   _parse_int("--max-lora-rank", getattr(args, "max_lora_rank", "0"), 0)),
     )
     _check_engine_limits(req)
     return req
 
 
-def _lora(modules: list[str]) -> LoraShape | None:
-    if not modules:
-        return None
-    from serve.lora import lora_shape
+def _lora(modules: list[str], runtime: bool, max_loras: int, max_rank: int) -> LoraShape | None:
+    """The adapter slots serve run would make (engine/runner.py _attach_lora's rule)."""
+    from serve.lora import TARGETS, lora_shape
 
     folders = []
     for text in modules:
@@ -175,9 +180,15 @@ def _lora(modules: list[str]) -> LoraShape | None:
             raise KVCalcInputError(f"--lora-modules: an adapter is NAME=FOLDER; got {text!r}")
         folders.append(folder)
     try:
-        return lora_shape(folders)
+        shape = lora_shape(folders) if folders else None
     except ValueError as e:
         raise KVCalcInputError(str(e)) from None
+    if max_rank and shape is not None and shape.rank > max_rank:
+        raise KVCalcInputError(f"--lora-modules: an adapter has rank {shape.rank}, more than --max-lora-rank {max_rank}")
+    if not runtime:
+        return shape
+    return LoraShape(max(max_loras or 1, len(folders)), max(max_rank or 16, shape.rank if shape else 0),
+                     frozenset(TARGETS))
 
 
 # The engine's measured step costs put its largest mixed step at 640 to 1,024 tokens on H100s

@@ -10,7 +10,7 @@ from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
 from serve.chat_template import check_chat_template
 from serve.generation_config import model_folder, sampling_defaults
-from serve.lora import LoRARequest, LoraManager
+from serve.lora import LoRARequest, lora_numbers
 
 
 @dataclass
@@ -68,7 +68,6 @@ class LLM:
         self.defaults = sampling_defaults(generation_config, model_folder(self.config))
         self.engine = build_engine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
-        self.loras = LoraManager(self.config, self.engine.core)
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "LLM":
@@ -77,7 +76,6 @@ class LLM:
         self.defaults = sampling_defaults("auto", model_folder(config))
         self.engine = build_engine(config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
-        self.loras = LoraManager(config, self.engine.core)
         return self
 
     def shutdown(self) -> None:
@@ -128,7 +126,7 @@ class LLM:
             loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
-            plist = [replace(p, lora=i) for p, i in zip(plist, self.loras.ids(loras))]
+            plist = [replace(p, lora=i) for p, i in zip(plist, lora_numbers(self.engine.core, loras))]
         vocab = self.engine.model_config.vocab_size
         for p in plist:
             for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or [])):

@@ -349,6 +349,20 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class LoadLoraAdapterRequest(RequestModel):
+    """vLLM's /v1/load_lora_adapter (serve run --enable-lora)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """vLLM's /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
 

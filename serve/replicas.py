@@ -25,7 +25,6 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from engine.config import EngineConfig
-from kvcache.block_manager import lora_root
 from scheduler.core import EngineCore
 from scheduler.engine_proc import ProcessCore
 from scheduler.loop import (Admission, AsyncEngine, EngineSnapshot, EngineUnavailable, Front, LoopConfig,
@@ -163,13 +162,13 @@ def idle_snapshot(s: EngineSnapshot) -> EngineSnapshot:
 
 
 def route_live(router: Router, engines: Seq[AsyncEngine], prompt_tokens: Seq[int], prompt: list[int],
-               failure: str | None, lora: int = 0) -> int:
-    """The router's choice for prompt (on LoRA adapter `lora`) among the engines that accept
-    requests, by their sequences and prompt tokens in flight. Raises EngineUnavailable (failure, if
-    set) when none is left."""
+               failure: str | None, lora: str | None = None) -> int:
+    """The router's choice for prompt (on the LoRA adapter named `lora`: its own prefix chains) among
+    the engines that accept requests, by their sequences and prompt tokens in flight. Raises
+    EngineUnavailable (failure, if set) when none is left."""
     loads = [Load(e.num_in_flight, prompt_tokens[i]) if e.accepting else None for i, e in enumerate(engines)]
     try:
-        return router.route(prompt, loads, lora_root(lora)).replica
+        return router.route(prompt, loads, None if lora is None else hash(("lora", lora))).replica
     except NoReplica as e:
         raise EngineUnavailable(failure or str(e)) from None
 
@@ -186,7 +185,7 @@ async def add_routed(router: Router, engines: Seq[AsyncEngine], prompt_tokens: l
     tokens = sum(len(ids) for ids, _ in requests)
     while True:
         check_accepting()
-        index = route_live(router, engines, prompt_tokens, requests[0][0], failure, requests[0][1].lora)
+        index = route_live(router, engines, prompt_tokens, requests[0][0], failure, requests[0][1].lora_name)
         prompt_tokens[index] += tokens
         try:
             return index, await engines[index].add_requests(requests, received)

@@ -124,7 +124,7 @@ def test_adapters_load_on_first_use_as_vllm_loads_them(setup, tmp_path):
     c = save_adapter(tmp_path / "c", model, ("o_proj", "up_proj"), r=8, alpha=4, seed=7)
     want["c"] = merged_greedy(model, c, PROMPTS, GREEDY.max_tokens)
     with LLM(str(model), enable_lora=True, max_loras=2, max_lora_rank=8, **CPU) as llm:
-        runner, loras = llm.engine.runner, llm.loras
+        runner, loras = llm.engine.runner, llm.engine.core.loras
 
         def run(requests):
             outs = llm.generate(PROMPTS, GREEDY, lora_request=requests)
@@ -145,7 +145,7 @@ def test_adapters_load_on_first_use_as_vllm_loads_them(setup, tmp_path):
         assert llm.engine.core.scheduler.prefix_cache_hits > 0
         with pytest.raises(ValueError, match="ask for 3 LoRA adapters; the engine holds 2"):
             llm.generate(PROMPTS[:3], GREEDY, lora_request=["a", "b", "c"])
-        with pytest.raises(ValueError, match="'d' is not loaded.*lora_path loads it"):
+        with pytest.raises(ValueError, match="'d' is not loaded; give its path"):
             llm.generate(PROMPTS[0], GREEDY, lora_request="d")
         wide = save_adapter(tmp_path / "wide", model, ("q_proj",), r=16, alpha=2, seed=3)
         with pytest.raises(LoraError, match="rank 16; the adapter slots hold up to 8"):

@@ -68,7 +68,7 @@ def test_requests_pick_adapters_by_model_name(model_dir, tmp_path, mode):
 def test_a_bad_adapter_is_one_line(model_dir, tmp_path):
     for flags, line in ((["--lora-modules", "sql"], "an adapter is NAME=FOLDER; got 'sql'"),
                         (["--lora-modules", f"x={tmp_path}"], f"no adapter_config.json in {tmp_path}"),
-                        (["--enable-lora"], "--enable-lora needs the adapters")):
+                        (["--enable-lora", "--max-loras", "-1"], "max_loras must be an integer >= 0")):
         cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--device", "cpu",
                "--port", str(free_port()), *flags]
         r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
@@ -94,3 +94,74 @@ def test_kv_calc_counts_the_adapters(model_dir, tmp_path, capsys):
     assert with_lora["num_blocks"] < base["num_blocks"]
     assert kv_calc_cmd.main(args + ["--lora-modules", "x"]) == 2
     assert "an adapter is NAME=FOLDER" in capsys.readouterr().err
+    # --enable-lora's slots: as serve run makes them (every projection, 1 x rank 16 by default; at
+    # least the start-up adapters' count and rank)
+    per_slot_rank = (3 * 10240 + 8192 + 2 * 32768 + 18432) * 32 * 2
+    for extra, slots, rank in ((["--enable-lora"], 1, 16), (["--enable-lora", "--max-loras", "3"], 3, 16),
+                               (["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a={sql}", f"b={sql}"],
+                                2, 8)):
+        assert kv_calc_cmd.main(args + extra) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["weight_bytes"] - base["weight_bytes"] == slots * rank * per_slot_rank, extra
+    assert kv_calc_cmd.main(args + ["--max-lora-rank", "4", "--lora-modules", f"a={sql}"]) == 2
+    assert "rank 8, more than --max-lora-rank 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [[], ["--data-parallel-size", "2"], ["--disaggregate", "1:1"]])
+def test_adapters_load_and_unload_while_serving(model_dir, tmp_path, mode):
+    """--enable-lora: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on every engine; a
+    load past --max-loras replaces the idle adapter; requests and /v1/models follow."""
+    from transformers import AutoTokenizer
+
+    sql = save_adapter(tmp_path / "sql", model_dir, ALL, r=4, alpha=8, seed=5)
+    chat = save_adapter(tmp_path / "chat", model_dir, ("q_proj", "v_proj"), r=8, alpha=16, seed=6)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    want = {name: [tok.decode(ids, skip_special_tokens=True) for ids in merged_greedy(model_dir, path, PROMPTS, MAX_NEW)]
+            for name, path in (("sql", sql), ("chat", chat))}
+    url = "http://127.0.0.1:{}"
+    proc, port = start_server(model_dir, *mode, "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")
+    base = url.format(port)
+
+    def load(name, path):
+        return httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+    def models():
+        return [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
+
+    def asked(name):
+        return httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": PROMPTS[0], "max_tokens": 2},
+                          timeout=60)
+
+    try:
+        r = asked("sql")
+        assert r.status_code == 404 and "'sql' is not loaded" in r.json()["error"]["message"]
+        r = load("sql", sql)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+        assert models() == ["llama", "sql"]
+        assert [complete(port, "sql", p, stream=i == 1) for i, p in enumerate(PROMPTS)] == want["sql"]
+        assert load("chat", chat).status_code == 200  # one slot: over sql, which no request uses
+        assert models() == ["llama", "chat"] and asked("sql").status_code == 404
+        assert [complete(port, "chat", p, stream=False) for p in PROMPTS] == want["chat"]
+        assert load("sql", sql).status_code == 200 and models() == ["llama", "sql"]  # back, by its path
+        assert complete(port, "sql", PROMPTS[1], stream=True) == want["sql"][1]
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert r.status_code == 200 and models() == ["llama"] and asked("sql").status_code == 404
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert r.status_code == 404
+        r = load("bad", tmp_path)
+        assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+        assert load("llama", sql).status_code == 400
+        assert models() == ["llama"]
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
+def test_loading_needs_enable_lora(model_dir, tmp_path):
+    proc, port = start_server(model_dir)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/y"})
+        assert r.status_code == 404 and "--enable-lora" in r.json()["error"]["message"]
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
