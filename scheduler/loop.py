@@ -473,6 +473,9 @@ class AsyncEngine(Front):
         self._accepting = False
         self._streams: dict[int, RequestStream] = {}
         self._records: dict[int, RequestRecord] = {}
+        # traced requests that finished before their add returned (an engine process's outputs can
+        # overtake the add's reply): their trace rows wait for the time the add returned
+        self._untraced: dict[int, RequestRecord] = {}
         self._admission = Admission(self.config)  # its num_adding: sequences between admission and the core
         self._finish_times: deque[float] = deque(maxlen=512)
         self._trace = StepTrace.from_env(API_TRACE_ENV)
@@ -549,12 +552,19 @@ class AsyncEngine(Front):
                     for sid in seq_ids:
                         if (rec := self._records.get(sid)) is not None:
                             rec.added = added
+                        elif (rec := self._untraced.pop(sid, None)) is not None:
+                            rec.added = added
+                            self._trace_request(rec)
             except asyncio.CancelledError:
                 self.abort(seq_ids)  # runs after the add in the core: nothing is left behind
+                for sid in seq_ids:
+                    if (rec := self._untraced.pop(sid, None)) is not None:
+                        self._trace_request(rec)
                 raise
             except BaseException:
                 for sid in seq_ids:
                     self._forget(sid)
+                    self._untraced.pop(sid, None)
                 raise
             return stream
 
@@ -648,10 +658,17 @@ class AsyncEngine(Front):
             self._finish_times.append(rec.finish)
             self.observer.request_finished(rec)
             if self._trace is not None:
-                self._trace.record({"request": rec.seq_id, "received": _ms(rec.received), "t0": _ms(rec.arrival),
-                                    "added": _ms(rec.added), "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
+                if rec.added is None:
+                    self._untraced[rec.seq_id] = rec
+                else:
+                    self._trace_request(rec)
         if stream is not None:
             stream._push(out)
+
+    def _trace_request(self, rec: RequestRecord) -> None:
+        assert self._trace is not None
+        self._trace.record({"request": rec.seq_id, "received": _ms(rec.received), "t0": _ms(rec.arrival),
+                            "added": _ms(rec.added), "first": _ms(rec.first_token), "t_end": _ms(rec.finish)})
 
     def _forget(self, sid: int) -> RequestRecord | None:
         self._streams.pop(sid, None)

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--lora", default=None, metavar="NAME|FOLDER",
+                   help="generate with a LoRA adapter: a --lora-modules name, or a PEFT folder")
     add_engine_arguments(p)
 
 
@@ -27,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos,
                             seed=args.seed if args.temperature > 0 else None)
+    if args.lora is not None and args.lora not in {name for name, _ in args.lora_modules}:
+        args.lora_modules = [*args.lora_modules, (args.lora, args.lora)]  # a folder: its own name
     cfg = engine_config_from_args(args)
     template = None if args.chat_template is None else resolve_chat_template(args.chat_template)
     if template is not None and not args.chat:
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             prompts.append(llm.chat_prompt(msgs, template))
     else:
         prompts = args.prompts
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, lora_request=args.lora)
     for prompt, out in zip(args.prompts, outputs):
         if len(outputs) > 1:
             print(f"### {prompt}")

@@ -46,6 +46,36 @@ def test_proposer_takes_the_longest_recent_ngram():
     assert NgramProposer(4, 2, 3).propose(3, [9, 5, 5, 5], 8) == [5, 5, 5, 5]
 
 
+def test_an_index_built_in_bulk_equals_one_built_token_by_token():
+    """A prompt's index at its first draft is built n by n in C (past BULK new positions); it must
+    propose what the position-by-position index does, and what a plain search finds."""
+    import random
+
+    from scheduler.ngram import BULK
+
+    def search(tokens: list[int], limit: int) -> list[int]:
+        for n in range(min(4, len(tokens) - 1), 1, -1):
+            tail = tokens[-n:]
+            for at in range(len(tokens) - 1 - n, -1, -1):  # the most recent earlier occurrence
+                if tokens[at:at + n] == tail:
+                    out = []
+                    for src in range(at + n, at + n + limit):
+                        out.append(tokens[src] if src < len(tokens) else out[src - len(tokens)])
+                    return out
+        return []
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(12) for _ in range(40 * BULK)]  # a small vocabulary: many repeats
+    grown, growing = NgramProposer(5, 2, 4), []
+    for i, t in enumerate(tokens):
+        growing.append(t)
+        if i % 37 == 0 or i > len(tokens) - 50:
+            whole = list(growing)
+            want = search(whole, 5)
+            assert NgramProposer(5, 2, 4).propose(1, whole, 5) == want  # in bulk, from scratch
+            assert grown.propose(1, growing, 5) == want  # extended as the list grows
+
+
 def test_kept_tokens_stop_at_the_first_disagreement():
     from engine.runner import accepted
 
@@ -165,6 +195,40 @@ def test_served_with_metrics(tiny_models):
     drafted = counts["pagedserve:spec_decode_num_draft_tokens_total"]
     kept = counts["pagedserve:spec_decode_num_accepted_tokens_total"]
     assert 0 < kept <= drafted
+
+
+@pytest.mark.parametrize("mode", [["--data-parallel-size", "2"], ["--disaggregate", "1:1"]])
+def test_served_by_replicas_and_a_prefill_decode_pair(tiny_models, mode):
+    """`serve run --speculative-config` with two replicas, and with a prefill and a decode engine (the
+    decode engine drafts): completions, whole and streamed, equal one engine's without drafts."""
+    import json
+
+    import httpx
+
+    from tests.serve.helpers import ServerThread, build
+    from tests.serve.test_shutdown import start_server
+    from tests.serve.test_tensor_parallel_server import stop
+
+    bodies = [{"prompt": p, "max_tokens": 30, "temperature": 0, "ignore_eos": True} for p in PROMPTS[:3]]
+    with ServerThread(build(tiny_models["llama"])) as srv:
+        want = [srv.http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    proc, port = start_server(tiny_models["llama"], *mode, "--speculative-config", json.dumps(SPEC))
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        got = [httpx.post(url, json=b, timeout=60).json()["choices"][0]["text"] for b in bodies]
+        streamed = ""
+        with httpx.stream("POST", url, json={**bodies[0], "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert got == want and streamed == want[0]
+    kept = [float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("pagedserve:spec_decode_num_accepted_tokens_total")]
+    assert kept and sum(kept) > 0
 
 
 @pytest.mark.gpu

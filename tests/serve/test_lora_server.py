@@ -16,26 +16,11 @@ from tests.engine.test_lora import ALL, merged_greedy, save_adapter
 from tests.serve.helpers import free_port
 from tests.serve.test_shutdown import REPO, start_server
 from tests.serve.test_tensor_parallel_server import MAX_NEW, PROMPTS, stop
+from tests.serve.test_tensor_parallel_server import complete as tp_complete
 
 
 def complete(port: int, model: str | None, prompt: list[int], stream: bool) -> str:
-    import json
-
-    body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if model is not None:
-        body["model"] = model
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    if not stream:
-        r = httpx.post(url, json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == (model or "llama")
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return tp_complete(port, prompt, stream, model=model)
 
 
 @pytest.mark.parametrize("mode", [[], ["--data-parallel-size", "2"], ["--disaggregate", "1:1"]])
@@ -54,6 +39,8 @@ def test_requests_pick_adapters_by_model_name(model_dir, tmp_path, mode):
         with ThreadPoolExecutor(6) as pool:  # side by side: one step carries several adapters
             got = list(pool.map(lambda a: complete(port, *a), jobs))
         assert got == [want[name][i % 2] for i, (name, _, _) in enumerate(jobs)]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "sql", "prompt": PROMPTS[0]})
+        assert r.status_code == 200 and r.json()["model"] == "sql"
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [(m["id"], m["parent"], m["root"]) for m in models] == [("llama", None, None), ("sql", "llama", str(sql)),
                                                                        ("chat", "llama", str(chat))]
@@ -165,3 +152,21 @@ def test_loading_needs_enable_lora(model_dir, tmp_path):
     finally:
         code, out = stop(proc)
     assert code == 0, out
+
+
+def test_serve_generate_with_an_adapter(model_dir, tmp_path):
+    """`serve generate --lora FOLDER` (or a --lora-modules name) prints the adapter's text."""
+    from transformers import AutoTokenizer
+
+    sql = save_adapter(tmp_path / "sql", model_dir, ALL, r=4, alpha=8, seed=5)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = "the quick brown fox"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    want = tok.decode(merged_greedy(model_dir, sql, [ids], 8)[0], skip_special_tokens=True)
+    base = [sys.executable, "-m", "serve.cli", "generate", prompt, "--model", str(model_dir), "--device", "cpu",
+            "--dtype", "float32", "--max-tokens", "8", "--ignore-eos"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for flags in (["--lora", str(sql)], ["--lora-modules", f"sql={sql}", "--lora", "sql"]):
+        r = subprocess.run(base + flags, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip("\n") == want

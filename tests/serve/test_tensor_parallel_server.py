@@ -22,8 +22,11 @@ PROMPTS = [[5, 80, 17, 301, 44, 9, 120], [250, 3, 3, 77]]
 MAX_NEW = 12
 
 
-def complete(port: int, prompt: list[int], stream: bool, max_tokens: int = MAX_NEW) -> str:
+def complete(port: int, prompt: list[int], stream: bool, max_tokens: int = MAX_NEW, model: str | None = None) -> str:
+    """The text of a greedy completion (model: the "model" field, e.g. a LoRA adapter's name)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if model is not None:
+        body["model"] = model
     url = f"http://127.0.0.1:{port}/v1/completions"
     if not stream:
         r = httpx.post(url, json=body, timeout=60)
