@@ -297,8 +297,8 @@ class EngineConfig:
     # speculative decoding (scheduler/ngram.py): vLLM's speculative_config, a dict or SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | None = None
     # LoRA adapters served beside the base model (engine/lora.py): (name, PEFT folder) pairs, or a
-    # dict of them; a request's SamplingParams.lora names one by its place here, from 1 (adapters
-    # loaded later take the next numbers: serve/lora.py)
+    # dict of them; numbered by their place here, from 1 (SamplingParams.lora; adapters loaded later
+    # take the next numbers: scheduler/lora.py)
     lora_modules: tuple[tuple[str, str], ...] | dict = ()
     # adapters loaded while serving too (LLM.generate's LoRARequest): slots on every projection for
     # max_loras adapters (0: 1, or as many as lora_modules) of rank up to max_lora_rank (0: 16, or
