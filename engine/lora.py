@@ -1,12 +1,12 @@
 """LoRA adapters served beside the base model: PEFT checkpoints (adapter_config.json and
-adapter_model.safetensors) loaded at start-up, any mix of them in one step.
+adapter_model.safetensors) in slots, written at start-up or while serving, any mix of them in one step.
 
-Every adapter's A and B of a projection are stacked into one pair of matrices, a column group per
-adapter (and per packed part: q|k|v, gate|up), so a step whose tokens each use an adapter of their
+Every slot's A and B of a projection are stacked into one pair of matrices, a column group per
+slot (and per packed part: q|k|v, gate|up), so a step whose tokens each use an adapter of their
 own, or none, costs two dense matmuls per projection: h = x @ A_all^T, each token's row masked to
 its adapter's columns, then h @ B_all^T added to the base projection. The scale (alpha / r) is
-folded into B. The mask comes from the model's per-token adapter slots, a persistent buffer the
-runner writes before each step, so the CUDA graphs capture it like any other input.
+folded into B. The masks are persistent buffers the runner sets from the tokens' slots before each
+step, so the CUDA graphs capture them like any other input.
 
 Under tensor parallelism a column-parallel projection holds its rows of B (A whole); a
 row-parallel one holds its input columns of A (B whole), and its delta, like the base output, is
@@ -28,12 +28,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.config import ModelConfig
+from kvcache.calc import LORA_TARGETS
 
 # a PEFT target -> (our module under the decoder layer, its packed part)
-TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
-           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-           "down_proj": ("mlp.down_proj", 0)}
+TARGETS = dict(zip(LORA_TARGETS, (("self_attn.qkv_proj", 0), ("self_attn.qkv_proj", 1), ("self_attn.qkv_proj", 2),
+                                  ("self_attn.o_proj", 0), ("mlp.gate_up_proj", 0), ("mlp.gate_up_proj", 1),
+                                  ("mlp.down_proj", 0))))
 PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -45,7 +45,6 @@ class LoraError(ValueError):
 @dataclass
 class LoraAdapter:
     name: str
-    path: Path
     rank: int  # the largest of its projections'
     # (layer, PEFT target) -> (A [r, in], scale * B [out, r]), float32, whole (not a rank's part)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -112,7 +111,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
                             f"{tuple(b.shape)}; this model wants {want_a} and {want_b} (an adapter of another model?)")
         module = f"model.layers.{layer}.{'self_attn' if target in qkv or target == 'o_proj' else 'mlp'}.{target}"
         weights[(layer, target)] = (a, b * _alpha(config, module, r))
-    return LoraAdapter(name, folder, max(a.shape[0] for a, _ in weights.values()), weights)
+    return LoraAdapter(name, max(a.shape[0] for a, _ in weights.values()), weights)
 
 
 @dataclass

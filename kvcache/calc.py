@@ -263,6 +263,10 @@ def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: in
     return (-(-sharded // tp) + replicated) * DTYPE_BYTES[dtype] - quant_saving(model, dtype, tp)
 
 
+# the PEFT names of the projections a LoRA adapter may adapt (engine/lora.py maps them to ours)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class LoraShape:
     """LoRA adapters as the engine stacks them (engine/lora.py): `slots` adapters of up to `rank`,

@@ -19,7 +19,6 @@ from pathlib import Path
 from lab.kernels import write_json
 from lab.offline import time_decode
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def random_adapter(out: Path, model: str, rank: int, seed: int) -> Path:
@@ -28,6 +27,7 @@ def random_adapter(out: Path, model: str, rank: int, seed: int) -> Path:
     from safetensors.torch import save_file
 
     from engine.config import ModelConfig
+    from engine.lora import TARGETS
 
     cfg = ModelConfig.from_path(model)
     q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
@@ -36,9 +36,9 @@ def random_adapter(out: Path, model: str, rank: int, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for t in TARGETS:
+        for t, (module, _) in TARGETS.items():
             o, n = shapes[t]
-            key = f"base_model.model.model.layers.{layer}.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}"
+            key = f"base_model.model.model.layers.{layer}.{module.split('.')[0]}.{t}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, n, generator=g) / n ** 0.5).bfloat16()
             tensors[f"{key}.lora_B.weight"] = (0.01 * torch.randn(o, rank, generator=g)).bfloat16()
     out.mkdir(parents=True, exist_ok=True)

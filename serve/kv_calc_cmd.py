@@ -18,7 +18,7 @@ from engine.quant import AT_LOAD
 from kvcache.calc import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_GRAPH_MAX_TOKENS,
                           DTYPE_BYTES, DoesNotFitError, KVCalcInputError, KVPlan, estimate_graph_bytes,
                           estimate_piecewise_graph_bytes, estimate_step_graph_bytes, plan, resolve_kv_cache_dtype,
-                          LoraShape, resolve_model_dtype, table_kv_dtypes, weight_bytes_per_gpu)
+                          LORA_TARGETS, LoraShape, resolve_model_dtype, table_kv_dtypes, weight_bytes_per_gpu)
 from kvcache.gpus import GPUMemory, PresetError, find_gpu_preset, resolve_gpu_memory
 from kvcache.host_tier import host_tier_blocks
 from kvcache.spec import default_block_size
@@ -171,7 +171,7 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
 
 def _lora(modules: list[str], runtime: bool, max_loras: int, max_rank: int) -> LoraShape | None:
     """The adapter slots serve run would make (engine/runner.py _attach_lora's rule)."""
-    from serve.lora import TARGETS, lora_shape
+    from serve.lora import lora_shape
 
     folders = []
     for text in modules:
@@ -188,7 +188,7 @@ def _lora(modules: list[str], runtime: bool, max_loras: int, max_rank: int) -> L
     if not runtime:
         return shape
     return LoraShape(max(max_loras or 1, len(folders)), max(max_rank or 16, shape.rank if shape else 0),
-                     frozenset(TARGETS))
+                     frozenset(LORA_TARGETS))
 
 
 # The engine's measured step costs put its largest mixed step at 640 to 1,024 tokens on H100s

@@ -2,8 +2,13 @@
 (the engine core keeps them: scheduler/lora.py); and their sizing from their configs (kv-calc)."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from kvcache.calc import LORA_TARGETS, LoraShape
 
 
 @dataclass(frozen=True)
@@ -29,19 +34,10 @@ def lora_numbers(core: Any, requests: list[LoRARequest | str | None]) -> list[in
             for r in requests]
 
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def lora_shape(folders: list[str]) -> Any:
+def lora_shape(folders: list[str]) -> LoraShape:
     """kvcache/calc.py's LoraShape of these PEFT adapters, from their adapter_config.json alone
     (the largest rank, rank_pattern's included; the projections their target_modules name), for
     sizing without loading them; ValueError says what is wrong."""
-    import json
-    import re
-    from pathlib import Path
-
-    from kvcache.calc import LoraShape
-
     rank, targets = 0, set()
     for folder in folders:
         path = Path(folder).expanduser() / "adapter_config.json"
@@ -51,7 +47,7 @@ def lora_shape(folders: list[str]) -> Any:
             raise ValueError(f"LoRA adapter {folder}: can't read {path} ({e})") from None
         rank = max([rank, int(config.get("r", 8))] + [int(r) for r in (config.get("rank_pattern") or {}).values()])
         wanted = config.get("target_modules") or []
-        for t in TARGETS:
+        for t in LORA_TARGETS:
             module = f"model.layers.0.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}"
             if (wanted == "all-linear" or (isinstance(wanted, str) and re.fullmatch(wanted, module))
                     or (isinstance(wanted, list) and any(module == w or module.endswith("." + w) for w in wanted))):
