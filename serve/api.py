@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}, GET /health,
-GET /metrics, and vLLM's POST /tokenize, POST /detokenize, GET /version.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
+/v1/responses/{id}), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and vLLM's
+POST /tokenize, POST /detokenize, GET /version.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
 process`, serve.engine_process.ProcessEngine (its core runs in a child process).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull
+from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull, RequestStream
 from scheduler.lora import UnknownAdapter, load_lora, loaded_adapters, unload_lora
 from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
@@ -35,8 +37,12 @@ from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                             DetokenizeRequest, DetokenizeResponse, ErrorResponse, LoadLoraAdapterRequest, ModelCard,
                             ModelList, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
+from serve.api_processes import RESPONSES_DIR_ENV
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.replicas import ReplicaSet, ReplicatedEngine
+from serve.responses import ResponseStore, chat_request, check_supported, input_items, renamed
+from serve.responses_format import ResponsesFormat, response_events
+from serve.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from serve.server_config import ServerConfig
 from serve.streaming import ClientGone, EngineStreamingResponse, collect_while_connected, sse_events
 from serve.tokenize_pool import TokenizePool, TokenizerGone
@@ -71,6 +77,7 @@ class ServerState:
     grammars: GrammarChecker  # structured output's grammars, compiled off the loop with a time limit
     adapters: list[tuple[str, str]]  # LoRA adapters of --lora-modules (name, folder): a "model" may name one
     runtime_loras: bool  # --enable-lora: adapters load and unload while serving (scheduler/lora.py)
+    responses: ResponseStore  # /v1/responses with store: true (serve/responses.py)
 
 
 class Companion(Protocol):
@@ -101,7 +108,8 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
                         ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenize"),
                         GrammarChecker(engine, config.grammar_timeout_s),
                         list(getattr(getattr(engine, "config", None), "lora_modules", ())),
-                        bool(getattr(getattr(engine, "config", None), "enable_lora", False)))
+                        bool(getattr(getattr(engine, "config", None), "enable_lora", False)),
+                        ResponseStore(os.environ.get(RESPONSES_DIR_ENV)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +130,7 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
                 pool.close()
             state.tokenize.shutdown(wait=False, cancel_futures=True)
             state.grammars.shutdown()
+            state.responses.close()
 
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
@@ -151,6 +160,20 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         plan = await _planned(st, st.planner.chat_draft, body)
         await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, ChatFormat(plan, lora or st.model_name, st.strings), lora)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        return await _respond(st, request, body)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERROR_RESPONSES)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(_stored(st, response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> DeletedResponse:
+        if not st.responses.delete(response_id):
+            raise _no_response(response_id, "response_id")
+        return DeletedResponse(id=response_id)
 
     def card(adapter: tuple[str, str] | None = None) -> ModelCard:
         if adapter is not None:
@@ -289,12 +312,12 @@ async def _on_engines(st: ServerState, fn: Callable[[Any], Any]) -> list[Any]:
     return out if isinstance(st.loop, (ReplicaSet, DisaggregatedSet)) else [out]
 
 
-async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lora: str | None = None) -> Any:
+async def _submit(st: ServerState, request: Request, plan: Plan, lora: str | None) -> RequestStream:
     sequences = plan.sequences()
     if lora is not None:
         sequences = [(ids, replace(params, lora_name=lora)) for ids, params in sequences]
     try:
-        stream = await st.loop.add_requests(sequences, request.scope.get(RECEIVED))
+        return await st.loop.add_requests(sequences, request.scope.get(RECEIVED))
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
     except EngineUnavailable as e:
@@ -303,6 +326,10 @@ async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lor
         raise _unknown_model(st, lora or "", str(e)) from None
     except RequestRejected as e:
         raise APIError(400, str(e)) from None
+
+
+async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lora: str | None = None) -> Any:
+    stream = await _submit(st, request, plan, lora)
     if plan.stream:
         return EngineStreamingResponse(sse_events(plan, stream, fmt), on_close=stream.abort)
     try:
@@ -312,3 +339,58 @@ async def _serve(st: ServerState, request: Request, plan: Plan, fmt: Format, lor
     finally:
         stream.abort()
     return fmt.response(choices, usage(plan, choices))
+
+
+def _no_response(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response has id {response_id!r} (responses are stored with store: true, for "
+                         "as long as the server runs)", param=param, code="not_found")
+
+
+def _stored(st: ServerState, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    hit = st.responses.get(response_id)
+    if hit is None:
+        raise _no_response(response_id, param)
+    return hit
+
+
+async def _respond(st: ServerState, request: Request, body: ResponsesRequest) -> Any:
+    """POST /v1/responses: the conversation (a stored one continued, then this input) served as a chat
+    request, answered as the Responses API's output items; stored when body.store."""
+    lora = _check_model(st, body.model)
+    check_supported(body)
+    history = _stored(st, body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
+    items = input_items(body)
+    try:
+        plan = await _planned(st, st.planner.chat_draft, chat_request(body, history + items))
+        if plan.logprobs is not None and (plan.tool_parser is not None or plan.reasoning_parser is not None):
+            raise APIError(400, "logprobs (include message.output_text.logprobs, top_logprobs) cannot go with tools "
+                                "or a reasoning parser", param="include")
+        await st.grammars.check(plan.grammars)
+    except APIError as e:
+        raise renamed(e) from None
+    params = plan.params[0]
+    envelope = dict(instructions=body.instructions, max_output_tokens=body.max_output_tokens,
+                    previous_response_id=body.previous_response_id, parallel_tool_calls=body.parallel_tool_calls,
+                    temperature=params.temperature, top_p=params.top_p, top_logprobs=body.top_logprobs,
+                    tool_choice=body.tool_choice or "auto", tools=body.tools or [],
+                    text=body.text or {"format": {"type": "text"}}, reasoning=body.reasoning, store=body.store,
+                    metadata=body.metadata or {}, user=body.user)
+    fmt = ResponsesFormat(plan, envelope, lora or st.model_name, st.strings)
+
+    def done(response: ResponseObject) -> None:
+        if body.store:
+            out = response.model_dump(mode="json")
+            st.responses.put(out, history + items + out["output"])
+
+    stream = await _submit(st, request, plan, lora)
+    if plan.stream:
+        return EngineStreamingResponse(response_events(plan, stream, fmt, done), on_close=stream.abort)
+    try:
+        choices = await collect_while_connected(request, plan, stream)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        stream.abort()
+    response = fmt.final(choices[0])
+    done(response)
+    return response

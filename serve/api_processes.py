@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve")
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when it is imported
+RESPONSES_DIR_ENV = "PAGEDSERVE_RESPONSES_DIR"  # stored /v1/responses, which any process may be asked for
 JOIN_MARGIN_S = 10.0  # beyond the drain's time: uvicorn's own shutdown, the lifespan's
 START_TIMEOUT_S = 120.0  # importing the server and loading the tokenizer: ~1-3 s
 # --api-processes auto: two for a host-bound model on a host with this many cores or more (the engine
@@ -90,11 +91,11 @@ def settle(asked: int | None, provisioned: int, engine: "ProcessEngine") -> int:
     return 1
 
 
-def shared_metrics_dir() -> str:
-    """A fresh folder for the processes' metric files, named in the environment before
-    prometheus_client is imported (here and, inherited, in the API processes)."""
-    path = tempfile.mkdtemp(prefix="pagedserve-metrics-")
-    os.environ[METRICS_DIR_ENV] = path
+def shared_dir(env: str) -> str:
+    """A fresh folder the API processes share, named in the environment variable env (they inherit
+    it): METRICS_DIR_ENV before prometheus_client is imported, RESPONSES_DIR_ENV before the app is made."""
+    path = tempfile.mkdtemp(prefix=f"pagedserve-{env.lower()}-")
+    os.environ[env] = path
     return path
 
 
@@ -227,9 +228,10 @@ class ApiProcesses:
                 proc.join(5.0)
 
 
-def remove_metrics_dir(path: str | None) -> None:
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+def remove_dirs(*paths: str | None) -> None:
+    for path in paths:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class _Ready:

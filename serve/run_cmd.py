@@ -245,13 +245,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pagedserve").debug("start-up: server imports done")
 
     listener = bind_listener(args.host, args.port)
-    metrics_dir = apis.shared_metrics_dir() if n_api > 1 else None  # before prometheus_client is imported
+    metrics_dir = apis.shared_dir(apis.METRICS_DIR_ENV) if n_api > 1 else None  # before prometheus_client is imported
+    responses_dir = None
     workers = apis.ApiProcesses(server_cfg.shutdown_timeout_s)
     try:
         engine = build(args.engine_loop, engine_cfg, args.data_parallel_size, disaggregate, import_server, n_api)
     except BaseException as e:
         listener.close()
-        apis.remove_metrics_dir(metrics_dir)
+        apis.remove_dirs(metrics_dir)
         if isinstance(e, KeyboardInterrupt):
             # Ctrl-C during start-up: quietly (torch cut off in its import logs INFO lines at exit).
             logging.getLogger().setLevel(logging.WARNING)
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         n_api = apis.settle(args.api_processes, n_api, engine)
         server_cfg = apis.per_process(server_cfg, n_api)
+        responses_dir = apis.shared_dir(apis.RESPONSES_DIR_ENV) if n_api > 1 else None
         create_app = imported[0]
         app = create_app(engine, server_cfg, workers if n_api > 1 else None)
         if n_api > 1:  # spawned as the app starts
@@ -290,5 +292,7 @@ def run(args: argparse.Namespace) -> int:
         listener.close()
         workers.kill()  # a no-op once the app's shutdown has waited for them
         engine.shutdown()  # a no-op once the app's shutdown has stopped the engine (process, ranks)
-        apis.remove_metrics_dir(metrics_dir)
+        apis.remove_dirs(metrics_dir, responses_dir)
+        if responses_dir is not None:
+            os.environ.pop(apis.RESPONSES_DIR_ENV, None)
     return 0

@@ -5,6 +5,7 @@ behind; bad flags are one line; the default's choice. SIGTERM and Ctrl-C: test_s
 test_ctrl_c.py."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -58,6 +59,28 @@ def test_greedy_output_equals_one_process_and_metrics_sum_both(two, server):
     served = by_process(two)
     assert sum(served.values()) >= sum(served_before.values()) + len(want)
     wait_gauges(lambda name: summed(two, name), 0.0, 10)
+
+
+def test_a_stored_response_is_found_by_either_process(two):
+    """Stored responses live in a folder both processes share: GET and previous_response_id find one
+    whichever process answers. Rounds of fresh connections until each process has served some."""
+    first = httpx.post(f"{two.url}/v1/responses", json={"input": "Hello", "max_output_tokens": 4, "temperature": 0},
+                       timeout=60).json()
+    url = f"{two.url}/v1/responses/{first['id']}"
+    follow = {"input": "More", "previous_response_id": first["id"], "max_output_tokens": 2, "temperature": 0}
+    before = by_process(two)
+    deadline = time.monotonic() + 60
+    with ThreadPoolExecutor(8) as pool:
+        for rounds in itertools.count(1):
+            got = list(pool.map(lambda i: httpx.get(url, timeout=30) if i % 2 else
+                                httpx.post(f"{two.url}/v1/responses", json=follow, timeout=60), range(8)))
+            assert [g.status_code for g in got] == [200] * 8, [g.text for g in got if g.status_code != 200]
+            assert {g.json()["id"] for g in got[1::2]} == {first["id"]}
+            served = by_process(two)
+            # the metrics requests count too: one a round, this one's after it answers
+            if all(served.get(p, 0) - before.get(p, 0) > rounds for p in ("0", "1")):
+                break
+            assert time.monotonic() < deadline, f"one process served none of them: {before} -> {served}"
 
 
 def test_aborts_in_either_process_free_their_blocks(two):

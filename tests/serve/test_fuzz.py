@@ -62,15 +62,19 @@ def request_fields(app, path: str) -> list[str]:
     return list(spec["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"])
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+BASES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+         "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2}}
+
+
+@pytest.mark.parametrize("path", list(BASES))
 def test_arbitrary_json_in_every_field(fuzz_server, path):
     fields = request_fields(fuzz_server.app, path)
-    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
 
     @settings(max_examples=100, **FUZZ_SETTINGS)
     @given(changes=st.dictionaries(st.sampled_from(fields), JSON, min_size=1, max_size=4))
     def run(changes) -> None:
-        r = fuzz_server.http.post(path, json={**base, "max_tokens": 2, **changes}, timeout=30)
+        r = fuzz_server.http.post(path, json={**BASES[path], **changes}, timeout=30)
         check_no_server_error(r.status_code, r.text)
 
     run()
