@@ -29,6 +29,7 @@ from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.topology import Pipe, Sent
 from engine.piecewise import PiecewiseGraphs
 from engine.quant import AT_LOAD
+from engine.pooling import PooledSamples, pooled_spans
 from engine.prompt_logprobs import PromptRows, PromptSamples, compute_prompt_logprobs, prompt_rows
 from engine.sampler import DeviceSamples, HostSlots, SamplingBatch, sample_on_device
 from engine.step_graph import StepGraphs, graph_token_limits, graphed_token_counts, step_buckets
@@ -248,6 +249,7 @@ class Launched:
     sent: Sent | None = None  # a pipeline stage's carry on its way to the next stage
     deferred: DeferredSample | None = None  # constrained rows' sampling, waiting for finish()
     prompt: PromptSamples | None = None  # prompt logprobs of the step's chunks (engine/prompt_logprobs.py)
+    pooled: PooledSamples | None = None  # embedding requests' pooled rows (engine/pooling.py)
     # speculative decoding: per sampling item, its first row of samples and its draft (None: one row)
     drafts: list[tuple[int, list[int] | None]] | None = None
 
@@ -1132,11 +1134,14 @@ class ModelRunner:
     def _sample_hidden(self, batch: Batch, hidden: torch.Tensor, logit_idx: torch.Tensor, sbatch: SamplingBatch,
                        sampled: list[int], prompt: PromptRows | None) -> Launched:
         """_sample() of a forward's final hidden states: the sampling rows' logits are taken from them,
-        and the prompt's rows (if any) give prompt logprobs."""
+        the prompt's rows (if any) give prompt logprobs, and embedding requests' rows are pooled."""
         launched = self._sample(batch, self.model.compute_logits(hidden[logit_idx]), sbatch, sampled)
         if prompt is not None:
             launched.prompt = compute_prompt_logprobs(hidden, prompt, batch.items, self.model.compute_logits,
                                                       self.cfg.max_num_seqs)
+        spans = pooled_spans(batch.items)
+        if spans:
+            launched.pooled = PooledSamples(hidden, spans)
         return launched
 
     def _sample(self, batch: Batch, logits: torch.Tensor, sbatch: SamplingBatch, sampled: list[int]) -> Launched:
@@ -1288,6 +1293,13 @@ class ModelRunner:
                     outputs[i] = SampleOutput(-1, prompt=entries)
                 else:
                     out.prompt = entries
+        if launched.pooled is not None:
+            for i, vector in launched.pooled.to_host().items():
+                out = outputs[i]
+                if out is None:
+                    outputs[i] = SampleOutput(-1, pooled=vector)
+                else:
+                    out.pooled = vector
         return outputs
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:

@@ -160,7 +160,8 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
                       a.new_text + b.new_text, a.logprobs + b.logprobs, b.error or a.error,
                       b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens or a.num_output_tokens,
                       b.num_cached_tokens or a.num_cached_tokens,
-                      a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
+                      a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                      a.embedding if a.embedding is not None else b.embedding)
 
 
 class OutputStream:

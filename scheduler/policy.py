@@ -374,7 +374,7 @@ class Scheduler:
             if seq.num_pending or (busy and seq.seq_id in busy):
                 break  # preempted while its last step was in flight: wait for that step
             num_tokens = len(seq.token_ids)
-            if seq.wants_prompt_logprobs:  # every prompt token's logits are needed: nothing is read from the cache
+            if seq.computes_whole_prompt:  # every prompt token's hidden state is needed: nothing is read from the cache
                 hits, host_hits = [], []
             else:
                 hits = bm.match_prefix(seq.token_ids, seq.block_hashes, seq.hash_root)
@@ -422,8 +422,11 @@ class Scheduler:
         for it, sample in zip(batch.items, samples):
             seq = it.seq
             seq.num_pending -= it.samples * steps
-            if sample is not None and sample.prompt is not None and seq.status is not status_finished:
-                seq.add_prompt_logprobs(it.start, sample.prompt)
+            if sample is not None and seq.status is not status_finished:
+                if sample.prompt is not None:
+                    seq.add_prompt_logprobs(it.start, sample.prompt)
+                if sample.pooled is not None:
+                    seq.add_pooled(it.start, sample.pooled)
             if seq.status is status_finished or not it.samples or sample is None:
                 continue  # aborted or stopped while the step ran, or a prefill chunk that samples nothing
             token_ids = seq.token_ids
@@ -451,10 +454,11 @@ class Scheduler:
                 self.finish(seq, reason)
             # positional: keyword arguments cost more than the rest of the call
             num_out = len(token_ids) - seq.num_prompt_tokens
+            first = num_out == len(new)
             outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, "",
                                       [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
-                                      num_out, seq.num_cached_tokens,
-                                      seq.take_prompt_logprobs() if num_out == len(new) else None))
+                                      num_out, seq.num_cached_tokens, seq.take_prompt_logprobs() if first else None,
+                                      seq.take_embedding() if first else None))
         return outputs
 
     def discard(self, batch: Batch) -> None:

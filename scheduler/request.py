@@ -71,6 +71,9 @@ class SamplingParams:
     # its number in the engine (scheduler/lora.py); 0 = none
     lora_name: str | None = None
     lora: int = 0
+    # an embedding request (/v1/embeddings, LLM.embed): the prompt's final hidden states pooled, by
+    # its last token, their mean or its first token (POOLING); the one token sampled is not shown
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +100,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between 0 and 20, got {k!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.pooling is not None and (self.pooling not in POOLING or self.max_tokens != 1):
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, with max_tokens 1; got {self.pooling!r} "
+                             f"with max_tokens {self.max_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not (self.repetition_penalty > 0.0) or self.repetition_penalty == float("inf"):
@@ -130,6 +136,7 @@ class SamplingParams:
                 or (self.min_p > 0.0 and self.temperature > 0.0))
 
 
+POOLING = ("last", "mean", "cls")
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -217,6 +224,9 @@ class Sequence:
     # params.prompt_logprobs: filled chunk by chunk until the first output token takes them
     # (take_prompt_logprobs)
     prompt_logprobs: PromptLogprobs | None = None
+    # params.pooling: the pooled final hidden state so far (a sum for mean), until the first output
+    # token takes it (take_embedding)
+    pooled: array | None = None
     num_prompt_tokens: int = field(init=False)  # a plain attribute: read several times per sequence and step
     hash_root: int | None = field(init=False)  # the prefix cache's chain starts here (its LoRA adapter's)
 
@@ -251,6 +261,30 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt's logprobs are asked for and not yet handed out: every prompt token is computed."""
         return self.params.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's hidden state is needed (prompt logprobs, mean or first-token
+        pooling): nothing is read from the prefix cache."""
+        return (self.wants_prompt_logprobs or self.params.pooling in ("mean", "cls")) and \
+            len(self.token_ids) == self.num_prompt_tokens
+
+    def add_pooled(self, start: int, chunk: array) -> None:
+        """A prompt chunk's share of the pooled state (from position start): its rows' sum for mean,
+        the prompt's first or last row where the chunk holds it. A chunk from 0 starts over (a
+        preempted prompt is computed again)."""
+        if self.params.pooling == "mean" and start > 0 and self.pooled is not None:
+            self.pooled = array("f", (a + b for a, b in zip(self.pooled, chunk)))
+        else:
+            self.pooled = chunk
+
+    def take_embedding(self) -> array | None:
+        """The pooled final hidden state (not normalized), once, with the first output token."""
+        pooled, self.pooled = self.pooled, None
+        if pooled is None or self.params.pooling != "mean":
+            return pooled
+        scale = 1.0 / self.num_prompt_tokens
+        return array("f", (v * scale for v in pooled))
 
     def add_prompt_logprobs(self, start: int, chunk: PromptChunk) -> None:
         """The logprobs of prompt tokens start + 1, start + 2, ... (a chunk from position start)."""
@@ -424,6 +458,7 @@ class SampleOutput:
     logprob: TokenLogprob | None = None
     more: list[int] | None = None  # a multi-step batch's later tokens, in order
     prompt: PromptChunk | None = None  # the chunk's prompt logprobs (SamplingParams.prompt_logprobs)
+    pooled: array | None = None  # the chunk's share of SamplingParams.pooling (Sequence.add_pooled)
 
 
 @dataclass(slots=True)
@@ -442,3 +477,4 @@ class StepOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # with the first output token, where asked for
+    embedding: array | None = None  # SamplingParams.pooling's pooled hidden state, with the first output token

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
-/v1/responses/{id}), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and vLLM's
+/v1/responses/{id}), POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and vLLM's
 POST /tokenize, POST /detokenize, GET /version.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
@@ -35,10 +35,12 @@ from serve.metrics import RECEIVED, HttpMetricsMiddleware, Metrics
 from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrings, usage
 from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                            DetokenizeRequest, DetokenizeResponse, ErrorResponse, LoadLoraAdapterRequest, ModelCard,
-                            ModelList, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
+                            DetokenizeRequest, DetokenizeResponse, Embedding, EmbeddingRequest, EmbeddingResponse,
+                            EmbeddingUsage, ErrorResponse, LoadLoraAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                            TokenizeResponse, UnloadLoraAdapterRequest)
 from serve.api_processes import RESPONSES_DIR_ENV
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
+from serve.embeddings import Pooling, PoolingConfigError, encode_vector, finish_vector, model_pooling
 from serve.replicas import ReplicaSet, ReplicatedEngine
 from serve.responses import ResponseStore, chat_request, check_supported, input_items, renamed
 from serve.responses_format import ResponsesFormat, response_events
@@ -78,6 +80,7 @@ class ServerState:
     adapters: list[tuple[str, str]]  # LoRA adapters of --lora-modules (name, folder): a "model" may name one
     runtime_loras: bool  # --enable-lora: adapters load and unload while serving (scheduler/lora.py)
     responses: ResponseStore  # /v1/responses with store: true (serve/responses.py)
+    pooling: Pooling | PoolingConfigError  # how /v1/embeddings pools, or why it can't (serve/embeddings.py)
 
 
 class Companion(Protocol):
@@ -109,7 +112,7 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
                         GrammarChecker(engine, config.grammar_timeout_s),
                         list(getattr(getattr(engine, "config", None), "lora_modules", ())),
                         bool(getattr(getattr(engine, "config", None), "enable_lora", False)),
-                        ResponseStore(os.environ.get(RESPONSES_DIR_ENV)))
+                        ResponseStore(os.environ.get(RESPONSES_DIR_ENV)), _pooling(engine))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -160,6 +163,10 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         plan = await _planned(st, st.planner.chat_draft, body)
         await st.grammars.check(plan.grammars)
         return await _serve(st, request, plan, ChatFormat(plan, lora or st.model_name, st.strings), lora)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await _embed(st, request, body)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request) -> Any:
@@ -394,3 +401,46 @@ async def _respond(st: ServerState, request: Request, body: ResponsesRequest) ->
     response = fmt.final(choices[0])
     done(response)
     return response
+
+
+def _pooling(engine: Any) -> Pooling | PoolingConfigError:
+    try:
+        return model_pooling(model_folder(getattr(engine, "config", None)))
+    except PoolingConfigError as e:
+        log.warning("/v1/embeddings is off: %s", e)
+        return e
+
+
+async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> Any:
+    """POST /v1/embeddings: each input's pooled final hidden state, cut to dimensions and normalized."""
+    lora = _check_model(st, body.model)
+    pooling = st.pooling
+    if isinstance(pooling, PoolingConfigError):
+        raise APIError(400, f"this model does not serve embeddings: {pooling}", param="model")
+    hidden = st.engine.model_config.hidden_size
+    if body.dimensions is not None and body.dimensions > hidden:
+        raise APIError(400, f"dimensions is {body.dimensions} but this model's embeddings have {hidden}",
+                       param="dimensions")
+    try:
+        plan = await _planned(st, partial(st.planner.embedding_draft, pooling=pooling.how), body)
+    except APIError as e:
+        if e.param == "prompt":
+            e.param = "input"
+        raise
+    stream = await _submit(st, request, plan, lora)
+    try:
+        choices = await collect_while_connected(request, plan, stream)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        stream.abort()
+    normalize = pooling.normalize if body.normalize is None else body.normalize
+    data = []
+    for c in choices:
+        if c.embedding is None:
+            raise APIError(500, "the engine returned no embedding", code="generation_failed")
+        vector = finish_vector(c.embedding, body.dimensions, normalize)
+        data.append(Embedding(index=c.index, embedding=encode_vector(vector, body.encoding_format)))
+    tokens = sum(len(p.token_ids) for p in plan.prompts)
+    return EmbeddingResponse(data=data, model=lora or st.model_name,
+                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

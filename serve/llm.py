@@ -1,7 +1,8 @@
-"""Offline generation: LLM(...).generate(prompts, params) for scripts and tests."""
+"""Offline generation: LLM(...).generate(prompts, params) for scripts and tests; LLM(...).embed(prompts)."""
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence as Seq
 
@@ -9,6 +10,7 @@ from engine.config import EngineConfig
 from scheduler.request import PromptLogprobs, SamplingParams, TokenLogprob
 from serve.build import build_engine
 from serve.chat_template import check_chat_template
+from serve.embeddings import finish_vector, model_pooling
 from serve.generation_config import model_folder, sampling_defaults
 from serve.lora import LoRARequest, lora_numbers
 
@@ -24,11 +26,24 @@ class GenerationOutput:
     # SamplingParams.prompt_logprobs: per prompt token a TokenLogprob (None for the first), as vLLM's
     # RequestOutput has them
     prompt_logprobs: PromptLogprobs | None = None
+    embedding: array | None = None  # SamplingParams.pooling: the pooled final hidden state
 
     @property
     def outputs(self) -> list["GenerationOutput"]:
         """vLLM-style access (output.outputs[0].text)."""
         return [self]
+
+
+@dataclass
+class EmbeddingOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+    @property
+    def outputs(self) -> "EmbeddingOutput":
+        """vLLM-style access (output.outputs.embedding)."""
+        return self
 
 
 class LLM:
@@ -158,6 +173,8 @@ class LLM:
                 r.logprobs.extend(out.logprobs)
                 if out.prompt_logprobs is not None:
                     r.prompt_logprobs = out.prompt_logprobs
+                if out.embedding is not None:
+                    r.embedding = out.embedding
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     pending.discard(out.seq_id)
@@ -168,3 +185,19 @@ class LLM:
                             self.shutdown()
                         raise RuntimeError(out.error)
         return [results[sid] for sid in order]
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling: str | None = None,
+              normalize: bool | None = None, dimensions: int | None = None,
+              lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order: its final hidden states pooled (pooling: last, mean or
+        cls; by default as the model folder's sentence-transformers files say, else last), cut to
+        the first `dimensions` and scaled to unit length (normalize; by default as those files say,
+        else true)."""
+        model = model_pooling(model_folder(self.config))
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling or model.how)
+        unit = model.normalize if normalize is None else normalize
+        out = []
+        for r in self.generate(prompts, params, lora_request):
+            assert r.embedding is not None, "the engine returned no embedding"
+            out.append(EmbeddingOutput(r.prompt, r.prompt_token_ids, finish_vector(r.embedding, dimensions, unit).tolist()))
+        return out

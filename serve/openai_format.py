@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # json.dumps(s, ensure_ascii=False) of one string, in C
 from typing import Any, Protocol
@@ -70,11 +71,14 @@ class ChoiceState:
     prompt_logprobs: PromptLogprobs | None = None  # engine entries (scheduler/request.py), with the first token
     shows_output: bool = True  # False: an echo-only choice (max_tokens 0), whose one generated token is dropped
     reasoning: ReasoningTokens | None = None  # with a reasoning parser: its split of the text, its count
+    embedding: array | None = None  # an embedding request's pooled hidden state (SamplingParams.pooling)
 
     def update(self, out: StepOutput) -> None:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if self.shows_output:
             self.text += out.new_text
             self.token_ids += out.new_token_ids

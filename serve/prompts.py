@@ -15,7 +15,8 @@ from typing import Any
 from engine.grammar import after_thinking
 from scheduler.request import SamplingParams
 from serve.errors import APIError
-from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
+from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, SamplingFields,
+                            TokenizeRequest)
 from serve.reasoning import prompt_closes_thinking, prompt_opens_thinking, think_token_ids
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
@@ -216,6 +217,30 @@ class RequestPlanner:
                     self._grammar_after_thinking(plan)
             return plan
         return Draft([text], False, finish)
+
+    def embedding_draft(self, req: EmbeddingRequest, pooling: str) -> Draft:
+        """The inputs of /v1/embeddings as prompts that each make one (unshown) token and return
+        their final hidden states pooled (SamplingParams.pooling)."""
+        inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
+            else list(req.input)
+        if not inputs or any(len(p) == 0 for p in inputs):
+            raise APIError(400, "input is empty: send a non-empty string, a list of them, or token ids", param="input")
+        limit = self.config.max_waiting_requests
+        if len(inputs) > limit:
+            raise APIError(400, f"input holds {len(inputs)} items; this server embeds at most {limit} in one request",
+                           param="input")
+        texts = [self._encodable(check_text(p, "input")) for p in inputs if isinstance(p, str)]
+
+        def finish(ids: list[list[int]]) -> Plan:
+            encoded = iter(ids)
+            prompts = [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in inputs]
+            keep = req.truncate_prompt_tokens
+            if keep is not None:
+                prompts = [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
+            for p in prompts:
+                self._check_length(len(p.token_ids), 1)
+            return Plan(prompts, [SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)])
+        return Draft(texts, req.add_special_tokens, finish)
 
     def _grammar_after_thinking(self, plan: Plan) -> None:
         """A reasoning model's structured output: the grammar holds from the end of its thinking (the

@@ -349,6 +349,39 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class EmbeddingRequest(RequestModel):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extensions)."""
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalize)")
+    user: str | None = None
+    normalize: bool | None = Field(None, description="extension (vLLM): unit length; default: as the model's "
+                                                     "sentence-transformers config says, else true")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="extension (vLLM): keep each input's last "
+                                                                       "N tokens")
+    add_special_tokens: bool = Field(True, description="extension (vLLM): a text input's BOS and the like")
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class LoadLoraAdapterRequest(RequestModel):
     """vLLM's /v1/load_lora_adapter (serve run --enable-lora)."""
 

@@ -19,6 +19,7 @@ from serve.engine_set import visible_gpus
 from serve.replicas import place_replicas
 from tests.serve.helpers import (HOST, SubprocessServer, client_of, metric_samples, page_samples, paused,
                                  serve_run_usage_error, wait_gauges)
+from tests.serve.test_embeddings_server import same_embeddings
 from tests.serve.test_shutdown import engine_children, start_server
 
 PROMPTS = [[5, 80, 17, 301, 44, 9, 120], [250, 3, 3, 77], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 98]]
@@ -73,6 +74,10 @@ def finished(srv: SubprocessServer, reason: str = "length") -> list[float]:
 def wait_idle(srv: SubprocessServer, timeout: float = 10.0) -> None:
     """Until no replica runs, queues or holds a KV block (their gauges on /metrics)."""
     wait_gauges(lambda name: per_replica(srv, name), [0.0, 0.0], timeout)
+
+
+def test_embeddings_equal_one_engines(dp, server):
+    same_embeddings(dp.url, server.base_url)
 
 
 def test_greedy_output_equals_one_engines_and_requests_spread(dp, server):

@@ -22,6 +22,7 @@ from serve.disagg import parse_disaggregate, place_engines
 from tests.serve.helpers import (HOST, SubprocessServer, client_of, metric_samples, page_samples, paused,
                                  serve_run_usage_error, wait_gauges)
 from tests.serve.test_data_parallel import PROMPTS, MAX_NEW, body, complete
+from tests.serve.test_embeddings_server import same_embeddings
 from tests.serve.test_shutdown import engine_children, start_server
 
 LONG = 120  # tokens: a stream that outlasts the kill of its engine
@@ -47,6 +48,10 @@ def per_role(srv: SubprocessServer, name: str, **labels: str) -> tuple[float, fl
 def wait_idle(srv: SubprocessServer, timeout: float = 10.0) -> None:
     """Until neither engine runs, queues or holds a KV block (their gauges on /metrics)."""
     wait_gauges(lambda name: per_role(srv, name), (0.0, 0.0), timeout)
+
+
+def test_embeddings_equal_one_engines(pd, server):
+    same_embeddings(pd.url, server.base_url)
 
 
 def test_greedy_output_equals_one_engines_and_kv_moves(pd, server):
