@@ -280,7 +280,10 @@ class EngineCore:
                 seq.first_token_time = now
                 stats.prompt_tokens += seq.num_prompt_tokens
             detok = detoks[out.seq_id]
-            out.new_text = detok.add(out.new_token_ids, out.finished)
+            ids = out.new_token_ids
+            if out.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
+                ids = ids[:-1]  # a stop token (end-of-sequence, stop_token_ids) is not the text's, as in vLLM
+            out.new_text = detok.add(ids, out.finished)
             if detok.stopped and not out.finished:
                 self.scheduler.finish(seq, "stop")
                 out.finished, out.finish_reason = True, "stop"

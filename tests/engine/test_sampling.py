@@ -38,13 +38,21 @@ def test_max_tokens_stop_token_ids_and_eos(llm):
     stop_at = toks[4]
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert out.token_ids == toks[:toks.index(stop_at) + 1] and out.finish_reason == "stop"
+    # the stop token's text is not the output's, unless include_stop_str_in_output (vLLM's rule), and
+    # with skip_special_tokens false an end-of-sequence token's text is not either
+    decode = llm.tokenizer.decode
+    assert out.text == decode(out.token_ids[:-1]) != decode(out.token_ids)
+    kept = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                     ignore_eos=True, include_stop_str_in_output=True))[0]
+    assert kept.text == decode(out.token_ids)
     # EOS: make the engine treat that token as EOS; ignore_eos turns it off again
     core = llm.engine.core
     saved = core.eos_token_ids
     core.eos_token_ids = frozenset([stop_at])
     try:
-        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0))[0]
+        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, skip_special_tokens=False))[0]
         assert out.token_ids == toks[:toks.index(stop_at) + 1] and out.finish_reason == "stop"
+        assert out.text == decode(out.token_ids[:-1], skip_special_tokens=False)
         out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
         assert out.token_ids == toks and out.finish_reason == "length"
     finally:
