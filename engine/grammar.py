@@ -18,7 +18,7 @@ from typing import Any
 
 # how the generated JSON looks (llguidance's "x-guidance" options)
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-TOOL_FORMATS = ("hermes", "llama3_json")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
 
 
 class GrammarError(ValueError):
@@ -72,12 +72,17 @@ def tool_call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, An
     return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], fmt: str, parallel: bool) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]], fmt: str, parallel: bool, open_token: int | None = None,
+                      args_tag: bool = False) -> str:
     """Output that is only tool calls, each of one of `tools`, in the model's format: hermes
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (one per line when parallel),
-    llama3_json `{"name": ..., "parameters": {...}}` (several separated by "; ")."""
+    llama3_json `{"name": ..., "parameters": {...}}` (several separated by "; "), mistral
+    `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or with args_tag `[TOOL_CALLS]name[ARGS]{...}`
+    per call. open_token: the id of the one token that is `[TOOL_CALLS]` (else it is written as text)."""
     if fmt not in TOOL_FORMATS:
         raise GrammarError(f"unknown tool-call format {fmt!r}; one of {', '.join(TOOL_FORMATS)}")
+    if fmt == "mistral":
+        return _llg().LLMatcher.grammar_from_lark(_mistral_calls(tools, parallel, open_token, args_tag))
     schema = tool_call_schema(tools, "arguments" if fmt == "hermes" else "parameters")
     call = "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT})
     if fmt == "hermes":
@@ -87,6 +92,21 @@ def tool_call_grammar(tools: list[dict[str, Any]], fmt: str, parallel: bool) -> 
         block = "call: " + call
         start = 'start: call ("; " call)*' if parallel else "start: call"
     return _llg().LLMatcher.grammar_from_lark(start + "\n" + block + "\n")
+
+
+def _mistral_calls(tools: list[dict[str, Any]], parallel: bool, open_token: int | None, args_tag: bool) -> str:
+    opener = f"<[{open_token}]>" if open_token is not None else json.dumps("[TOOL_CALLS]")
+    if not args_tag:
+        schema = tool_call_schema(tools, "arguments")
+        call = "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT})
+        more = ' (", " call)*' if parallel else ""
+        return f'start: {opener} "[" call{more} "]"\ncall: {call}\n'
+    branches = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        branches.append(json.dumps(fn["name"] + "[ARGS]") + " %json " + json.dumps({**params, "x-guidance": JSON_FORMAT}))
+    return f'start: call{"+" if parallel else ""}\ncall: {opener} ({" | ".join(branches)})\n'
 
 
 def after_thinking(grammar: str, close_id: int, open_id: int | None = None, must_open: bool = False) -> str:

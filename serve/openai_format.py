@@ -5,6 +5,8 @@ and chunk models. Both formats share the driver in serve/streaming.py.
 """
 from __future__ import annotations
 
+import secrets
+import string
 import time
 import uuid
 from array import array
@@ -114,6 +116,7 @@ def usage(plan: Plan, choices: list[ChoiceState]) -> Usage:
 
 
 _TEXT_MARK = "\x00text\x00"
+ID_CHARS = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,10 @@ class CompletionFormat(_FormatBase):
         return self._response(out, u)
 
 
-def tool_call_id() -> str:
+def tool_call_id(fmt: str | None = None) -> str:
+    """A new call's id: OpenAI's shape, or for mistral the 9 letters and digits its templates insist on."""
+    if fmt == "mistral":
+        return "".join(secrets.choice(ID_CHARS) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -368,7 +374,7 @@ class ChatFormat(_FormatBase):
         calls: list[DeltaToolCall] = []
         for e in events:
             if isinstance(e, CallStart):
-                calls.append(DeltaToolCall(index=e.index, id=tool_call_id(), type="function",
+                calls.append(DeltaToolCall(index=e.index, id=tool_call_id(self.plan.tool_parser), type="function",
                                            function=DeltaFunction(name=e.name, arguments="")))
             elif isinstance(e, CallArgs):
                 if calls and calls[-1].index == e.index:
@@ -386,7 +392,8 @@ class ChatFormat(_FormatBase):
         if self.plan.tool_parser is None:
             return AssistantMessage(content=text, reasoning=reasoning, reasoning_content=reasoning), c.finish_reason
         content, calls = parse_all(text, self.plan.tool_parser)
-        tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=k.name, arguments=k.arguments)) for k in calls]
+        tool_calls = [ToolCall(id=tool_call_id(self.plan.tool_parser), function=FunctionCall(name=k.name, arguments=k.arguments))
+                      for k in calls]
         message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None,
                                    reasoning=reasoning, reasoning_content=reasoning)
         return message, chat_finish_reason(c.finish_reason, len(calls))

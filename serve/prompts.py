@@ -20,7 +20,7 @@ from serve.protocol import (ChatCompletionRequest, CompletionRequest, Detokenize
 from serve.reasoning import prompt_closes_thinking, prompt_opens_thinking, think_token_ids
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
-from serve.tools import ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
+from serve.tools import ToolFormat, ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
 
 log = logging.getLogger("pagedserve")
 
@@ -155,6 +155,7 @@ class RequestPlanner:
         # its text (None for the tokenizer's dict of named templates, which it chooses from itself)
         self.template_text = self.chat_template if isinstance(self.chat_template, str) else None
         self.tool_parser = resolve_tool_parser(config.tool_parser, self.template_text)
+        self.tool_format = ToolFormat.of(self.tool_parser, tokenizer, self.template_text)
         self.template_has_tools = template_renders_tools(self.template_text)
         self.think_tokens = think_token_ids(tokenizer) if config.reasoning_parser is not None else None
         self.vocab_size = vocab_size
@@ -196,7 +197,7 @@ class RequestPlanner:
         return Draft(texts, True, finish)
 
     def chat_draft(self, req: ChatCompletionRequest) -> Draft:
-        tools = plan_tools(req, self.tool_parser)
+        tools = plan_tools(req, self.tool_format)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.echo:
@@ -277,7 +278,7 @@ class RequestPlanner:
         chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message, tools=req.tools,
                                      chat_template_kwargs=req.chat_template_kwargs)
-        text = self._chat_text(chat, plan_tools(chat, self.tool_parser))
+        text = self._chat_text(chat, plan_tools(chat, self.tool_format))
         return self._encode(self._encodable(text), bool(req.add_special_tokens))
 
     def detokenize(self, req: DetokenizeRequest) -> str:
@@ -396,6 +397,8 @@ class RequestPlanner:
                            prompt_logprobs=max(wanted) if wanted else None)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        if tools.parser == "mistral":  # [TOOL_CALLS] is a special token of Mistral's tokenizers: keep it in the text
+            base = replace(base, skip_special_tokens=False)
         # n samples of one prompt must differ: choice i draws from seed + i.
         params = [base if req.seed is None or i == 0 else replace(base, seed=req.seed + i) for i in range(req.n)]
         opts = req.stream_options

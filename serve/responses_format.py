@@ -89,8 +89,8 @@ class ResponsesFormat:
             logprobs = self._logprobs(choice.logprobs) if self.plan.logprobs is not None else None
             output.append(OutputMessage(id=new_id("msg"), status="completed",
                                         content=[OutputText(text=text, logprobs=logprobs)]))
-        output += [FunctionCallItem(id=new_id("fc"), call_id=tool_call_id(), name=c.name, arguments=c.arguments,
-                                    status="completed") for c in calls]
+        output += [FunctionCallItem(id=new_id("fc"), call_id=tool_call_id(self.plan.tool_parser), name=c.name,
+                                    arguments=c.arguments, status="completed") for c in calls]
         if status == "incomplete":  # the item max_output_tokens cut, as when streamed
             output[-1].status = "incomplete"
         return self.response(status, output, response_usage(self.plan, choice))
@@ -132,7 +132,8 @@ class ResponsesFormat:
                 events += self._grow("message", e.text)
             elif isinstance(e, CallStart):
                 events += self._close("completed")
-                self.open = _Open("function_call", len(self.items), new_id("fc"), name=e.name, call_id=tool_call_id())
+                self.open = _Open("function_call", len(self.items), new_id("fc"), name=e.name,
+                                  call_id=tool_call_id(self.plan.tool_parser))
                 events.append(self._event("response.output_item.added", output_index=self.open.index,
                                           item=self._item(self.open, "in_progress").model_dump(mode="json")))
             elif isinstance(e, CallArgs) and self.open is not None and self.open.kind == "function_call":

@@ -2,11 +2,14 @@
 name, fragments of its JSON arguments), the same events whatever the split, so streamed deltas
 assemble to the non-streamed message.
 
-Two formats:
+Three formats:
 - hermes (Hermes 2 Pro, Qwen 2.5/3, and our own prompt for templates without tools):
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, text around the calls is content.
 - llama3_json (Llama 3.1+): the output is `{"name": "f", "parameters": {...}}`, several separated
   by ";"; an output that does not start with "{" is content.
+- mistral: `[TOOL_CALLS]` (a special token of Mistral's tokenizers, kept in the text for it) then
+  either a list `[{"name": "f", "arguments": {...}}, ...]` (Mistral 7B v0.3, Mixtral, Nemo) or
+  `f[ARGS]{...}`, once per call (the v11 tokenizers: Mistral Small 3.2, Devstral, Magistral).
 
 A call's arguments stream as the exact text of its arguments object, from "{" to its matching "}".
 A call whose object ends without the usual `{"name": ..., "arguments": ...}` order is parsed whole
@@ -22,7 +25,10 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:')
-TOOL_PARSERS = ("hermes", "llama3_json")
+MISTRAL_OPEN = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+MISTRAL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 HEADER_CHARS = 256  # `{"name": "<64 characters at most>", "arguments":` with room for whitespace
 
 
@@ -102,6 +108,8 @@ class ToolCallParser:
         self.call: _Call | None = None
         self.num_calls = 0
         self.between_calls = False  # hermes: whitespace after a call's closing tag is dropped
+        self.opening = ""  # mistral: the text from [TOOL_CALLS] until a call's name is out (content if none is)
+        self.args: _JsonDepth | None = None  # mistral's name form: the arguments object being streamed
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -116,12 +124,18 @@ class ToolCallParser:
         events: list[Event] = []
         call = self.call
         if call is not None and call.index is None:
-            events.append(Content((HERMES_OPEN if self.fmt == "hermes" else "") + call.text))
+            events.append(Content(self._opened() + call.text))
+        elif self.state in ("mistral_open", "mistral_name") or self.state == "mistral_list" and not self.num_calls:
+            events.append(Content(self.opening))
         self.call = None
-        if self.pending and self.state != "after_call":
+        if self.pending and self.state not in ("after_call", "mistral_list", "mistral_args"):
             events.append(Content(self.pending))
         self.pending = ""
         return _merge(events)
+
+    def _opened(self) -> str:
+        """The text that opened the call being read (content again where it turns out not to be one)."""
+        return {"hermes": HERMES_OPEN, "mistral": self.opening}.get(self.fmt, "")
 
     # -- the states; each returns whether it made progress ------------------------------------
 
@@ -134,6 +148,14 @@ class ToolCallParser:
             return self._in_call(events)
         if self.state == "after_call":
             return self._after_call(events)
+        if self.state == "mistral_open":
+            return self._mistral_open(events)
+        if self.state == "mistral_list":
+            return self._mistral_list(events)
+        if self.state == "mistral_name":
+            return self._mistral_name(events)
+        if self.state == "mistral_args":
+            return self._mistral_args(events)
         events.append(Content(self.pending))  # "content": the rest is plain text
         self.pending = ""
         return False
@@ -144,18 +166,92 @@ class ToolCallParser:
             if not self.pending:
                 return False
             self.between_calls = False
-        at = self.pending.find(HERMES_OPEN)
+        tag = MISTRAL_OPEN if self.fmt == "mistral" else HERMES_OPEN
+        at = self.pending.find(tag)
         if at < 0:
-            keep = _held_prefix(self.pending, HERMES_OPEN)
+            keep = _held_prefix(self.pending, tag)
             if len(self.pending) > keep:
                 events.append(Content(self.pending[:len(self.pending) - keep]))
                 self.pending = self.pending[len(self.pending) - keep:]
             return False
         if at:
             events.append(Content(self.pending[:at]))
+        if self.fmt == "mistral":
+            self.pending, self.opening, self.state = self.pending[at + len(tag):], tag, "mistral_open"
+            return True
         self.pending = self.pending[at + len(HERMES_OPEN):].lstrip()
         self.call, self.state = _Call(), "call"
         return True
+
+    # -- mistral -------------------------------------------------------------------------------
+
+    def _mistral_open(self, events: list[Event]) -> bool:
+        """Past [TOOL_CALLS]: a list of call objects, or a name and [ARGS]."""
+        text = self.pending.lstrip()
+        self.opening += self.pending[:len(self.pending) - len(text)]
+        if not text:
+            self.pending = ""
+            return False
+        if text[0] == "[":
+            self.opening += "["
+            self.pending, self.state = text[1:], "mistral_list"
+        else:
+            self.pending, self.state = text, "mistral_name"
+        return True
+
+    def _mistral_list(self, events: list[Event]) -> bool:
+        """Between the list's call objects: a comma, the next object, or the list's end."""
+        text = self.pending.lstrip().lstrip(",").lstrip()
+        if not text:
+            self.pending = ""
+            return False
+        if text[0] == "]":
+            self.pending, self.state, self.between_calls = text[1:], "text", True
+        elif text[0] == "{":
+            if not self.num_calls:
+                self.opening += self.pending[:len(self.pending) - len(text)]
+            self.pending, self.call, self.state = text, _Call(), "call"
+        else:  # not a list of calls after all: the rest is content
+            events.append(Content(self.opening if not self.num_calls else ""))
+            self.state = "content"
+        return True
+
+    def _mistral_name(self, events: list[Event]) -> bool:
+        at = self.pending.find(MISTRAL_ARGS)
+        name = self.pending[:at].strip() if at >= 0 else ""
+        if at < 0 and len(self.pending) <= 64 + len(MISTRAL_ARGS) + 8:
+            return False  # the name may still be coming
+        if at < 0 or not MISTRAL_NAME.match(name):  # not a call after all: content, as written
+            events.append(Content(self.opening))
+            self.state = "text"
+            return True
+        self.opening += self.pending[:at + len(MISTRAL_ARGS)]
+        self.pending, self.state = self.pending[at + len(MISTRAL_ARGS):], "mistral_args"
+        self._name = name
+        return True
+
+    def _mistral_args(self, events: list[Event]) -> bool:
+        """The name form's arguments object, streamed as it comes; the next [TOOL_CALLS] may follow."""
+        if self.args is None:
+            text = self.pending.lstrip()
+            if not text:
+                self.pending = ""
+                return False
+            if text[0] != "{":
+                events.append(Content(self.opening))
+                self.pending, self.state = text, "text"
+                return True
+            self.pending, self.args = text, _JsonDepth()
+            events.append(CallStart(self.num_calls, self._name))
+            self.num_calls += 1
+        for i, ch in enumerate(self.pending):
+            if self.args.step(ch):
+                events.append(CallArgs(self.num_calls - 1, self.pending[:i + 1]))
+                self.pending, self.args, self.state, self.between_calls = self.pending[i + 1:], None, "text", True
+                return True
+        events.append(CallArgs(self.num_calls - 1, self.pending))
+        self.pending = ""
+        return False
 
     def _start(self, events: list[Event]) -> bool:
         """llama3_json: a call if the output (past whitespace and the python tag) opens an object."""
@@ -179,7 +275,7 @@ class ToolCallParser:
             if not self.pending:
                 return False
             if self.pending[0] != "{":  # not a JSON object after all: content, as written
-                events.append(Content(HERMES_OPEN if self.fmt == "hermes" else ""))
+                events.append(Content(self._opened()))
                 self.call, self.state = None, "text" if self.fmt == "hermes" else "content"
                 return True
         for i, ch in enumerate(self.pending):
@@ -219,7 +315,7 @@ class ToolCallParser:
 
     def _end_call(self, call: _Call, events: list[Event]) -> None:
         self.call = None
-        self.state = "after_call"
+        self.state = "mistral_list" if self.fmt == "mistral" else "after_call"
         if call.index is not None and call.args_done:
             return
         if call.index is None:  # not in the usual order: the whole object decides
@@ -230,8 +326,8 @@ class ToolCallParser:
                 if not isinstance(name, str):
                     raise TypeError
             except (ValueError, KeyError, TypeError):
-                events.append(Content((HERMES_OPEN if self.fmt == "hermes" else "") + call.text))
-                self.state = "text" if self.fmt == "hermes" else "content"
+                events.append(Content(self._opened() + call.text))
+                self.state = "content" if self.fmt == "llama3_json" else "text"
                 return
             index = self.num_calls
             self.num_calls += 1

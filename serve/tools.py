@@ -2,8 +2,9 @@
 earlier calls reach the prompt, and the grammar that enforces `tool_choice` "required" or a named
 function (so that every call's arguments parse and match the function's schema).
 
-The format (--tool-parser): hermes (`<tool_call>` tags, Hermes 2 Pro / Qwen) or llama3_json;
-auto picks llama3_json for a Llama 3 chat template and hermes otherwise. A chat template that
+The format (--tool-parser): hermes (`<tool_call>` tags, Hermes 2 Pro / Qwen), llama3_json or
+mistral (`[TOOL_CALLS]`); auto picks llama3_json for a Llama 3 chat template, mistral for one that
+writes `[TOOL_CALLS]`, and hermes otherwise. A chat template that
 renders `tools` itself (it mentions them) gets them through transformers' apply_chat_template; for
 one that does not (the default SmolLM2's), the tools are described in the system message in the
 chosen format, and earlier calls and results are written into the turns as that format has them.
@@ -19,8 +20,9 @@ from typing import Any
 from engine.grammar import GrammarError, tool_call_grammar
 from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from serve.tool_parser import MISTRAL_OPEN
 
-TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json")
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral")
 
 
 def resolve_tool_parser(choice: str, chat_template: str | None) -> str:
@@ -31,7 +33,29 @@ def resolve_tool_parser(choice: str, chat_template: str | None) -> str:
     template = chat_template or ""
     if "<|python_tag|>" in template or "<|eom_id|>" in template:
         return "llama3_json"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     return "hermes"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How this model writes tool calls: the parser's format, and for mistral the id of the one
+    token `[TOOL_CALLS]` (None: it is text) and whether calls are `name[ARGS]{...}` (its v11
+    templates write `[ARGS]`) rather than a list of objects."""
+    parser: str
+    open_token: int | None = None
+    args_tag: bool = False
+
+    @classmethod
+    def of(cls, parser: str, tokenizer: Any, chat_template: str | None) -> "ToolFormat":
+        if parser != "mistral":
+            return cls(parser)
+        try:
+            ids = list(tokenizer.encode(MISTRAL_OPEN, add_special_tokens=False))
+        except Exception:  # noqa: BLE001 - a folder without a tokenizer: the tag stays text
+            ids = []
+        return cls(parser, ids[0] if len(ids) == 1 else None, "[ARGS]" in (chat_template or ""))
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
@@ -46,7 +70,8 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None  # to render in the prompt
 
 
-def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, tool_format: ToolFormat) -> ToolPlan:
+    fmt = tool_format.parser
     choice = req.tool_choice
     if not req.tools:
         if choice is not None and choice != "none":
@@ -66,7 +91,8 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                                 f"({', '.join(names)})", param="tool_choice")
     try:
-        grammar = tool_call_grammar(chosen, fmt, parallel=req.parallel_tool_calls and choice == "required")
+        grammar = tool_call_grammar(chosen, fmt, parallel=req.parallel_tool_calls and choice == "required",
+                                    open_token=tool_format.open_token, args_tag=tool_format.args_tag)
     except GrammarError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
@@ -96,6 +122,15 @@ You may call one of the functions below to help with the user's request. Each is
 To call a function, answer with only a JSON object of the form \
 {{"name": <function name>, "parameters": <arguments as a JSON object>}}."""
 
+MISTRAL_SYSTEM = """# Tools
+
+You may call one or more of the functions below to help with the user's request. Each is described as a JSON schema:
+{tools}
+
+To call functions, answer with [TOOL_CALLS] and a JSON list of calls: \
+[TOOL_CALLS][{{"name": <function name>, "arguments": <arguments as a JSON object>}}]"""
+SYSTEM_PROMPTS = {"hermes": HERMES_SYSTEM, "llama3_json": LLAMA3_SYSTEM, "mistral": MISTRAL_SYSTEM}
+
 
 def _arguments(text: str) -> Any:
     """An earlier call's arguments as the templates want them: an object where they parse."""
@@ -109,6 +144,8 @@ def _call_text(name: str, arguments: str, fmt: str) -> str:
     args = json.dumps(_arguments(arguments), ensure_ascii=False)
     if fmt == "hermes":
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n</tool_call>'
+    if fmt == "mistral":
+        return f'{MISTRAL_OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]'
     return f'{{"name": {json.dumps(name)}, "parameters": {args}}}'
 
 
@@ -135,7 +172,7 @@ def chat_messages(messages: list[dict[str, Any]], originals: list[ChatMessage], 
         out.append(m)
     if plan.tools and not template_has_tools:
         lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools)
-        text = (HERMES_SYSTEM if fmt == "hermes" else LLAMA3_SYSTEM).format(tools=lines)
+        text = SYSTEM_PROMPTS[fmt].format(tools=lines)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
         else:

@@ -31,6 +31,13 @@ TEXTS = [
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": "y"}}'),
     ("llama3_json", 'Hello {"name": "f"}'),
     ("hermes", '<tool_call>\n{"arguments": {"text": "' + "x" * 400 + '"}, "name": "f"}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {"timezone": "UTC"}}]'),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"a": [1, {"b": "]"}]}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa}ris"}[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}'),
+    ("mistral", "no calls, only [TOOL_CALLS talk and [TOOL_CALLS] not a call"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "argu'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1'),
 ]
 
 
@@ -60,6 +67,21 @@ def test_parsed_calls():
     assert parse_all(TEXTS[8][1], "hermes")[1][0].arguments == '{"text": "' + "x" * 400 + '"}'  # parsed whole
 
 
+def test_mistral_calls():
+    content, calls = parse_all(TEXTS[9][1], "mistral")  # a list of calls (v0.3 templates)
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "UTC"})]
+    content, calls = parse_all(TEXTS[10][1], "mistral")
+    assert content == "Sure. " and calls[0].arguments == '{"a": [1, {"b": "]"}]}'
+    content, calls = parse_all(TEXTS[11][1], "mistral")  # name[ARGS]{...} (v11 templates)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Pa}ris"}'), ("get_time", '{"timezone": "UTC"}')]
+    assert parse_all(TEXTS[12][1], "mistral") == (TEXTS[12][1], [])  # not calls: content as written
+    assert parse_all(TEXTS[13][1], "mistral") == (TEXTS[13][1], [])  # cut before its name
+    assert [(c.name, c.arguments) for c in parse_all(TEXTS[14][1], "mistral")[1]] == [("f", '{"a": 1')]  # as streamed
+
+
 def test_stream_events_shape():
     parser = ToolCallParser("hermes")
     events = parser.feed('<tool_call>\n{"name": "get_time", "arguments": {"time') + parser.feed('zone": "UTC"}}')
@@ -72,6 +94,7 @@ def test_parser_from_the_template():
     assert resolve_tool_parser("auto", "{{ '<|start_header_id|>' }} <|python_tag|> ...") == "llama3_json"
     assert resolve_tool_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert resolve_tool_parser("auto", None) == "hermes"
+    assert resolve_tool_parser("auto", "{{ '[TOOL_CALLS]' }}[ARGS]") == "mistral"
     assert resolve_tool_parser("llama3_json", "<tool_call>") == "llama3_json"
 
 
