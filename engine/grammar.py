@@ -18,7 +18,7 @@ from typing import Any
 
 # how the generated JSON looks (llguidance's "x-guidance" options)
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 
 
 class GrammarError(ValueError):
@@ -83,6 +83,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], fmt: str, parallel: bool, ope
         raise GrammarError(f"unknown tool-call format {fmt!r}; one of {', '.join(TOOL_FORMATS)}")
     if fmt == "mistral":
         return _llg().LLMatcher.grammar_from_lark(_mistral_calls(tools, parallel, open_token, args_tag))
+    if fmt == "qwen3_coder":
+        return _llg().LLMatcher.grammar_from_lark(_xml_calls(tools, parallel))
     schema = tool_call_schema(tools, "arguments" if fmt == "hermes" else "parameters")
     call = "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT})
     if fmt == "hermes":
@@ -107,6 +109,44 @@ def _mistral_calls(tools: list[dict[str, Any]], parallel: bool, open_token: int 
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         branches.append(json.dumps(fn["name"] + "[ARGS]") + " %json " + json.dumps({**params, "x-guidance": JSON_FORMAT}))
     return f'start: call{"+" if parallel else ""}\ncall: {opener} ({" | ".join(branches)})\n'
+
+
+def _xml_calls(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """Qwen3-Coder's calls: `<function=f>` and a `<parameter=p>` block per argument, in the schema's
+    order (the optional ones may be left out); a string is raw text up to the block's end (an enum one
+    of its values, maxLength and minLength held), any other type JSON of its schema."""
+    rules, functions = [], []
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        schema = fn.get("parameters") or {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for name, spec in (schema.get("properties") or {}).items():
+            spec = spec if isinstance(spec, dict) else {}
+            block = json.dumps(f"<parameter={name}>\n") + " " + _xml_value(spec, rules)
+            parts.append(block if name in required else f"({block})?")
+        functions.append(f"fn{i}")
+        rules.append(f"fn{i}: {json.dumps(fn['name'] + '>' + chr(10))} {' '.join(parts)}".rstrip())
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, f'call: "<tool_call>\\n<function=" ({" | ".join(functions)}) "</function>\\n</tool_call>"',
+                      *rules, f"text{XML_VALUE_END}: /(?s:.*)/", ""])
+
+
+XML_VALUE_END = '[suffix="\\n</parameter>\\n"]'  # a rule's text ends at the first "\n</parameter>\n", which follows
+
+
+def _xml_value(spec: dict[str, Any], rules: list[str]) -> str:
+    """The grammar of one parameter's value and its block's end (a rule for a bounded string goes to rules)."""
+    if spec.get("type", "string") != "string":
+        return "%json " + json.dumps({**spec, "x-guidance": JSON_FORMAT}) + " " + json.dumps("\n</parameter>\n")
+    if isinstance(spec.get("enum"), list) and spec["enum"] and all(isinstance(v, str) for v in spec["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in spec["enum"]) + ") " + json.dumps("\n</parameter>\n")
+    lo, hi = spec.get("minLength"), spec.get("maxLength")
+    if isinstance(lo, int) or isinstance(hi, int):
+        name = f"bounded{len(rules)}"
+        rules.append(f"{name}{XML_VALUE_END}: /(?s:.{{{lo or 0},{hi if isinstance(hi, int) else ''}}})/")
+        return name
+    return "text"
 
 
 def after_thinking(grammar: str, close_id: int, open_id: int | None = None, must_open: bool = False) -> str:

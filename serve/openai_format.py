@@ -368,7 +368,7 @@ class ChatFormat(_FormatBase):
         OpenAI's stream shape (the first delta of a call: its id, type and name; then argument text)."""
         parser = self.parsers.get(index)
         if parser is None:
-            parser = self.parsers[index] = ToolCallParser(self.plan.tool_parser)
+            parser = self.parsers[index] = ToolCallParser(self.plan.tool_parser, self.plan.tool_params)
         events = parser.feed(text) + (parser.close() if out.finished else [])
         content = "".join(e.text for e in events if isinstance(e, Content))
         calls: list[DeltaToolCall] = []
@@ -391,7 +391,7 @@ class ChatFormat(_FormatBase):
             reasoning = reasoning or None
         if self.plan.tool_parser is None:
             return AssistantMessage(content=text, reasoning=reasoning, reasoning_content=reasoning), c.finish_reason
-        content, calls = parse_all(text, self.plan.tool_parser)
+        content, calls = parse_all(text, self.plan.tool_parser, self.plan.tool_params)
         tool_calls = [ToolCall(id=tool_call_id(self.plan.tool_parser), function=FunctionCall(name=k.name, arguments=k.arguments))
                       for k in calls]
         message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None,

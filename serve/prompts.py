@@ -99,6 +99,7 @@ class Plan:
     continuous_usage: bool = False
     return_token_ids: bool = False
     tool_parser: str | None = None  # chat with tools: the format the output's tool calls are parsed in
+    tool_params: dict[str, dict[str, str]] | None = None  # qwen3_coder: each function's parameters' types
     reasoning_parser: str | None = None  # chat, --reasoning-parser: the output's thinking is split from its answer
     thinking_opened: bool = False  # the rendered prompt left a <think> open for the model (serve/reasoning.py)
     # (grammar, the request field it comes from, whether decoding needs it): each must compile before the
@@ -406,7 +407,8 @@ class RequestPlanner:
                     prompt_logprobs=req.prompt_logprobs, stream=req.stream,
                     include_usage=bool(req.stream and opts and opts.include_usage),
                     continuous_usage=bool(req.stream and opts and opts.continuous_usage_stats),
-                    return_token_ids=req.return_token_ids, tool_parser=tools.parser, grammars=checks)
+                    return_token_ids=req.return_token_ids, tool_parser=tools.parser, tool_params=tools.param_types,
+                    grammars=checks)
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         d = self.defaults

@@ -61,7 +61,7 @@ class ResponsesFormat:
         self.seq = 0
         self.items: list[Any] = []  # closed items, in output order
         self.open: _Open | None = None
-        self.parser = ToolCallParser(plan.tool_parser) if plan.tool_parser is not None else None
+        self.parser = ToolCallParser(plan.tool_parser, plan.tool_params) if plan.tool_parser is not None else None
         self.logprobs: list[ResponseLogprob] = []
 
     # -- the response object ------------------------------------------------------------------
@@ -81,7 +81,7 @@ class ResponsesFormat:
             reasoning, text = split_reasoning(self.plan.reasoning_parser, self.plan.thinking_opened, text)
         calls = []
         if self.plan.tool_parser is not None:
-            text, calls = parse_all(text, self.plan.tool_parser)
+            text, calls = parse_all(text, self.plan.tool_parser, self.plan.tool_params)
         output: list[Any] = []
         if reasoning:
             output.append(ReasoningItem(id=new_id("rs"), content=[ReasoningText(text=reasoning)], status="completed"))

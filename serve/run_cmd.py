@@ -52,10 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body accepted")
     g.add_argument("--max-n", type=int, default=16, help="most choices (n) per prompt")
     g.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the context length)")
-    g.add_argument("--tool-parser", default="auto", choices=("auto", "hermes", "llama3_json", "mistral"),
-                   help="the format of the model's tool calls: hermes (<tool_call> tags), llama3_json or mistral "
-                        "([TOOL_CALLS]); auto: llama3_json for a Llama 3 chat template, mistral for one that writes "
-                        "[TOOL_CALLS], else hermes")
+    g.add_argument("--tool-parser", default="auto",
+                   choices=("auto", "hermes", "llama3_json", "mistral", "qwen3_coder"),
+                   help="the format of the model's tool calls: hermes (<tool_call> tags), llama3_json, mistral "
+                        "([TOOL_CALLS]) or qwen3_coder (<function=...>); auto: llama3_json for a Llama 3 chat "
+                        "template, mistral for one that writes [TOOL_CALLS], qwen3_coder for one that writes "
+                        "<function=, else hermes")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template for /v1/chat/completions in place of the tokenizer's: a file, or "
                         "the template itself (for a base model that ships none, or a fine-tune trained on another)")

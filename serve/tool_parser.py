@@ -2,11 +2,15 @@
 name, fragments of its JSON arguments), the same events whatever the split, so streamed deltas
 assemble to the non-streamed message.
 
-Three formats:
+Four formats:
 - hermes (Hermes 2 Pro, Qwen 2.5/3, and our own prompt for templates without tools):
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, text around the calls is content.
 - llama3_json (Llama 3.1+): the output is `{"name": "f", "parameters": {...}}`, several separated
   by ";"; an output that does not start with "{" is content.
+- qwen3_coder (Qwen3-Coder): hermes' tags around `<function=f>`, then `<parameter=p>\\nvalue\\n</parameter>`
+  per argument and `</function>`; a value is raw text, read as JSON where the function's schema
+  gives the parameter another type than string. Its arguments stream one parameter at a time, as
+  JSON; a `{...}` call inside the tags parses as hermes.
 - mistral: `[TOOL_CALLS]` (a special token of Mistral's tokenizers, kept in the text for it) then
   either a list `[{"name": "f", "arguments": {...}}, ...]` (Mistral 7B v0.3, Mixtral, Nemo) or
   `f[ARGS]{...}`, once per call (the v11 tokenizers: Mistral Small 3.2, Devstral, Magistral).
@@ -28,7 +32,12 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argume
 MISTRAL_OPEN = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 MISTRAL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+XML_FUNCTION = "<function="
+XML_PARAMETER = "<parameter="
+XML_PARAMETER_END = "</parameter>"
+XML_FUNCTION_END = "</function>"
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
+TAGGED = ("hermes", "qwen3_coder")  # calls between <tool_call> tags, content around them
 HEADER_CHARS = 256  # `{"name": "<64 characters at most>", "arguments":` with room for whitespace
 
 
@@ -99,10 +108,13 @@ class _Call:
 
 
 class ToolCallParser:
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, param_types: dict[str, dict[str, str]] | None = None) -> None:
+        """param_types (qwen3_coder): per function, its parameters' JSON-schema types."""
         if fmt not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {fmt!r}; one of {', '.join(TOOL_PARSERS)}")
         self.fmt = fmt
+        self.param_types = param_types or {}
+        self.xml_args = ""  # qwen3_coder: the arguments' JSON so far
         self.pending = ""  # text not yet turned into events
         self.state = "start" if fmt == "llama3_json" else "text"
         self.call: _Call | None = None
@@ -127,15 +139,17 @@ class ToolCallParser:
             events.append(Content(self._opened() + call.text))
         elif self.state in ("mistral_open", "mistral_name") or self.state == "mistral_list" and not self.num_calls:
             events.append(Content(self.opening))
+        elif self.state == "xml_function":
+            events.append(Content(HERMES_OPEN))
         self.call = None
-        if self.pending and self.state not in ("after_call", "mistral_list", "mistral_args"):
+        if self.pending and self.state not in ("after_call", "mistral_list", "mistral_args", "xml_params", "xml_value"):
             events.append(Content(self.pending))
         self.pending = ""
         return _merge(events)
 
     def _opened(self) -> str:
         """The text that opened the call being read (content again where it turns out not to be one)."""
-        return {"hermes": HERMES_OPEN, "mistral": self.opening}.get(self.fmt, "")
+        return {"hermes": HERMES_OPEN, "qwen3_coder": HERMES_OPEN, "mistral": self.opening}.get(self.fmt, "")
 
     # -- the states; each returns whether it made progress ------------------------------------
 
@@ -156,6 +170,12 @@ class ToolCallParser:
             return self._mistral_name(events)
         if self.state == "mistral_args":
             return self._mistral_args(events)
+        if self.state == "xml_function":
+            return self._xml_function(events)
+        if self.state == "xml_params":
+            return self._xml_params(events)
+        if self.state == "xml_value":
+            return self._xml_value(events)
         events.append(Content(self.pending))  # "content": the rest is plain text
         self.pending = ""
         return False
@@ -181,6 +201,70 @@ class ToolCallParser:
             return True
         self.pending = self.pending[at + len(HERMES_OPEN):].lstrip()
         self.call, self.state = _Call(), "call"
+        return True
+
+    # -- qwen3_coder ----------------------------------------------------------------------------
+
+    def _xml_function(self, events: list[Event]) -> bool:
+        """`<function=name>`: the call starts once its name is out."""
+        end = self.pending.find(">")
+        if end < 0:
+            if len(self.pending) > len(XML_FUNCTION) + 64 + 1:
+                return self._not_xml(events)
+            return False
+        name = self.pending[len(XML_FUNCTION):end].strip()
+        if not MISTRAL_NAME.match(name):
+            return self._not_xml(events)
+        self.pending, self.state, self.xml_args = self.pending[end + 1:], "xml_params", ""
+        events.append(CallStart(self.num_calls, name))
+        self._xml_name = name
+        self.num_calls += 1
+        return True
+
+    def _not_xml(self, events: list[Event]) -> bool:
+        events.append(Content(HERMES_OPEN))
+        self.state = "text"
+        return True
+
+    def _xml_params(self, events: list[Event]) -> bool:
+        """Between parameters: the next one, or the function's end."""
+        text = self.pending.lstrip()
+        if text.startswith(XML_PARAMETER):
+            end = text.find(">")
+            if end < 0:
+                self.pending = text
+                return False  # its name is still coming
+            self._xml_param = text[len(XML_PARAMETER):end].strip()
+            self.pending, self.state = text[end + 1:], "xml_value"
+            return True
+        if not text or XML_FUNCTION_END.startswith(text) or XML_PARAMETER.startswith(text):
+            self.pending = text
+            return False  # a tag still coming
+        # the function's end (or anything else: the call ends there, and what follows is content)
+        events.append(CallArgs(self.num_calls - 1, "}" if self.xml_args else "{}"))
+        if text.startswith(XML_FUNCTION_END):
+            text = text[len(XML_FUNCTION_END):]
+        self.pending, self.state = text, "after_call"
+        return True
+
+    def _xml_value(self, events: list[Event]) -> bool:
+        at = self.pending.find(XML_PARAMETER_END)
+        if at < 0:
+            return False
+        raw = self.pending[:at]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        kind = self.param_types.get(self._xml_name, {}).get(self._xml_param, "string")
+        value = json.dumps(raw, ensure_ascii=False)
+        if kind != "string":
+            try:
+                value = json.dumps(json.loads(raw), ensure_ascii=False)
+            except ValueError:
+                pass  # not the type the schema says: kept as the text it is
+        piece = ("{" if not self.xml_args else ", ") + json.dumps(self._xml_param, ensure_ascii=False) + ": " + value
+        self.xml_args += piece
+        events.append(CallArgs(self.num_calls - 1, piece))
+        self.pending, self.state = self.pending[at + len(XML_PARAMETER_END):], "xml_params"
         return True
 
     # -- mistral -------------------------------------------------------------------------------
@@ -274,9 +358,15 @@ class ToolCallParser:
             self.pending = self.pending.lstrip()
             if not self.pending:
                 return False
+            if self.fmt == "qwen3_coder" and self.pending[0] == "<":
+                if self.pending.startswith(XML_FUNCTION):
+                    self.call, self.state = None, "xml_function"
+                    return True
+                if XML_FUNCTION.startswith(self.pending):
+                    return False  # may still become <function=
             if self.pending[0] != "{":  # not a JSON object after all: content, as written
                 events.append(Content(self._opened()))
-                self.call, self.state = None, "text" if self.fmt == "hermes" else "content"
+                self.call, self.state = None, "text" if self.fmt in TAGGED else "content"
                 return True
         for i, ch in enumerate(self.pending):
             call.text += ch
@@ -340,7 +430,7 @@ class ToolCallParser:
         if not text:
             self.pending = ""
             return False
-        if self.fmt == "hermes":
+        if self.fmt in TAGGED:
             if text.startswith(HERMES_CLOSE):
                 self.pending = text[len(HERMES_CLOSE):]
                 self.state, self.between_calls = "text", True
@@ -389,6 +479,7 @@ def assemble(events: list[Event]) -> tuple[str, list[ParsedCall]]:
     return content, calls
 
 
-def parse_all(text: str, fmt: str) -> tuple[str, list[ParsedCall]]:
-    parser = ToolCallParser(fmt)
+def parse_all(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None = None
+              ) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(fmt, param_types)
     return assemble(parser.feed(text) + parser.close())

@@ -2,9 +2,10 @@
 earlier calls reach the prompt, and the grammar that enforces `tool_choice` "required" or a named
 function (so that every call's arguments parse and match the function's schema).
 
-The format (--tool-parser): hermes (`<tool_call>` tags, Hermes 2 Pro / Qwen), llama3_json or
-mistral (`[TOOL_CALLS]`); auto picks llama3_json for a Llama 3 chat template, mistral for one that
-writes `[TOOL_CALLS]`, and hermes otherwise. A chat template that
+The format (--tool-parser): hermes (`<tool_call>` tags, Hermes 2 Pro / Qwen), llama3_json, mistral
+(`[TOOL_CALLS]`) or qwen3_coder (`<function=...>` inside the tags); auto picks llama3_json for a
+Llama 3 chat template, mistral for one that writes `[TOOL_CALLS]`, qwen3_coder for one that writes
+`<function=`, and hermes otherwise. A chat template that
 renders `tools` itself (it mentions them) gets them through transformers' apply_chat_template; for
 one that does not (the default SmolLM2's), the tools are described in the system message in the
 chosen format, and earlier calls and results are written into the turns as that format has them.
@@ -22,7 +23,7 @@ from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from serve.tool_parser import MISTRAL_OPEN
 
-TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder")
 
 
 def resolve_tool_parser(choice: str, chat_template: str | None) -> str:
@@ -35,6 +36,8 @@ def resolve_tool_parser(choice: str, chat_template: str | None) -> str:
         return "llama3_json"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<function=" in template:
+        return "qwen3_coder"
     return "hermes"
 
 
@@ -68,6 +71,7 @@ class ToolPlan:
     grammar: str | None = None  # what the output must be ("required", a named function)
     check: str | None = None  # a grammar that must compile: the tools' schemas are valid
     tools: list[dict[str, Any]] | None = None  # to render in the prompt
+    param_types: dict[str, dict[str, str]] | None = None  # qwen3_coder: each function's parameters' types
 
 
 def plan_tools(req: ChatCompletionRequest, tool_format: ToolFormat) -> ToolPlan:
@@ -96,7 +100,20 @@ def plan_tools(req: ChatCompletionRequest, tool_format: ToolFormat) -> ToolPlan:
     except GrammarError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    return ToolPlan(fmt, grammar if forced else None, grammar, tools)
+    types = {t["function"]["name"]: param_types(t["function"].get("parameters")) for t in tools} \
+        if fmt == "qwen3_coder" else None
+    return ToolPlan(fmt, grammar if forced else None, grammar, tools, types)
+
+
+def param_types(schema: dict[str, Any] | None) -> dict[str, str]:
+    """A function's parameters' JSON types (the first that is not null; "string" where none is given)."""
+    out = {}
+    for name, spec in ((schema or {}).get("properties") or {}).items():
+        kind = spec.get("type", "string") if isinstance(spec, dict) else "string"
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "string")
+        out[name] = kind if isinstance(kind, str) else "string"
+    return out
 
 
 # -- the prompt ----------------------------------------------------------------------------------
@@ -129,7 +146,24 @@ You may call one or more of the functions below to help with the user's request.
 
 To call functions, answer with [TOOL_CALLS] and a JSON list of calls: \
 [TOOL_CALLS][{{"name": <function name>, "arguments": <arguments as a JSON object>}}]"""
-SYSTEM_PROMPTS = {"hermes": HERMES_SYSTEM, "llama3_json": LLAMA3_SYSTEM, "mistral": MISTRAL_SYSTEM}
+QWEN3_CODER_SYSTEM = """# Tools
+
+You may call one or more of the functions below to help with the user's request. Each is described \
+as a JSON schema inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with its name and each argument in a block of its own:
+<tool_call>
+<function=the function's name>
+<parameter=an argument's name>
+its value
+</parameter>
+</function>
+</tool_call>"""
+SYSTEM_PROMPTS = {"hermes": HERMES_SYSTEM, "llama3_json": LLAMA3_SYSTEM, "mistral": MISTRAL_SYSTEM,
+                  "qwen3_coder": QWEN3_CODER_SYSTEM}
 
 
 def _arguments(text: str) -> Any:
@@ -146,6 +180,11 @@ def _call_text(name: str, arguments: str, fmt: str) -> str:
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n</tool_call>'
     if fmt == "mistral":
         return f'{MISTRAL_OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]'
+    if fmt == "qwen3_coder":
+        values = _arguments(arguments)
+        blocks = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                         for k, v in values.items()) if isinstance(values, dict) else ""
+        return f"<tool_call>\n<function={name}>\n{blocks}</function>\n</tool_call>"
     return f'{{"name": {json.dumps(name)}, "parameters": {args}}}'
 
 
@@ -167,7 +206,7 @@ def chat_messages(messages: list[dict[str, Any]], originals: list[ChatMessage], 
         if orig.role == "tool":
             if template_has_tools:
                 m = {**m, **({"tool_call_id": orig.tool_call_id} if orig.tool_call_id else {})}
-            elif fmt == "hermes":
+            elif fmt in ("hermes", "qwen3_coder"):
                 m = {**m, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
         out.append(m)
     if plan.tools and not template_has_tools:

