@@ -15,6 +15,12 @@ only as fast as the few decodes end, and the rest wait for seconds. When the
 cache runs out for a decode, the newest running sequence is preempted (its blocks freed, recomputed
 later) and re-queued at the front; a prompt chunk that finds no blocks waits instead.
 
+Priorities (SamplingParams.priority, vLLM's: lower runs sooner; all 0 by default, which is the
+order above): waiting sequences line up by priority, then arrival; running ones keep their order
+within a priority, so the one preempted first is the newest of the lowest priority; and a waiting
+sequence of higher priority than the lowest running one preempts it where it could not start
+otherwise (max_num_seqs running, or too few free blocks for its prompt).
+
 Prefill hold (prefill_hold_s > 0, off by default): new prompts that arrive as a burst wait for
 the rest of it and start as one prefill. They wait until no new prompt has arrived for
 prefill_hold_s, at most HOLD_CAP times that after the first of them, and only while they would
@@ -87,6 +93,7 @@ class Scheduler:
         self.loras: set[int] = set()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._prioritized = False  # a sequence with a priority other than 0 has come: keep the queues by it
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
@@ -128,7 +135,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._prioritized = self._prioritized or seq.params.priority != 0
+        if self._prioritized:  # after every waiting one of its priority or a higher one
+            p = seq.params.priority
+            i = len(self.waiting)
+            while i and self.waiting[i - 1].params.priority > p:
+                i -= 1
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
 
     def schedule(self, now: float | None = None, busy: set[int] | None = None,
@@ -139,6 +154,8 @@ class Scheduler:
         most sequences this batch takes, so that the queue's batches share the work."""
         decodes: list[ScheduledSeq] = []  # items of one new token: they lead the batch, in order
         others: list[ScheduledSeq] = []  # decodes with a draft, then prompt chunks
+        if self._prioritized:
+            self._preempt_for_priority()
         preempted = self._schedule_decodes(decodes, busy, max_seqs, others)
         rows = len(decodes) + sum(it.num_new_tokens for it in others)  # a draft's tokens cost as rows
         budget = self.config.max_num_batched_tokens - rows
@@ -396,7 +413,13 @@ class Scheduler:
                 self.prefix_cache_hits += num_cached
                 self.prefix_cache_host_hits += len(host_hits) * bs
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self._prioritized:  # after the running ones of its priority or a higher one
+                i = len(self.running)
+                while i and self.running[i - 1].params.priority > seq.params.priority:
+                    i -= 1
+                self.running.insert(i, seq)
+            else:
+                self.running.append(seq)
             (decodes if n == 1 else others).append(ScheduledSeq(seq, num_cached, n))
             # Registered now, so the next waiting sequence with the same prefix shares these
             # blocks within this very step instead of computing the prefix again.
@@ -411,7 +434,26 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self._prioritized:  # ahead of the waiting ones of its priority
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].params.priority < seq.params.priority:
+                i += 1
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _preempt_for_priority(self) -> None:
+        """The first waiting sequence takes the place of the lowest-priority running ones, newest
+        first, while they rank below it and it could not start beside them: max_num_seqs running, or
+        fewer free blocks than its prompt needs."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        need = self.bm.blocks_needed(min(len(head.token_ids), self.config.max_num_batched_tokens))
+        running = self.running
+        while running and running[-1].params.priority > head.params.priority and (
+                len(running) >= self.config.max_num_seqs or self.bm.num_free_blocks < need):
+            self._preempt(running[-1])
 
     def update(self, batch: Batch, samples: list[SampleOutput | None]) -> list[StepOutput]:
         """Advance the sequences of an executed batch and append their new tokens."""

@@ -74,6 +74,9 @@ class SamplingParams:
     # an embedding request (/v1/embeddings, LLM.embed): the prompt's final hidden states pooled, by
     # its last token, their mean or its first token (POOLING); the one token sampled is not shown
     pooling: str | None = None
+    # vLLM's: a lower value runs sooner; a waiting sequence takes the place of running ones of a
+    # higher value where it could not start otherwise (scheduler/policy.py)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 0:
             raise ValueError(f"lora must be an adapter's number (1, 2, ...) or 0 for none, got {self.lora!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

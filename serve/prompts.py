@@ -241,7 +241,7 @@ class RequestPlanner:
                 prompts = [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
             for p in prompts:
                 self._check_length(len(p.token_ids), 1)
-            return Plan(prompts, [SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)])
+            return Plan(prompts, [SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling, priority=req.priority)])
         return Draft(texts, req.add_special_tokens, finish)
 
     def _grammar_after_thinking(self, plan: Plan) -> None:
@@ -437,6 +437,7 @@ class RequestPlanner:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            priority=req.priority,
         )
 
     def _check_count(self, num_prompts: int, n: int) -> None:

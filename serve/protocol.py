@@ -67,6 +67,8 @@ class SamplingFields(RequestModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="extension (vLLM): each prompt token's "
                                                                        "logprob, rank and this many top tokens")
     user: str | None = None
+    priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1, description="extension (vLLM): a lower value is "
+                                                                     "served sooner, before higher ones")
     # structured output (serve/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
@@ -362,6 +364,8 @@ class EmbeddingRequest(RequestModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="extension (vLLM): keep each input's last "
                                                                        "N tokens")
     add_special_tokens: bool = Field(True, description="extension (vLLM): a text input's BOS and the like")
+    priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1, description="extension (vLLM): a lower value is "
+                                                                     "served sooner, before higher ones")
 
 
 class Embedding(BaseModel):
