@@ -42,7 +42,7 @@ from serve.api_processes import RESPONSES_DIR_ENV
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.embeddings import Pooling, PoolingConfigError, encode_vector, finish_vector, model_pooling
 from serve.replicas import ReplicaSet, ReplicatedEngine
-from serve.responses import ResponseStore, chat_request, check_supported, input_items, renamed
+from serve.responses import ResponseStore, chat_request, check_supported, input_items, renamed, without_oldest_turn
 from serve.responses_format import ResponsesFormat, response_events
 from serve.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from serve.server_config import ServerConfig
@@ -360,6 +360,18 @@ def _stored(st: ServerState, response_id: str, param: str = "response_id") -> tu
     return hit
 
 
+async def _fitted(st: ServerState, body: ResponsesRequest, conversation: list[dict[str, Any]]) -> Plan:
+    """The plan of the conversation; with truncation "auto", of its latest turns that fit the context."""
+    while True:
+        try:
+            return await _planned(st, st.planner.chat_draft, chat_request(body, conversation))
+        except APIError as e:
+            shorter = without_oldest_turn(conversation) if body.truncation == "auto" else None
+            if e.code != "context_length_exceeded" or shorter is None:
+                raise
+            conversation = shorter
+
+
 async def _respond(st: ServerState, request: Request, body: ResponsesRequest) -> Any:
     """POST /v1/responses: the conversation (a stored one continued, then this input) served as a chat
     request, answered as the Responses API's output items; stored when body.store."""
@@ -368,7 +380,7 @@ async def _respond(st: ServerState, request: Request, body: ResponsesRequest) ->
     history = _stored(st, body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
     items = input_items(body)
     try:
-        plan = await _planned(st, st.planner.chat_draft, chat_request(body, history + items))
+        plan = await _fitted(st, body, history + items)
         if plan.logprobs is not None and (plan.tool_parser is not None or plan.reasoning_parser is not None):
             raise APIError(400, "logprobs (include message.output_text.logprobs, top_logprobs) cannot go with tools "
                                 "or a reasoning parser", param="include")
@@ -381,7 +393,7 @@ async def _respond(st: ServerState, request: Request, body: ResponsesRequest) ->
                     temperature=params.temperature, top_p=params.top_p, top_logprobs=body.top_logprobs,
                     tool_choice=body.tool_choice or "auto", tools=body.tools or [],
                     text=body.text or {"format": {"type": "text"}}, reasoning=body.reasoning, store=body.store,
-                    metadata=body.metadata or {}, user=body.user)
+                    metadata=body.metadata or {}, user=body.user, truncation=body.truncation or "disabled")
     fmt = ResponsesFormat(plan, envelope, lora or st.model_name, st.strings)
 
     def done(response: ResponseObject) -> None:

@@ -159,9 +159,6 @@ def check_supported(body: ResponsesRequest) -> None:
     if body.conversation is not None:
         raise APIError(400, "conversation objects are not supported; continue a stored response with "
                             "previous_response_id", param="conversation")
-    if body.truncation == "auto":
-        raise APIError(400, 'truncation "auto" is not supported; send "disabled" (the default) and shorten the input',
-                       param="truncation")
     if body.n != 1:
         raise APIError(400, "n is not a field of the Responses API: one response per request", param="n")
     if body.metadata is not None and (len(body.metadata) > 16 or any(len(k) > 64 or len(v) > 512
@@ -227,6 +224,16 @@ def _text_format(text: dict[str, Any]) -> dict[str, Any] | None:
         raise APIError(400, 'text.format {"type": "json_schema"} needs "schema": a JSON schema object',
                        param="text.format")
     return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+
+
+def without_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """truncation "auto": the conversation less its first item, and any that would then lead it
+    without the turn they belong to (a call's output, the assistant's part); None when nothing
+    would be left to answer."""
+    rest = items[1:]
+    while rest and not (rest[0]["type"] == "message" and rest[0]["role"] != "assistant"):
+        rest = rest[1:]
+    return rest or None
 
 
 def renamed(e: APIError) -> APIError:

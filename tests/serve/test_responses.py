@@ -152,6 +152,22 @@ def test_function_call_items_and_outputs_make_the_chat_turns(client):
     assert r.output_text == c.choices[0].message.content and r.usage.input_tokens == c.usage.prompt_tokens
 
 
+def test_truncation_auto_drops_the_oldest_turns(client):
+    """The tiny model's context is 512 tokens: three long turns and a short question do not fit;
+    "auto" drops turns from the start until they do, and answers as chat does the turns left."""
+    long = " ".join(["many words here"] * 40)
+    turns = [{"role": "user", "content": f"{i}: {long}"} for i in range(3)]
+    turns[1] = {"role": "assistant", "content": long}
+    items = turns + [{"role": "user", "content": "And now?"}]
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        respond(client, input=items)
+    r = respond(client, input=items, truncation="auto")
+    assert r.truncation == "auto" and r.status == "incomplete"
+    # the first turn goes, then the assistant's that would lead: the last user turn (430 tokens) and the question
+    c = chat(client, items[2:])
+    assert r.usage.input_tokens == c.usage.prompt_tokens and r.output_text == c.choices[0].message.content
+
+
 def test_logprobs(client):
     r = respond(client, input="Hello", include=["message.output_text.logprobs"], top_logprobs=2)
     c = chat(client, [{"role": "user", "content": "Hello"}], logprobs=True, top_logprobs=2)
@@ -179,7 +195,6 @@ def test_logprobs(client):
     ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "function"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
     ({"input": "hi", "background": True}, "background", "background"),
-    ({"input": "hi", "truncation": "auto"}, "truncation", "disabled"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"input": "hi", "n": 2}, "n", "one response"),
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens"),
