@@ -120,12 +120,19 @@ class ModelConfig:
 
     @property
     def max_context_len(self) -> int:
-        """The longest context the engine serves: max_position_embeddings, or the sliding window
-        where one applies (there is no sliding-window attention here, so stay inside it)."""
+        """The longest context the engine serves: max_position_embeddings (stretched by linear and
+        YaRN rope scaling, whose configs keep the original length there, as vLLM reads them), or the
+        sliding window where one applies (there is no sliding-window attention here, so stay inside it)."""
+        longest = self.max_position_embeddings
+        rs = self.rope_scaling or {}
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind in ("linear", "yarn") and rs.get("factor"):
+            original = rs.get("original_max_position_embeddings") if kind == "yarn" else None
+            longest = int((original or longest) * float(rs["factor"]))
         window = self.raw.get("sliding_window")
         if window and self.raw.get("use_sliding_window", self.architecture == "MistralForCausalLM"):
-            return min(self.max_position_embeddings, int(window))
-        return self.max_position_embeddings
+            return min(longest, int(window))
+        return longest
 
     @property
     def q_size(self) -> int:

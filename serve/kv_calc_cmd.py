@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="weights: auto | bfloat16 | float16 | float32")
     parser.add_argument("--block-size", default=None, help="tokens per KV block (default: 16; 32 for fp8/int8)")
     parser.add_argument("--max-model-len", default=None,
-                        help="longest sequence, e.g. 8192 or 32k (default: the model's max_position_embeddings)")
+                        help="longest sequence, e.g. 8192 or 32k (default: the model's context, "
+                             "max_position_embeddings stretched by linear or YaRN rope scaling)")
     parser.add_argument("--tensor-parallel-size", "-tp", default="1", help="GPUs the model is split over")
     parser.add_argument("--pipeline-parallel-size", "-pp", default="1",
                         help="stages the layers are split into (TP x PP GPUs); the figures are the GPU's that holds "

@@ -57,7 +57,50 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, rs, dim)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn are)")
+
+
+def _yarn_inv_freq(cfg: ModelConfig, rs: dict, dim: int) -> torch.Tensor:
+    """YaRN (Qwen2.5/Qwen3's long context): dimensions that turn many times within the original
+    context keep their frequency, those that turn less than once are divided by factor, and a
+    linear ramp between beta_fast and beta_slow rotations blends the two."""
+    base, factor = cfg.rope_theta, float(rs["factor"])
+    original = float(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    beta_fast, beta_slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    keep = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    return (1 / (factor * pos_freqs)) * (1 - keep) + (1 / pos_freqs) * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1, or its
+    attention_factor / mscale form), else 1."""
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = float(rs["factor"])
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(float(rs["mscale"])) / mscale(float(rs["mscale_all_dim"]))
+    return mscale()
 
 
 def rope_cos_sin(cfg: ModelConfig, max_positions: int, device: torch.device | str) -> torch.Tensor:
@@ -66,7 +109,8 @@ def rope_cos_sin(cfg: ModelConfig, max_positions: int, device: torch.device | st
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
+    scale = rope_attention_factor(cfg)
+    return torch.stack((emb.cos() * scale, emb.sin() * scale), dim=1).to(device)
 
 
 class RMSNorm(nn.Module):
