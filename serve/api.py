@@ -182,20 +182,21 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             raise _no_response(response_id, "response_id")
         return DeletedResponse(id=response_id)
 
-    def card(adapter: tuple[str, str] | None = None) -> ModelCard:
+    def card(adapter: tuple[str, str] | None = None, name: str | None = None) -> ModelCard:
         if adapter is not None:
             return ModelCard(id=adapter[0], created=int(st.started), max_model_len=st.engine.max_model_len,
                              root=adapter[1], parent=st.model_name)
-        return ModelCard(id=st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)
+        return ModelCard(id=name or st.model_name, created=int(st.started), max_model_len=st.engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[card()] + [card(a) for a in await _adapters(st)])
+        names = [card(name=n) for n in (st.model_name, *st.config.model_aliases)]
+        return ModelList(data=names + [card(a) for a in await _adapters(st)])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def model(model: str) -> ModelCard:
-        if model == st.model_name:
-            return card()
+        if model == st.model_name or model in st.config.model_aliases:
+            return card(name=model)
         for adapter in await _adapters(st):
             if adapter[0] == model:
                 return card(adapter)
@@ -204,7 +205,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
         _check_runtime_loras(st)
-        if body.lora_name == st.model_name:
+        if body.lora_name == st.model_name or body.lora_name in st.config.model_aliases:
             raise APIError(400, f"{body.lora_name!r} is the served model's name; name the adapter otherwise",
                            param="lora_name")
         await _on_engines(st, partial(load_lora, body.lora_name, body.lora_path))
@@ -279,7 +280,7 @@ def _version() -> str:
 def _check_model(st: ServerState, model: str | None) -> str | None:
     """The LoRA adapter a request's model field names (None: the served model). With runtime loading
     the engine decides whether it is loaded (UnknownAdapter: 404 then)."""
-    if model is None or model == st.model_name:
+    if model is None or model == st.model_name or model in st.config.model_aliases:
         return None
     if st.runtime_loras or any(model == name for name, _ in st.adapters):
         return model
@@ -287,7 +288,7 @@ def _check_model(st: ServerState, model: str | None) -> str | None:
 
 
 def _unknown_model(st: ServerState, model: str, why: str = "") -> APIError:
-    served = ", ".join(repr(n) for n in [st.model_name] + [name for name, _ in st.adapters])
+    served = ", ".join(repr(n) for n in [st.model_name, *st.config.model_aliases] + [name for name, _ in st.adapters])
     return APIError(404, why or f"model {model!r} is not served here; this server serves {served}",
                     param="model", code="model_not_found")
 

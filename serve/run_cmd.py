@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every /v1 route (or set {API_KEY_ENV})")
-    g.add_argument("--served-model-name", default=None, help="model id clients must send (default: the folder name)")
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model id clients must send (default: the folder name); with several, any of them, and "
+                        "responses name the first")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences that may wait for the engine; beyond it requests get 429 with Retry-After")
     g.add_argument("--max-request-rate", type=float, default=None, help="sequences admitted per second (default: no limit)")
@@ -94,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    names = args.served_model_name or [None]
+    return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,

@@ -10,6 +10,7 @@ from serve.reasoning import REASONING_PARSERS
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
+    model_aliases: tuple[str, ...] = ()  # more names requests may give the served model (responses name the first)
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <key>"
     max_waiting_requests: int = 1024  # sequences waiting for the engine before new ones get 429
     max_request_rate: float | None = None  # sequences admitted per second; None = unlimited

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.request import SamplingParams
 from serve.llm import LLM
-from tests.serve.helpers import engine_config
+from tests.serve.helpers import ServerThread, build, engine_config
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "1 2 3 4 5", "Hello, world! How are"]
 
@@ -221,6 +221,27 @@ def test_models_health_metrics(client, server):
     server.wait_idle()
     m = server.metrics()
     assert m["pagedserve:num_requests_running"] == 0 and m["pagedserve:kv_cache_usage_perc"] == 0
+
+
+def test_several_served_model_names(model_dir):
+    """--served-model-name a b: requests may name either; responses name the first."""
+    import httpx
+
+    from serve.cli import build_parser
+    from serve.run_cmd import server_config_from_args
+    from serve.server_config import ServerConfig
+
+    args = build_parser().parse_args(["run", "--served-model-name", "main", "alias", "--tool-parser", "auto"])
+    cfg = server_config_from_args(args)
+    assert (cfg.served_model_name, cfg.model_aliases) == ("main", ("alias",))
+    with ServerThread(build(model_dir), ServerConfig(served_model_name="main", model_aliases=("alias",),
+                                                     shutdown_timeout_s=1.0)) as srv:
+        assert [m["id"] for m in srv.http.get("/v1/models").json()["data"]] == ["main", "alias"]
+        assert srv.http.get("/v1/models/alias").json()["id"] == "alias"
+        r = srv.http.post("/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 2}).json()
+        assert r["model"] == "main"
+        other = httpx.post(f"{srv.base_url}/v1/completions", json={"model": "other", "prompt": "Hi"})
+        assert other.status_code == 404 and "'main', 'alias'" in other.json()["error"]["message"]
 
 
 def test_return_token_ids_extension(server, offline):
