@@ -15,6 +15,10 @@ from scheduler.request import SpeculativeConfig
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# checkpoints of the base model without its LM head, as embedding models ship (e5-mistral, gte-Qwen2):
+# served as the model with the head tied to the embedding, tensors named without the "model." prefix
+HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                          "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 # config keys of a shared expert (Qwen2-MoE, DeepSeek style), which engine/models/moe.py lacks
 SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -50,12 +54,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quant: WeightFormat | None = None  # a quantized checkpoint's format: FP8 or 4-bit (engine/quant.py)
+    headless: bool = False  # the checkpoint is the base model alone (HEADLESS_ARCHITECTURES): no LM head of its own
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        headless = arch is None and any(a in HEADLESS_ARCHITECTURES for a in archs)
+        if headless:
+            arch = HEADLESS_ARCHITECTURES[next(a for a in archs if a in HEADLESS_ARCHITECTURES)]
         if arch is None:
             got = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
             raise ModelConfigError(f"unsupported architecture {got}; pagedserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -92,13 +100,14 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta or 10000.0),
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=headless or bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2" or arch == "Qwen2ForCausalLM")),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 torch_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 quant=quant,
+                headless=headless,
                 raw=cfg,
                 **moe,
             )

@@ -64,30 +64,32 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
     loaded: dict[str, int] = {}
     files = safetensors_files(folder)
     chosen = _rows_in_down_order(files, wmap, params, shards, quant)
+    headless = model.global_cfg.headless  # a base model's tensors: named without "model."
     bar = tqdm(total=expected, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if name in emap:
-                    if emap[name] is not None:
-                        ours, e, seg = emap[name]
+                key = "model." + name if headless and not name.startswith("model.") else name
+                if key in emap:
+                    if emap[key] is not None:
+                        ours, e, seg = emap[key]
                         _load_one(f, name, params[ours][e], (eshards[ours].inner, seg))
-                        loaded[name] = 1
+                        loaded[key] = 1
                         bar.update(1)
                     continue
-                if name not in wmap:
+                if key not in wmap:
                     if quant is not None and name.endswith(UNUSED_SUFFIXES + INT4_UNUSED_SUFFIXES):
                         continue
                     if isinstance(quant, Int4Format) and name.endswith("proj.bias") and not f.get_tensor(name).any():
                         continue  # GPTQ's zero biases of layers without one
-                    if model.held_elsewhere(name):
+                    if model.held_elsewhere(key):
                         continue
                     if name == "lm_head.weight" and model.global_cfg.tie_word_embeddings:
                         continue  # tied: some checkpoints still store the copy
                     if "rotary_emb" in name:
                         continue
                     raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
-                ours, seg = wmap[name]
+                ours, seg = wmap[key]
                 if isinstance(quant, Int4Format) and ours.endswith(("proj.weight", "_scale", "_zero")):
                     weight = ours.rsplit(".", 1)[0] + ".weight"
                     columns = (_act_order(f, name, params, weight, perms, quant, shards[weight])
@@ -99,7 +101,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path, show_progress: bool = Tr
                 else:
                     _load_one(f, name, params[ours], None if seg is None else (shards[ours], seg),
                               params.get(ours + "_scale"))
-                loaded[name] = 1
+                loaded[key] = 1
                 bar.update(1)
     bar.close()
     missing = [n for n in (*wmap, *(k for k, v in emap.items() if v is not None)) if n not in loaded]

@@ -178,6 +178,9 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type
     from concurrent.futures import ThreadPoolExecutor
 
     path, model_cfg, max_len = resolve_model(cfg, show_progress)
+    if model_cfg.headless:
+        log.warning("%s is a base model without an LM head (an embedding model): it serves embeddings; text it "
+                    "generates comes from its embedding tied as the head", path)
     # The tokenizer (with transformers' import, 1-3 s) loads on a thread while the runner builds,
     # whose start-up mostly waits on the device with the GIL released.
     loader = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")

@@ -169,3 +169,26 @@ def test_on_the_gpu(tiny_models, prompts):
                 check_close(got, rows, atol=1e-4)
             else:
                 assert min(float(np.dot(g, w)) for g, w in zip(got, rows)) > 0.99
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_a_base_model_checkpoint_serves_embeddings(tiny_models, tmp_path, arch):
+    """Embedding models ship the base model alone (e5-mistral's MistralModel, Qwen3Model): tensors
+    named without "model.", no LM head. Served as the model with the head tied to the embedding."""
+    import shutil
+
+    import transformers
+
+    base = transformers.AutoModel.from_pretrained(str(tiny_models[arch]), dtype=torch.float32)
+    folder = tmp_path / "base"
+    base.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_models[arch] / name).exists():
+            shutil.copy(tiny_models[arch] / name, folder / name)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [type(base).__name__]
+    llm = LLM(str(folder), num_kv_blocks=64, **CPU)
+    assert llm.engine.model_config.headless
+    prompts = make_prompts(5)
+    check_close([o.embedding for o in llm.embed(prompts)], hf_embeddings(folder, prompts, "last"))
+    assert len(llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids) == 3
