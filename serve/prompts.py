@@ -17,7 +17,7 @@ from scheduler.request import SamplingParams
 from serve.errors import APIError
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, SamplingFields,
                             TokenizeRequest)
-from serve.reasoning import prompt_closes_thinking, prompt_opens_thinking, think_token_ids
+from serve.reasoning import OPENED_ONLY, prompt_closes_thinking, prompt_opens_thinking, think_token_ids
 from serve.server_config import ServerConfig
 from serve.structured import request_grammar
 from serve.tools import ToolFormat, ToolPlan, chat_messages, plan_tools, resolve_tool_parser, template_renders_tools
@@ -158,7 +158,7 @@ class RequestPlanner:
         self.tool_parser = resolve_tool_parser(config.tool_parser, self.template_text)
         self.tool_format = ToolFormat.of(self.tool_parser, tokenizer, self.template_text)
         self.template_has_tools = template_renders_tools(self.template_text)
-        self.think_tokens = think_token_ids(tokenizer) if config.reasoning_parser is not None else None
+        self.think_tokens = think_token_ids(tokenizer, config.reasoning_parser) if config.reasoning_parser else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -214,8 +214,10 @@ class RequestPlanner:
         def finish(ids: list[list[int]]) -> Plan:
             plan = self._plan(req, [PromptInput(ids[0])], max_tokens, logprobs, tools=tools)
             if reasoning is not None:
-                plan.reasoning_parser, plan.thinking_opened = reasoning, prompt_opens_thinking(text)
-                if plan.params[0].grammar is not None and not prompt_closes_thinking(text):
+                plan.reasoning_parser, plan.thinking_opened = reasoning, prompt_opens_thinking(text, reasoning)
+                if reasoning == "mistral":  # [THINK] and [/THINK] are special tokens of its tokenizer: keep them
+                    plan.params = [replace(p, skip_special_tokens=False) for p in plan.params]
+                if plan.params[0].grammar is not None and not prompt_closes_thinking(text, reasoning):
                     self._grammar_after_thinking(plan)
             return plan
         return Draft([text], False, finish)
@@ -250,9 +252,9 @@ class RequestPlanner:
         if self.think_tokens is None:
             return
         open_id, close_id = self.think_tokens
-        # as serve/reasoning.py reads the output: qwen3 thinks only where <think> opens it
+        # as serve/reasoning.py reads the output: qwen3 and mistral think only where their tag opens it
         wrap = partial(after_thinking, close_id=close_id, open_id=None if plan.thinking_opened else open_id,
-                       must_open=plan.reasoning_parser == "qwen3")
+                       must_open=plan.reasoning_parser in OPENED_ONLY)
         plan.params = [replace(p, grammar=wrap(p.grammar)) for p in plan.params]
         plan.grammars = [(wrap(g) if needed else g, name, needed) for g, name, needed in plan.grammars]
 

@@ -2,7 +2,8 @@
 split), (reasoning, content) pieces out, the same whatever the split, so streamed deltas assemble to
 the non-streamed message's `reasoning` and `content`.
 
-Both formats write the thinking between `<think>` and `</think>`:
+qwen3 and deepseek_r1 write the thinking between `<think>` and `</think>`, mistral between
+`[THINK]` and `[/THINK]`:
 - qwen3 (Qwen3, QwQ's newer templates): thinking only where the output opens it with `<think>`, or
   where the prompt left a `<think>` open (templates that write it for the model); with
   `chat_template_kwargs: {"enable_thinking": false}` the template closes it in the prompt and the
@@ -10,6 +11,8 @@ Both formats write the thinking between `<think>` and `</think>`:
 - deepseek_r1 (DeepSeek-R1 and its distills): the output starts in thinking (the template opens it
   in the prompt, a `<think>` the model writes itself is dropped) and an output that never writes
   `</think>` is all thinking.
+- mistral (Magistral): as qwen3, with `[THINK]` and `[/THINK]`, special tokens of its tokenizer that
+  the request keeps in its text for the parser (serve/prompts.py).
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ from typing import Any
 
 OPEN = "<think>"
 CLOSE = "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral")
+TAGS = {"qwen3": (OPEN, CLOSE), "deepseek_r1": (OPEN, CLOSE), "mistral": ("[THINK]", "[/THINK]")}
+# parsers whose output thinks only where it (or the prompt) opens the thinking
+OPENED_ONLY = ("qwen3", "mistral")
 
 
 def _held(text: str, tag: str) -> int:
@@ -28,20 +34,21 @@ def _held(text: str, tag: str) -> int:
     return 0
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
-    """The rendered prompt ends inside a `<think>` it opened for the model."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+def prompt_opens_thinking(prompt: str, kind: str = "qwen3") -> bool:
+    """The rendered prompt ends inside a thinking (`<think>`) it opened for the model."""
+    opening, closing = TAGS[kind]
+    return prompt.rfind(opening) > prompt.rfind(closing)
 
 
-def prompt_closes_thinking(prompt: str) -> bool:
+def prompt_closes_thinking(prompt: str, kind: str = "qwen3") -> bool:
     """The rendered prompt ends with a thinking it closed for the model (Qwen3's enable_thinking: false)."""
-    return prompt.rstrip().endswith(CLOSE)
+    return prompt.rstrip().endswith(TAGS[kind][1])
 
 
-def think_token_ids(tokenizer: Any) -> tuple[int, int] | None:
-    """The ids of `<think>` and `</think>` where each is one token of the vocabulary, else None."""
+def think_token_ids(tokenizer: Any, kind: str = "qwen3") -> tuple[int, int] | None:
+    """The ids of the thinking's tags (`<think>`, `</think>`) where each is one token of the vocabulary, else None."""
     ids = []
-    for tag in (OPEN, CLOSE):
+    for tag in TAGS[kind]:
         try:
             encoded = list(tokenizer.encode(tag, add_special_tokens=False))
         except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the tags has no such tokens
@@ -58,7 +65,8 @@ class ReasoningParser:
         if kind not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}; got {kind!r}")
         # start: "reasoning", "content", or "opening" (an output that may begin with <think>)
-        self.state = "reasoning" if opened or kind == "deepseek_r1" else "opening"
+        self.open, self.close_tag = TAGS[kind]
+        self.state = "reasoning" if opened or kind not in OPENED_ONLY else "opening"
         self.thought = self.state == "reasoning"  # the output has been in its thinking
         # deepseek_r1: a <think> the model writes itself at the start is not text
         self._drop_open = kind == "deepseek_r1" and not opened
@@ -72,26 +80,26 @@ class ReasoningParser:
             buf = self._buf
             if self.state == "opening":
                 stripped = buf.lstrip()
-                if stripped.startswith(OPEN):
-                    self._buf, self.state, self.thought = stripped[len(OPEN):], "reasoning", True
-                elif OPEN.startswith(stripped):
+                if stripped.startswith(self.open):
+                    self._buf, self.state, self.thought = stripped[len(self.open):], "reasoning", True
+                elif self.open.startswith(stripped):
                     break  # whitespace, or part of <think>: wait for more
                 else:
                     self.state = "content"
             elif self.state == "reasoning":
-                if self._drop_open and buf.lstrip().startswith(OPEN):
-                    self._buf = buf.lstrip()[len(OPEN):]
+                if self._drop_open and buf.lstrip().startswith(self.open):
+                    self._buf = buf.lstrip()[len(self.open):]
                     self._drop_open = False
                     continue
-                if self._drop_open and OPEN.startswith(buf.lstrip()):
+                if self._drop_open and self.open.startswith(buf.lstrip()):
                     break
                 self._drop_open = False
-                at = buf.find(CLOSE)
+                at = buf.find(self.close_tag)
                 if at >= 0:
                     reasoning.append(buf[:at])
-                    self._buf, self.state = buf[at + len(CLOSE):], "content"
+                    self._buf, self.state = buf[at + len(self.close_tag):], "content"
                 else:
-                    keep = _held(buf, CLOSE)
+                    keep = _held(buf, self.close_tag)
                     reasoning.append(buf[:len(buf) - keep])
                     self._buf = buf[len(buf) - keep:]
                     break

@@ -27,6 +27,10 @@ CASES = [  # (parser, prompt left <think> open, output, (reasoning, content))
     ("deepseek_r1", False, "<think>reason</think>answer", ("reason", "answer")),
     ("deepseek_r1", False, "never closed", ("never closed", "")),
     ("deepseek_r1", True, "", ("", "")),
+    ("mistral", False, "[THINK]Let me think.[/THINK]Paris.", ("Let me think.", "Paris.")),
+    ("mistral", False, "Paris <think>x</think>", ("", "Paris <think>x</think>")),
+    ("mistral", False, "[THI", ("", "[THI")),
+    ("mistral", True, "a [/THIN[/THINK]b", ("a [/THIN", "b")),
 ]
 
 
@@ -227,6 +231,29 @@ def test_structured_output_holds_after_the_thinking(thinking_model):
     assert "THOUGHT" not in off.params[0].grammar  # the template closed the thinking: the answer starts at once
     plain = RequestPlanner(tok, 384, 4096, ServerConfig()).chat(ChatCompletionRequest.model_validate(body))
     assert "THOUGHT" not in plain.params[0].grammar
+
+
+def test_mistral_keeps_its_tags_and_holds_the_grammar_after_them(model_dir):
+    """Magistral's [THINK] and [/THINK] are special tokens: the request keeps them in its text, and
+    structured output holds from [/THINK], the thinking opened only by [THINK]."""
+    from transformers import AutoTokenizer
+
+    from serve.prompts import RequestPlanner
+    from serve.reasoning import think_token_ids
+    from serve.server_config import ServerConfig
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    open_id, close_id = think_token_ids(tok, "mistral")
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DIGIT}}}
+    plan = RequestPlanner(tok, len(tok), 4096, ServerConfig(reasoning_parser="mistral")).chat(
+        ChatCompletionRequest.model_validate(body))
+    assert plan.reasoning_parser == "mistral" and plan.params[0].skip_special_tokens is False
+    assert f"(<[{open_id}]> THOUGHT <[{close_id}]>)?" in plan.params[0].grammar
+    qwen = RequestPlanner(tok, len(tok), 4096, ServerConfig(reasoning_parser="qwen3")).chat(
+        ChatCompletionRequest.model_validate({"messages": body["messages"]}))
+    assert qwen.params[0].skip_special_tokens is True
 
 
 @pytest.mark.parametrize("kind, opened", [("qwen3", False), ("deepseek_r1", True), ("deepseek_r1", False)])
