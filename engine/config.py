@@ -13,14 +13,15 @@ from kvcache.spec import DTYPE_BYTES, default_block_size
 from scheduler.request import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 # checkpoints of the base model without its LM head, as embedding models ship (e5-mistral, gte-Qwen2):
 # served as the model with the head tied to the embedding, tensors named without the "model." prefix
 HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                           "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
-# config keys of a shared expert (Qwen2-MoE, DeepSeek style), which engine/models/moe.py lacks
-SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+# config keys of DeepSeek-style shared experts, which engine/models/moe.py lacks (Qwen2-MoE's one
+# gated shared expert it has: shared_expert_intermediate_size)
+SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts")
 
 
 class ModelConfigError(ValueError):
@@ -51,6 +52,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a mixture-of-experts model
+    shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP of this width beside the experts, its output gated
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quant: WeightFormat | None = None  # a quantized checkpoint's format: FP8 or 4-bit (engine/quant.py)
@@ -101,7 +103,9 @@ class ModelConfig:
                 rope_theta=float(rope_theta or 10000.0),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=headless or bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2" or arch == "Qwen2ForCausalLM")),
+                attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")
+                                                                           or arch in ("Qwen2ForCausalLM",
+                                                                                       "Qwen2MoeForCausalLM")))),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 torch_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
                 bos_token_id=cfg.get("bos_token_id"),
@@ -198,6 +202,8 @@ class ModelConfig:
         moe = self.num_moe_layers
         experts = self.num_experts if experts_per_layer is None else experts_per_layer
         moe_mlp = round(moe * (experts * self.expert_params + self.num_experts * h))
+        if self.shared_expert_size:  # the shared expert and its gate
+            moe_mlp += moe * (3 * h * self.shared_expert_size + h)
         per_layer = attn + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + (self.num_layers - moe) * 3 * h * i + moe_mlp + embed + h
@@ -249,7 +255,9 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0)
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
+                shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                if arch == "Qwen2MoeForCausalLM" else 0)
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")

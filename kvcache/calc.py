@@ -133,8 +133,11 @@ def tensor_parallel_problem(model: ModelShape, size: int, expert_parallel: bool 
     mlp = model.intermediate_size if moe_layers < model.num_layers else 0  # no dense MLP to split
     split, what = (experts, "experts") if expert_parallel else (moe_width, "expert width")
 
+    shared = getattr(model, "shared_expert_size", 0)  # Qwen2-MoE's shared expert: split like the dense MLP
+
     def fit(n: int) -> bool:
-        return heads % n == 0 and mlp % n == 0 and (kv % n == 0 or n % kv == 0) and (not experts or split % n == 0)
+        return (heads % n == 0 and mlp % n == 0 and shared % n == 0 and (kv % n == 0 or n % kv == 0)
+                and (not experts or split % n == 0))
 
     hint = f"; sizes that fit this model: {', '.join(str(n) for n in range(1, heads + 1) if fit(n))}"
     if heads % size:
@@ -143,6 +146,8 @@ def tensor_parallel_problem(model: ModelShape, size: int, expert_parallel: bool 
         return f"{size} must divide the model's {kv} KV heads or be a multiple of them{hint}"
     if mlp % size:
         return f"{size} must divide the model's MLP width {mlp}{hint}"
+    if shared % size:
+        return f"{size} must divide the model's shared expert width {shared}{hint}"
     if experts and split % size:
         return f"{size} must divide the model's {split} {what}{hint}"
     return None
@@ -158,11 +163,14 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 def _mlp_params(model: ModelShape, tp: int) -> int:
     """One rank's MLP parameters over all layers: dense MLP columns, its share of the experts
-    (whole experts or a slice of each: the same count) and the whole router."""
+    (whole experts or a slice of each: the same count), the whole router, and a shared expert's
+    columns and its whole gate."""
     h = model.hidden_size
     experts, _, moe_width, moe_layers = _moe(model)
     dense = (model.num_layers - moe_layers) * 3 * h * (model.intermediate_size // tp)
-    return dense + moe_layers * (experts * 3 * h * moe_width // tp + experts * h)
+    shared = getattr(model, "shared_expert_size", 0)
+    return dense + moe_layers * (experts * 3 * h * moe_width // tp + experts * h
+                                 + (3 * h * shared // tp + h if shared else 0))
 
 
 def _mlp_activation_elems(model: ModelShape, tp: int, dense_factor: int) -> int:
@@ -172,6 +180,9 @@ def _mlp_activation_elems(model: ModelShape, tp: int, dense_factor: int) -> int:
     experts, top_k, moe_width, moe_layers = _moe(model)
     dense = dense_factor * -(-model.intermediate_size // tp) if moe_layers < model.num_layers else 0
     moe = top_k * (3 * -(-moe_width // tp) + model.hidden_size) + 4 * experts if experts else 0
+    shared = getattr(model, "shared_expert_size", 0)
+    if experts and shared:  # the shared expert's gate_up and product, and its output row
+        moe += 3 * -(-shared // tp) + model.hidden_size
     return max(dense, moe)
 
 
@@ -257,6 +268,8 @@ def weight_bytes_per_gpu(model: ModelShape, dtype: str, tensor_parallel_size: in
     h, hd = model.hidden_size, model.head_dim
     experts, _, _, moe_layers = _moe(model)
     replicated = model.num_layers * (2 * h + (2 * hd if model.qk_norm else 0)) + h + moe_layers * experts * h
+    if getattr(model, "shared_expert_size", 0):  # its gate, [1, hidden], on every rank
+        replicated += moe_layers * h
     kv_copies = max(1, model.num_kv_heads // tp) * tp - model.num_kv_heads
     kv_copy_params = model.num_layers * 2 * kv_copies * hd * (h + (1 if model.attention_bias else 0))
     sharded = model.num_params() - replicated + kv_copy_params

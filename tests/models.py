@@ -56,6 +56,11 @@ ARCHS = {
     "qwen3_moe": dict(cls="Qwen3MoeConfig", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # Qwen2-MoE: 8 experts, top 2 not renormalized, a gated shared expert of width 48, layer 1 dense
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[1], qkv_bias=True),
     # Mixtral: 4 experts of width 48, top 2
     "mixtral": dict(cls="MixtralConfig", num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
                     tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),

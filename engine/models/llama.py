@@ -201,9 +201,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm, quant: WeightFormat | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, quant: WeightFormat | None = None, width: int | None = None) -> None:
         super().__init__()
-        part = even_split(cfg.intermediate_size, comm.rank, comm.size)
+        part = even_split(width or cfg.intermediate_size, comm.rank, comm.size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], False, quant)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, quant, by_group=True)
         self.comm = comm
@@ -229,7 +229,8 @@ class DecoderLayer(nn.Module):
                  quant: WeightFormat | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, comm, quant)
-        self.mlp = SparseMoeBlock(cfg, comm, expert_parallel) if cfg.is_moe_layer(layer) else MLP(cfg, comm, quant)
+        self.mlp = (SparseMoeBlock(cfg, comm, expert_parallel, lambda width: MLP(cfg, comm, None, width))
+                    if cfg.is_moe_layer(layer) else MLP(cfg, comm, quant))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.comm = comm
@@ -396,6 +397,11 @@ class LlamaForCausalLM(nn.Module):
                     m[hf + f"self_attn.{part}.bias"] = (our + "self_attn.qkv_proj.bias", seg)
             if cfg.is_moe_layer(i):  # the experts: hf_expert_map
                 m[router_weight_name(cfg, hf)] = (our + "mlp.gate.weight", None)
+                if cfg.shared_expert_size:
+                    m[hf + "mlp.shared_expert.gate_proj.weight"] = (our + "mlp.shared_expert.gate_up_proj.weight", 0)
+                    m[hf + "mlp.shared_expert.up_proj.weight"] = (our + "mlp.shared_expert.gate_up_proj.weight", 1)
+                    m[hf + "mlp.shared_expert.down_proj.weight"] = (our + "mlp.shared_expert.down_proj.weight", 0)
+                    m[hf + "mlp.shared_expert_gate.weight"] = (our + "mlp.shared_expert_gate.weight", None)
             else:
                 m[hf + "mlp.gate_proj.weight"] = (our + "mlp.gate_up_proj.weight", 0)
                 m[hf + "mlp.up_proj.weight"] = (our + "mlp.gate_up_proj.weight", 1)

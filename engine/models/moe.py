@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE and Mixtral: a router and E experts.
+"""The sparse mixture-of-experts block of Qwen3-MoE, Mixtral and Qwen2-MoE: a router and E experts
+(and Qwen2-MoE's shared expert: a dense MLP every token takes, its output scaled by a sigmoid gate).
 
 The router (a [E, hidden] weight, whole on every rank) picks each token's top-k experts from a
 softmax over all of them; Ops.fused_moe runs the experts (kernels/moe.py on a GPU, the torch
@@ -12,6 +13,7 @@ are summed by the all-reduce that the dense MLP's down projection uses.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,7 @@ from kernels.moe_reference import route
 
 # Hugging Face tensor names of one expert's projections, gate/up/down, by architecture
 EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
                 "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 
 
@@ -68,18 +71,26 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Comm, expert_parallel: bool) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm, expert_parallel: bool,
+                 shared: Callable[[int], nn.Module] | None = None) -> None:
+        """shared(width): the dense MLP of Qwen2-MoE's shared expert (each rank a slice of its width)."""
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob or cfg.architecture == "MixtralForCausalLM"
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
         self.experts = Experts(cfg, comm, expert_parallel)
+        self.shared_expert = shared(cfg.shared_expert_size) if shared is not None and cfg.shared_expert_size else None
+        self.shared_expert_gate = Router(1, cfg.hidden_size) if self.shared_expert is not None else None
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(ops.linear(x, self.gate.weight), self.top_k, self.renormalize)
         ex = self.experts
         # this rank's part of the output (its experts' or its columns' share): the norm after sums it
-        return ops.fused_moe(x, ex.w13, ex.w2, weights, ids, ex.expert_start, ex.num_global)
+        out = ops.fused_moe(x, ex.w13, ex.w2, weights, ids, ex.expert_start, ex.num_global)
+        if self.shared_expert is not None:  # its part too (a slice of its width), scaled by the whole gate
+            gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight).float()).to(out.dtype)
+            out = out + gate * self.shared_expert(ops, x)
+        return out
 
 
 def expert_weight_map(cfg: ModelConfig, block: SparseMoeBlock, hf_layer: str,

@@ -1,9 +1,10 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral): tiny random checkpoints built by transformers give its
+"""Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): tiny random checkpoints built by transformers give its
 greedy output in float32 (roomy, with preemption, with chunked prefill), also over two gloo ranks
 with tensor parallelism (each expert's width split) and with expert parallelism (whole experts
 split); dummy weights are one model whatever the split; configs the engine can't serve say why."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from tests.models import build_model, hf_greedy
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 CPU = dict(dtype="float32", device="cpu")
-ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def _llm(model: str, **kwargs) -> LLM:
     return LLM.from_config(EngineConfig(model=model, **CPU, **kwargs))
 
 
-@pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("mixtral", True)])
+@pytest.mark.parametrize("arch, expert_parallel", [("qwen3_moe", False), ("mixtral", True), ("qwen2_moe", False),
+                                                   ("qwen2_moe", True)])
 def test_two_ranks_equal_transformers(moe_models, expected, arch, expert_parallel):
     """Chunked prefill and preemption over two gloo ranks: each expert's width split (tensor
     parallel), or half the experts on each rank (expert parallel)."""
@@ -129,9 +131,10 @@ def test_loaded_experts_are_the_checkpoints(moe_models):
 def test_configs_the_engine_cannot_serve_say_why(moe_models, tiny_models):
     raw = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
     with pytest.raises(ModelConfigError, match="with a shared expert .* is not supported"):
-        ModelConfig.from_dict({**raw, "shared_expert_intermediate_size": 64})
-    with pytest.raises(ModelConfigError, match="unsupported architecture Qwen2MoeForCausalLM"):
-        ModelConfig.from_dict({**raw, "architectures": ["Qwen2MoeForCausalLM"]})
+        ModelConfig.from_dict({**raw, "n_shared_experts": 2})
+    assert ModelConfig.from_dict({**raw, "shared_expert_intermediate_size": 64}).shared_expert_size == 0  # Qwen3-MoE
+    with pytest.raises(ModelConfigError, match="unsupported architecture DeepseekV2ForCausalLM"):
+        ModelConfig.from_dict({**raw, "architectures": ["DeepseekV2ForCausalLM"]})
     six = ModelConfig.from_dict({**raw, "num_local_experts": 6})
     with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 6 experts; "
                                          "sizes that fit this model: 1, 2"):
@@ -142,6 +145,45 @@ def test_configs_the_engine_cannot_serve_say_why(moe_models, tiny_models):
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model; "
                                          "LlamaForCausalLM has no experts"):
         ModelConfig.from_path(tiny_models["llama"]).check_tensor_parallel(2, expert_parallel=True)
+
+
+def test_shared_expert_parameters(moe_models):
+    """Qwen2-MoE's shared expert and its gate: loaded as the checkpoint has them, and counted (kv-calc's
+    weights) as transformers' model has them."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from engine.loader import load_weights
+    from engine.models.llama import LlamaForCausalLM
+
+    folder = moe_models["qwen2_moe"]
+    cfg = ModelConfig.from_path(folder)
+    assert (cfg.shared_expert_size, cfg.norm_topk_prob, cfg.attention_bias) == (48, False, True)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters())
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").float()
+    load_weights(model, folder, show_progress=False)
+    hf = {}
+    for f in folder.glob("*.safetensors"):
+        hf.update(load_file(str(f)))
+    mlp, base = model.layers[0].mlp, "model.layers.0.mlp."
+    assert torch.equal(mlp.shared_expert.gate_up_proj.weight, torch.cat((hf[base + "shared_expert.gate_proj.weight"],
+                                                                         hf[base + "shared_expert.up_proj.weight"])))
+    assert torch.equal(mlp.shared_expert.down_proj.weight, hf[base + "shared_expert.down_proj.weight"])
+    assert torch.equal(mlp.shared_expert_gate.weight, hf[base + "shared_expert_gate.weight"])
+    from engine.parallel.comm import Comm
+    from engine.parallel.group import TPGroup
+    from kvcache.calc import tensor_parallel_problem, weight_bytes_per_gpu
+
+    for expert_parallel in (False, True):  # what a rank holds is what kv-calc counts
+        with torch.device("meta"):
+            rank = LlamaForCausalLM(cfg, Comm(TPGroup(rank=1, size=2)), expert_parallel=expert_parallel)
+        assert 4 * sum(p.numel() for p in rank.parameters()) == weight_bytes_per_gpu(cfg, "float32", 2)
+    odd = dataclasses.replace(cfg, shared_expert_size=50)
+    assert tensor_parallel_problem(odd, 4, expert_parallel=True).startswith("4 must divide the model's shared expert "
+                                                                            "width 50; sizes that fit this model: 1, 2")
 
 
 def test_triton_backend_equals_transformers(moe_models, expected):
