@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
-/v1/responses/{id}), POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and vLLM's
-POST /tokenize, POST /detokenize, GET /version.
+/v1/responses/{id}), POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, GET /health,
+GET /metrics, and vLLM's POST /tokenize, POST /detokenize, GET /version.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
 process`, serve.engine_process.ProcessEngine (its core runs in a child process).

@@ -392,8 +392,8 @@ class ChatFormat(_FormatBase):
         if self.plan.tool_parser is None:
             return AssistantMessage(content=text, reasoning=reasoning, reasoning_content=reasoning), c.finish_reason
         content, calls = parse_all(text, self.plan.tool_parser, self.plan.tool_params)
-        tool_calls = [ToolCall(id=tool_call_id(self.plan.tool_parser), function=FunctionCall(name=k.name, arguments=k.arguments))
-                      for k in calls]
+        tool_calls = [ToolCall(id=tool_call_id(self.plan.tool_parser),
+                               function=FunctionCall(name=k.name, arguments=k.arguments)) for k in calls]
         message = AssistantMessage(content=content or (None if calls else ""), tool_calls=tool_calls or None,
                                    reasoning=reasoning, reasoning_content=reasoning)
         return message, chat_finish_reason(c.finish_reason, len(calls))

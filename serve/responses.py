@@ -37,8 +37,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # fields of the chat request the Responses API spells otherwise, or that have no place here
 NOT_PASSED = {"n", "stream_options", "model"}
 # a chat-path error's parameter, as this request names it
-PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-          "response_format": "text.format", "logprobs": "include"}
+PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
+          "max_completion_tokens": "max_output_tokens", "response_format": "text.format", "logprobs": "include"}
 
 
 def new_id(prefix: str) -> str:

@@ -5,7 +5,9 @@ the answer (a message with one output_text part) and the tool calls (function_ca
 each item opens (response.output_item.added), grows by deltas and closes (.done events) in order,
 between response.created / response.in_progress and response.completed (response.incomplete when
 max_output_tokens cut it, response.failed when the engine failed it); every event carries a
-sequence_number, and the last one the whole response.
+sequence_number, and the last one the whole response. Text a model writes after a tool call opens
+a second message item when streamed (items only open in order); the whole response's one message
+holds all of the text.
 """
 from __future__ import annotations
 

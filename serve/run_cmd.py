@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [None]
-    return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_waiting_requests=args.max_waiting_requests, max_request_rate=args.max_request_rate,
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,

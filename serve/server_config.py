@@ -22,7 +22,8 @@ class ServerConfig:
     # Stop strings are matched on every generated token: bound the work one request can ask for.
     max_stop_strings: int = 8
     max_stop_string_chars: int = 128
-    tool_parser: str = "auto"  # the format of the model's tool calls: auto, hermes, llama3_json, mistral, qwen3_coder (serve/tools.py)
+    # the format of the model's tool calls: auto, hermes, llama3_json, mistral, qwen3_coder (serve/tools.py)
+    tool_parser: str = "auto"
     reasoning_parser: str | None = None  # a reasoning model's thinking, split from its answer (serve/reasoning.py)
     grammar_timeout_s: float = 10.0  # a grammar or schema not compiled within this is refused (400)
     # request defaults from the model's generation_config.json (serve/generation_config.py): auto, vllm

@@ -182,8 +182,9 @@ def _call_text(name: str, arguments: str, fmt: str) -> str:
         return f'{MISTRAL_OPEN}[{{"name": {json.dumps(name)}, "arguments": {args}}}]'
     if fmt == "qwen3_coder":
         values = _arguments(arguments)
-        blocks = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
-                         for k, v in values.items()) if isinstance(values, dict) else ""
+        shown = {k: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+                 for k, v in values.items()} if isinstance(values, dict) else {}
+        blocks = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in shown.items())
         return f"<tool_call>\n<function={name}>\n{blocks}</function>\n</tool_call>"
     return f'{{"name": {json.dumps(name)}, "parameters": {args}}}'
 

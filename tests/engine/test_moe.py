@@ -1,7 +1,8 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): tiny random checkpoints built by transformers give its
-greedy output in float32 (roomy, with preemption, with chunked prefill), also over two gloo ranks
-with tensor parallelism (each expert's width split) and with expert parallelism (whole experts
-split); dummy weights are one model whatever the split; configs the engine can't serve say why."""
+"""Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): tiny random checkpoints
+built by transformers give its greedy output in float32 (roomy, with preemption, with chunked
+prefill), also over two gloo ranks with tensor parallelism (each expert's width split) and with
+expert parallelism (whole experts split); dummy weights are one model whatever the split; configs
+the engine can't serve say why."""
 from __future__ import annotations
 
 import dataclasses
