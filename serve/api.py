@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: create_app(engine, config) builds a FastAPI app around an engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
-/v1/responses/{id}), POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}, GET /health,
-GET /metrics, and vLLM's POST /tokenize, POST /detokenize, GET /version.
+/v1/responses/{id}), POST /v1/embeddings, POST /v1/score, POST /v1/rerank, GET /v1/models,
+GET /v1/models/{model}, GET /health, GET /metrics, and vLLM's POST /tokenize, POST /detokenize,
+GET /version.
 The app owns an AsyncEngine (scheduler/loop.py), started and drained by the app's lifespan. The
 engine is serve.build.Engine (its core steps on a thread of this process) or, for `--engine-loop
 process`, serve.engine_process.ProcessEngine (its core runs in a child process).
@@ -13,6 +14,8 @@ import asyncio
 import logging
 import os
 import time
+import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -36,8 +39,9 @@ from serve.openai_format import ChatFormat, CompletionFormat, Format, TokenStrin
 from serve.prompts import Draft, Plan, RequestPlanner
 from serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                             DetokenizeRequest, DetokenizeResponse, Embedding, EmbeddingRequest, EmbeddingResponse,
-                            EmbeddingUsage, ErrorResponse, LoadLoraAdapterRequest, ModelCard, ModelList, TokenizeRequest,
-                            TokenizeResponse, UnloadLoraAdapterRequest)
+                            EmbeddingUsage, ErrorResponse, LoadLoraAdapterRequest, ModelCard, ModelList, RerankDocument,
+                            RerankRequest, RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest,
+                            ScoreResponse, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
 from serve.api_processes import RESPONSES_DIR_ENV
 from serve.disagg import DisaggregatedEngine, DisaggregatedSet
 from serve.embeddings import Pooling, PoolingConfigError, encode_vector, finish_vector, model_pooling
@@ -167,6 +171,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         return await _embed(st, request, body)
+
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
+    async def score(body: ScoreRequest, request: Request) -> Any:
+        return await _score(st, request, body)
+
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
+    async def rerank(body: RerankRequest, request: Request) -> Any:
+        return await _rerank(st, request, body)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request) -> Any:
@@ -424,16 +436,13 @@ def _pooling(engine: Any) -> Pooling | PoolingConfigError:
         return e
 
 
-async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> Any:
-    """POST /v1/embeddings: each input's pooled final hidden state, cut to dimensions and normalized."""
+async def _pooled(st: ServerState, request: Request, body: EmbeddingRequest) -> tuple[list[array], int]:
+    """Each input's pooled final hidden state (not normalized), and the prompt tokens they took;
+    ClientGone if the client left meanwhile."""
     lora = _check_model(st, body.model)
     pooling = st.pooling
     if isinstance(pooling, PoolingConfigError):
         raise APIError(400, f"this model does not serve embeddings: {pooling}", param="model")
-    hidden = st.engine.model_config.hidden_size
-    if body.dimensions is not None and body.dimensions > hidden:
-        raise APIError(400, f"dimensions is {body.dimensions} but this model's embeddings have {hidden}",
-                       param="dimensions")
     try:
         plan = await _planned(st, partial(st.planner.embedding_draft, pooling=pooling.how), body)
     except APIError as e:
@@ -443,17 +452,75 @@ async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> A
     stream = await _submit(st, request, plan, lora)
     try:
         choices = await collect_while_connected(request, plan, stream)
-    except ClientGone:
-        return Response(status_code=499)
     finally:
         stream.abort()
+    if any(c.embedding is None for c in choices):
+        raise APIError(500, "the engine returned no embedding", code="generation_failed")
+    return [c.embedding for c in choices], sum(len(p.token_ids) for p in plan.prompts)
+
+
+async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> Any:
+    """POST /v1/embeddings: each input's pooled final hidden state, cut to dimensions and normalized."""
+    hidden = st.engine.model_config.hidden_size
+    if body.dimensions is not None and body.dimensions > hidden:
+        raise APIError(400, f"dimensions is {body.dimensions} but this model's embeddings have {hidden}",
+                       param="dimensions")
+    try:
+        pooled, tokens = await _pooled(st, request, body)
+    except ClientGone:
+        return Response(status_code=499)
+    pooling = st.pooling
+    assert isinstance(pooling, Pooling)
     normalize = pooling.normalize if body.normalize is None else body.normalize
-    data = []
-    for c in choices:
-        if c.embedding is None:
-            raise APIError(500, "the engine returned no embedding", code="generation_failed")
-        vector = finish_vector(c.embedding, body.dimensions, normalize)
-        data.append(Embedding(index=c.index, embedding=encode_vector(vector, body.encoding_format)))
-    tokens = sum(len(p.token_ids) for p in plan.prompts)
-    return EmbeddingResponse(data=data, model=lora or st.model_name,
+    vectors = [finish_vector(v, body.dimensions, normalize) for v in pooled]
+    data = [Embedding(index=i, embedding=encode_vector(v, body.encoding_format)) for i, v in enumerate(vectors)]
+    return EmbeddingResponse(data=data, model=_check_model(st, body.model) or st.model_name,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+async def _similarities(st: ServerState, request: Request, model: str | None, firsts: list[str], seconds: list[str],
+                        truncate: int | None, priority: int) -> tuple[list[float], int]:
+    """The cosine similarity of each first text to its second one, from their embeddings (as vLLM
+    scores with an embedding model); a text that appears twice is embedded once."""
+    texts = list(dict.fromkeys(firsts + seconds))
+    body = EmbeddingRequest(model=model, input=texts, truncate_prompt_tokens=truncate, priority=priority)
+    pooled, tokens = await _pooled(st, request, body)
+    unit = {t: finish_vector(v, None, True) for t, v in zip(texts, pooled)}
+    return [float(unit[a] @ unit[b]) for a, b in zip(firsts, seconds)], tokens
+
+
+async def _score(st: ServerState, request: Request, body: ScoreRequest) -> Any:
+    """POST /v1/score: text_1 against each of text_2, or the two lists pair by pair."""
+    firsts = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
+    seconds = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    if not firsts or not seconds:
+        raise APIError(400, "text_1 and text_2 need at least one text each", param="text_1" if not firsts else "text_2")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise APIError(400, f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: send one text_1, or as many "
+                            "as text_2 (scored pair by pair)", param="text_2")
+    try:
+        scores, tokens = await _similarities(st, request, body.model, firsts, seconds, body.truncate_prompt_tokens,
+                                             body.priority)
+    except ClientGone:
+        return Response(status_code=499)
+    return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()),
+                         model=_check_model(st, body.model) or st.model_name,
+                         data=[ScoreData(index=i, score=v) for i, v in enumerate(scores)],
+                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+async def _rerank(st: ServerState, request: Request, body: RerankRequest) -> Any:
+    """POST /v1/rerank: the documents by their similarity to the query, best first (top_n of them)."""
+    try:
+        scores, tokens = await _similarities(st, request, body.model, [body.query] * len(body.documents),
+                                             body.documents, body.truncate_prompt_tokens, body.priority)
+    except ClientGone:
+        return Response(status_code=499)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
+    results = [RerankResult(index=i, relevance_score=scores[i],
+                            document=RerankDocument(text=body.documents[i]) if body.return_documents else None)
+               for i in order]
+    return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=_check_model(st, body.model) or st.model_name,
+                          usage=RerankUsage(total_tokens=tokens), results=results)

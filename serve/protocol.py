@@ -386,6 +386,62 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ScoreRequest(RequestModel):
+    """POST /v1/score (vLLM's): the similarity of text_1 to each of text_2 (or pair by pair)."""
+    model: str | None = None
+    text_1: str | list[str] = Field(description="a text, or a list as long as text_2 (pair by pair)")
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep each text's last N tokens")
+    priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1)
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(RequestModel):
+    """POST /v1/rerank (the Jina and Cohere shape, as vLLM serves it): documents by relevance to the query."""
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1, description="return the best N (default: all)")
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep each text's last N tokens")
+    priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class LoadLoraAdapterRequest(RequestModel):
     """vLLM's /v1/load_lora_adapter (serve run --enable-lora)."""
 

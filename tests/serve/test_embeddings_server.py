@@ -101,3 +101,30 @@ def same_embeddings(url: str, reference_url: str) -> None:
     want, got = (httpx.post(f"{u}/v1/embeddings", json={"input": TEXTS}, timeout=60).json() for u in (reference_url, url))
     np.testing.assert_allclose([d["embedding"] for d in got["data"]], [d["embedding"] for d in want["data"]], atol=1e-5)
     assert got["usage"] == want["usage"]
+
+
+def test_score_and_rerank_are_cosine_similarities(server, offline):
+    """vLLM's /v1/score and the Jina/Cohere /v1/rerank with an embedding model: the cosine of the
+    normalized embeddings, LLM.embed's."""
+    import numpy as np
+
+    llm, _ = offline
+    query, docs = "Which city is the capital of France?", ["Paris is the capital.", "Bananas are yellow.", "1 2 3"]
+    vectors = [np.asarray(o.embedding) for o in llm.embed([query] + docs)]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    r = httpx.post(f"{server.base_url}/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["object"] == "list"
+    np.testing.assert_allclose([d["score"] for d in r["data"]], want, atol=1e-5)
+    pairs = httpx.post(f"{server.base_url}/v1/score", json={"text_1": docs, "text_2": docs[::-1]}, timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]],
+                               [float(vectors[1 + i] @ vectors[3 - i]) for i in range(3)], atol=1e-5)
+    ranked = httpx.post(f"{server.base_url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 2},
+                        timeout=60).json()
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [x["index"] for x in ranked["results"]] == best
+    assert [x["document"]["text"] for x in ranked["results"]] == [docs[i] for i in best]
+    np.testing.assert_allclose([x["relevance_score"] for x in ranked["results"]], [want[i] for i in best], atol=1e-5)
+    assert ranked["usage"]["total_tokens"] == sum(len(llm.tokenizer.encode(t)) for t in [query] + docs)
+    bad = httpx.post(f"{server.base_url}/v1/score", json={"text_1": docs[:2], "text_2": docs}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    server.wait_idle()

@@ -65,7 +65,9 @@ def request_fields(app, path: str) -> list[str]:
 BASES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
          "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
-         "/v1/embeddings": {"input": "hi"}}
+         "/v1/embeddings": {"input": "hi"},
+         "/v1/score": {"text_1": "hi", "text_2": ["a", "b"]},
+         "/v1/rerank": {"query": "hi", "documents": ["a", "b"]}}
 
 
 @pytest.mark.parametrize("path", list(BASES))
