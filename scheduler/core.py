@@ -117,14 +117,14 @@ class EngineCore:
             return params
         return dataclasses.replace(params, lora=self.loras.number(params.lora_name))
 
-    def load_lora(self, name: str, path: str = "", pinned: frozenset[str] = frozenset()) -> int:
+    def load_lora(self, name: str, path: str = "", pinned: frozenset[str] = frozenset(), token: str = "") -> int:
         """A LoRA adapter's number, loading it where it is not loaded (scheduler/lora.py)."""
-        return self.loras.load(name, path, self._loras_in_use(), pinned)
+        return self.loras.load(name, path, self.loras_in_use(), pinned, token)
 
     def unload_lora(self, name: str) -> None:
-        self.loras.unload(name, self._loras_in_use())
+        self.loras.unload(name, self.loras_in_use())
 
-    def _loras_in_use(self) -> set[int]:
+    def loras_in_use(self) -> set[int]:
         return {seq.params.lora for seq in self.scheduler.seqs.values()}
 
     def abort(self, seq_id: int) -> bool:

@@ -24,6 +24,7 @@ class LoraRegistry:
         self._write, self._numbers = write, numbers
         self.loaded: dict[str, tuple[int, int]] = {}  # name -> (number, slot)
         self.paths: dict[str, str] = {}  # every adapter loaded so far, by name
+        self.loaded_by: dict[str, str] = {}  # name -> the token of the load that brought it in (undo_load)
         for i, (name, path) in enumerate(modules):
             self.loaded[name] = (i + 1, i)
             self.paths[name] = path
@@ -42,10 +43,11 @@ class LoraRegistry:
         self._last_use[name] = self._clock
         return hit[0]
 
-    def load(self, name: str, path: str, in_use: set[int], pinned: frozenset[str] = frozenset()) -> int:
+    def load(self, name: str, path: str, in_use: set[int], pinned: frozenset[str] = frozenset(),
+             token: str = "") -> int:
         """name's number, loading it from path (or the path it was loaded from before) where it is not
         loaded; in_use: the numbers unfinished requests use (their slots stay); pinned: names not to
-        evict. ValueError (LoraError) says why it can't be."""
+        evict; token: names this load, for undo_load. ValueError (LoraError) says why it can't be."""
         known = self.paths.get(name)
         if known is not None and path and not _same(path, known):
             raise ValueError(f"LoRA adapter {name!r} was loaded from {known}, not {path}")
@@ -66,6 +68,7 @@ class LoraRegistry:
             self._drop(evicted)
         self.loaded[name] = (number, slot)
         self.paths[name] = str(path)
+        self.loaded_by[name] = token
         self._numbers.add(number)
         return self.number(name)
 
@@ -78,7 +81,17 @@ class LoraRegistry:
             raise ValueError(f"LoRA adapter {name!r} is in use by unfinished requests; unload it once they end")
         self._drop(name)
 
+    def undo_load(self, name: str, token: str, in_use: set[int]) -> bool:
+        """Unload name if the load named token brought it in and no unfinished request uses it (a load
+        that failed on another engine is taken back here); whether it was."""
+        hit = self.loaded.get(name)
+        if not token or hit is None or self.loaded_by.get(name) != token or hit[0] in in_use:
+            return False
+        self._drop(name)
+        return True
+
     def _drop(self, name: str) -> None:
+        self.loaded_by.pop(name, None)
         number, _ = self.loaded.pop(name)
         self._numbers.discard(number)
 
@@ -101,8 +114,12 @@ def _same(a: str, b: str) -> bool:
 
 
 # What the server runs on each engine core (module-level: picklable into an engine process)
-def load_lora(name: str, path: str, core) -> int:
-    return core.load_lora(name, path)
+def load_lora(name: str, path: str, token: str, core) -> int:
+    return core.load_lora(name, path, token=token)
+
+
+def undo_lora_load(name: str, token: str, core) -> bool:
+    return core.loras.undo_load(name, token, core.loras_in_use())
 
 
 def unload_lora(name: str, core) -> None:

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from scheduler.loop import AsyncEngine, EngineUnavailable, LoopConfig, QueueFull, RequestStream
-from scheduler.lora import UnknownAdapter, load_lora, loaded_adapters, unload_lora
+from scheduler.lora import UnknownAdapter, load_lora, loaded_adapters, undo_lora_load, unload_lora
 from scheduler.policy import RequestRejected
 from serve.errors import APIError, install_error_handlers
 from serve.generation_config import model_folder, sampling_defaults
@@ -220,7 +220,15 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         if body.lora_name == st.model_name or body.lora_name in st.config.model_aliases:
             raise APIError(400, f"{body.lora_name!r} is the served model's name; name the adapter otherwise",
                            param="lora_name")
-        await _on_engines(st, partial(load_lora, body.lora_name, body.lora_path))
+        token = uuid.uuid4().hex
+        try:
+            await _on_engines(st, partial(load_lora, body.lora_name, body.lora_path, token))
+        except APIError:  # all or none: take it back where this load brought it in (other replicas, engines)
+            try:
+                await _on_engines(st, partial(undo_lora_load, body.lora_name, token))
+            except APIError:
+                pass  # an engine that stopped meanwhile holds nothing to take back
+            raise
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)
