@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -224,6 +225,16 @@ def _logit_rows(it: ScheduledSeq) -> int:
 def _logit_items(items: list[ScheduledSeq], sampled: list[int]) -> list[ScheduledSeq]:
     """The item of each row of logits a step samples (_sampling_batch's rows)."""
     return [items[i] for i in sampled for _ in range(_logit_rows(items[i]))]
+
+
+def _attach(outputs: list[SampleOutput | None], found: dict[int, Any], field: str) -> None:
+    """A step's results beside its tokens (prompt logprobs, pooled rows), by item, onto the item's
+    output; an item that samples nothing gets one of its own (token -1)."""
+    for i, value in found.items():
+        if outputs[i] is None:
+            outputs[i] = SampleOutput(-1, **{field: value})
+        else:
+            setattr(outputs[i], field, value)
 
 
 def accepted(rows: list[int], draft: list[int]) -> list[int]:
@@ -1287,19 +1298,9 @@ class ModelRunner:
                 for j, i in enumerate(launched.sampled):
                     outputs[i] = SampleOutput(tokens[j], logprobs[j])
         if launched.prompt is not None:
-            for i, entries in launched.prompt.to_host().items():
-                out = outputs[i]
-                if out is None:
-                    outputs[i] = SampleOutput(-1, prompt=entries)
-                else:
-                    out.prompt = entries
+            _attach(outputs, launched.prompt.to_host(), "prompt")
         if launched.pooled is not None:
-            for i, vector in launched.pooled.to_host().items():
-                out = outputs[i]
-                if out is None:
-                    outputs[i] = SampleOutput(-1, pooled=vector)
-                else:
-                    out.pooled = vector
+            _attach(outputs, launched.pooled.to_host(), "pooled")
         return outputs
 
     def execute(self, batch: Batch) -> list[SampleOutput | None]:

@@ -106,22 +106,26 @@ def test_dummy_weights_are_one_model_whatever_the_split(moe_models):
         assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
 
 
-def test_loaded_experts_are_the_checkpoints(moe_models):
-    """The stacked w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 its down projection."""
+def loaded(folder):
+    """(our model with the checkpoint's weights, on the CPU; the checkpoint's tensors by name)."""
     from safetensors.torch import load_file
 
     from engine.loader import load_weights
     from engine.models.llama import LlamaForCausalLM
 
-    folder = moe_models["mixtral"]
-    cfg = ModelConfig.from_path(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(ModelConfig.from_path(folder))
     model = model.to_empty(device="cpu").float()
     load_weights(model, folder, show_progress=False)
     hf = {}
     for f in folder.glob("*.safetensors"):
         hf.update(load_file(str(f)))
+    return model, hf
+
+
+def test_loaded_experts_are_the_checkpoints(moe_models):
+    """The stacked w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 its down projection."""
+    model, hf = loaded(moe_models["mixtral"])
     ex = model.layers[1].mlp.experts
     base = "model.layers.1.block_sparse_moe."
     assert torch.equal(ex.w13[2], torch.cat((hf[base + "experts.2.w1.weight"], hf[base + "experts.2.w3.weight"])))
@@ -152,9 +156,7 @@ def test_shared_expert_parameters(moe_models):
     """Qwen2-MoE's shared expert and its gate: loaded as the checkpoint has them, and counted (kv-calc's
     weights) as transformers' model has them."""
     import transformers
-    from safetensors.torch import load_file
 
-    from engine.loader import load_weights
     from engine.models.llama import LlamaForCausalLM
 
     folder = moe_models["qwen2_moe"]
@@ -162,13 +164,7 @@ def test_shared_expert_parameters(moe_models):
     assert (cfg.shared_expert_size, cfg.norm_topk_prob, cfg.attention_bias) == (48, False, True)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters())
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").float()
-    load_weights(model, folder, show_progress=False)
-    hf = {}
-    for f in folder.glob("*.safetensors"):
-        hf.update(load_file(str(f)))
+    model, hf = loaded(folder)
     mlp, base = model.layers[0].mlp, "model.layers.0.mlp."
     assert torch.equal(mlp.shared_expert.gate_up_proj.weight, torch.cat((hf[base + "shared_expert.gate_proj.weight"],
                                                                          hf[base + "shared_expert.up_proj.weight"])))
