@@ -336,8 +336,11 @@ class RequestPlanner:
         if not self.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
         messages = []
+        # OpenAI's "developer" role (its newer name for system) where the template knows no such role
+        developer = "developer" if self.template_text is None or "developer" in self.template_text else "system"
         for i, m in enumerate(req.messages):
-            messages.append({"role": m.role, "content": check_text(m.text(), f"messages[{i}].content"),
+            role = developer if m.role == "developer" else m.role
+            messages.append({"role": role, "content": check_text(m.text(), f"messages[{i}].content"),
                              **({"name": check_text(m.name, f"messages[{i}].name")} if m.name else {})})
         messages = chat_messages(messages, req.messages, tools, self.tool_parser, self.template_has_tools)
         extra = {"tools": tools.tools} if tools.tools and self.template_has_tools else {}

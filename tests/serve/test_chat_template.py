@@ -59,6 +59,25 @@ def test_the_planner_renders_with_it(model_dir):
         ServerConfig(chat_template=" ")
 
 
+def test_the_developer_role_is_the_system_role_for_templates_without_it(model_dir):
+    """OpenAI's "developer" messages (its newer name for system ones): as system for a template that
+    knows no such role, as they are for one that does."""
+    from transformers import AutoTokenizer
+
+    from serve.prompts import RequestPlanner
+    from serve.protocol import ChatCompletionRequest
+    from serve.server_config import ServerConfig
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "developer", "content": "Be brief."},
+                                                             {"role": "user", "content": "Hi"}]})
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tok.decode(RequestPlanner(tok, 384, 4096, ServerConfig()).chat(req).prompts[0].token_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    knows = "{% for m in messages %}{{ 'DEV:' if m.role == 'developer' else m.role + ':' }}{{ m.content }}\n{% endfor %}"
+    text = tok.decode(RequestPlanner(tok, 384, 4096, ServerConfig(chat_template=knows)).chat(req).prompts[0].token_ids)
+    assert text.startswith("DEV:Be brief.")
+
+
 def test_a_bad_value_is_one_line_on_the_cli(model_dir, tmp_path, capsys):
     from serve.cli import main
 
