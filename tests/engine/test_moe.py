@@ -82,6 +82,16 @@ def test_two_ranks_equal_transformers(moe_models, expected, arch, expert_paralle
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_gpu_equals_transformers(moe_models, expected, arch):
+    """float32 on a GPU: the Triton MoE kernel (and Qwen2-MoE's shared expert) under the CUDA graphs."""
+    prompts, want = expected
+    with LLM(str(moe_models[arch]), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+             max_num_batched_tokens=32) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want[arch]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("arch, expert_parallel", [("mixtral", True), ("qwen3_moe", False)])
 def test_two_gpus_equal_transformers(moe_models, expected, arch, expert_parallel):
