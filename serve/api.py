@@ -24,6 +24,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -143,11 +144,15 @@ def create_app(engine: "Engine | ProcessEngine | ReplicatedEngine | Disaggregate
     app.state.server = state
     install_error_handlers(app)
     _add_routes(app, state)
-    # The last added runs first: count every response, then check the key, then the body size.
+    # The last added runs first: answer CORS preflights (which carry no key), count every response,
+    # then check the key, then the body size.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyGuard, api_key=config.api_key)
     app.add_middleware(HttpMetricsMiddleware, metrics=state.metrics)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     return app
 
 

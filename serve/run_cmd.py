@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every /v1 route (or set {API_KEY_ENV})")
+    g.add_argument("--allowed-origins", default=None, nargs="+", metavar="ORIGIN",
+                   help="CORS: web pages of these origins (e.g. http://localhost:3000, or * for any) may call the "
+                        "API from a browser (default: none)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key (PEM) ...")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="... and this certificate (PEM)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="model id clients must send (default: the folder name); with several, any of them, and "
                         "responses name the first")
@@ -103,7 +108,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout_s=args.shutdown_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         max_tokens_limit=args.max_tokens_limit, tool_parser=args.tool_parser,
                         reasoning_parser=args.reasoning_parser, generation_config=args.generation_config,
-                        chat_template=None if args.chat_template is None else resolve_chat_template(args.chat_template))
+                        chat_template=None if args.chat_template is None else resolve_chat_template(args.chat_template),
+                        allowed_origins=tuple(args.allowed_origins or ()), ssl_keyfile=args.ssl_keyfile,
+                        ssl_certfile=args.ssl_certfile)
 
 
 def is_loopback(host: str) -> bool:
@@ -186,8 +193,9 @@ def serve_app(app: Any, listener: socket.socket, host: str, port: int, log_level
             others.terminate()  # the other API processes drain meanwhile
         await loop.drain(shutdown_timeout_s)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=int(shutdown_timeout_s) + 5)
+    cfg = app.state.server.config
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, ssl_keyfile=cfg.ssl_keyfile,
+                            ssl_certfile=cfg.ssl_certfile, timeout_graceful_shutdown=int(shutdown_timeout_s) + 5)
     server = DrainingServer(config, on_exit=on_exit)
 
     def stop(message: str) -> None:
@@ -275,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
                 0, n_api, args.host, args.port, args.log_level, server_cfg, engine_cfg, engine.model_config,
                 engine.runner, engine.core.snapshot))
         name = server_cfg.served_model_name or engine.model_name
-        url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{listener.getsockname()[1]}"
+        scheme = "https" if server_cfg.ssl_certfile else "http"
+        url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{listener.getsockname()[1]}"
         print(f"pagedserve: model {name} ({engine.model_config.architecture}, {engine.runner.device}, "
               f"{engine.runner.dtype_name}); KV cache {engine.kv_capacity_tokens} tokens "
               f"({engine.runner.num_blocks} blocks of {engine_cfg.block_size}, {engine_cfg.kv_cache_dtype}); "

@@ -30,6 +30,9 @@ class ServerConfig:
     # (pagedserve's own), or a folder holding one
     generation_config: str = "auto"
     chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's (serve/chat_template.py)
+    allowed_origins: tuple[str, ...] = ()  # CORS: pages of these origins ("*": any) may call the API from a browser
+    ssl_keyfile: str | None = None  # HTTPS: the server's private key and certificate (PEM files)
+    ssl_certfile: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_sequences_per_request",
@@ -53,3 +56,9 @@ class ServerConfig:
             raise ValueError("chat_template must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: give both (or neither)")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"{name} {path!r} is not a file")

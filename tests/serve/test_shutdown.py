@@ -25,7 +25,7 @@ from tests.serve.helpers import free_port, serve_run_usage_error
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+def start_server(model_dir: Path, *extra: str, scheme: str = "http") -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "serve.cli", "run", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
            "--num-kv-blocks", "64", "--port", str(port), "--log-level", "warning", *extra]
@@ -36,7 +36,7 @@ def start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
         if proc.poll() is not None:
             raise AssertionError(f"server exited early: {proc.stdout.read()}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{scheme}://127.0.0.1:{port}/health", timeout=1, verify=False).status_code == 200:
                 return proc, port
         except httpx.HTTPError:
             time.sleep(0.1)
