@@ -113,16 +113,36 @@ class LLM:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, str]], chat_template: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of messages rendered with the tokenizer's chat template (or chat_template, a
-        Jinja template's text), ready for a reply."""
+        Jinja template's text), ready for a reply (or, continue_final_message, to go on with the last
+        assistant message); tools and chat_template_kwargs reach the template."""
         if chat_template is not None:
             check_chat_template(chat_template)
         elif not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  chat_template=chat_template)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, tokenize=False,
+                                                  chat_template=chat_template, tools=tools,
+                                                  **(chat_template_kwargs or {}))
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat(self, messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several, each rendered with the
+        chat template (chat_prompt) and answered by generate(); one output per conversation."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        prompts = [self.chat_prompt(list(c), chat_template, add_generation_prompt, continue_final_message, tools,
+                                    chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, lora_request)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

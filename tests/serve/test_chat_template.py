@@ -89,7 +89,7 @@ def test_a_bad_value_is_one_line_on_the_cli(model_dir, tmp_path, capsys):
 
 def test_served_and_offline(model_dir):
     """Over HTTP the reply and its prompt tokens are those of the offline engine given the same
-    template (LLM.chat_prompt(chat_template=...))."""
+    template (LLM.chat_prompt(chat_template=...), LLM.chat)."""
     import openai
 
     from serve.llm import LLM
@@ -108,6 +108,15 @@ def test_served_and_offline(model_dir):
                                            temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].message.content == want
         assert r.usage.prompt_tokens == len(ids)
+    # vLLM's LLM.chat: one conversation, or several, rendered and answered the same way
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert offline.chat(MESSAGES, params, chat_template=BRACKETS)[0].text == want
+    other = [{"role": "user", "content": "Name a capital."}]
+    both = offline.chat([MESSAGES, other], params, chat_template=BRACKETS)
+    assert [o.text for o in both] == [want, offline.generate([offline.chat_prompt(other, BRACKETS)], params)[0].text]
+    go_on = other + [{"role": "assistant", "content": "Paris is"}]
+    ids = offline.chat_prompt(go_on, add_generation_prompt=False, continue_final_message=True)
+    assert offline.tokenizer.decode(ids).endswith("Paris is")  # the reply goes on from there
 
 
 def test_serve_generate_chat(model_dir, capsys):
