@@ -60,6 +60,16 @@ def test_pooled_hidden_states_equal_transformers(tiny_models, prompts, arch, how
     core.scheduler.check_integrity()
 
 
+def test_triton_backend_pools_the_same(tiny_models, prompts):
+    """The Triton op set (interpreted on the CPU): the hidden states its kernels leave pool as transformers'."""
+    pytest.importorskip("triton")
+    path = tiny_models["qwen3"]
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=16, backend="triton", **CPU)
+    for how in ("last", "mean"):
+        check_close([o.embedding for o in llm.embed(prompts[3:], pooling=how)], hf_embeddings(path, prompts[3:], how),
+                    atol=1e-4)
+
+
 def test_embeddings_beside_generation_in_the_same_steps(tiny_models, prompts):
     """One call mixes generating and embedding sequences: the tokens stay transformers', the vectors too."""
     path = tiny_models["llama"]

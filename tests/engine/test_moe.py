@@ -193,13 +193,15 @@ def test_shared_expert_parameters(moe_models):
                                                                             "width 50; sizes that fit this model: 1, 2")
 
 
-def test_triton_backend_equals_transformers(moe_models, expected):
-    """The engine's Triton op set (kernels/moe.py, interpreted on the CPU), chunked: mixed steps."""
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_triton_backend_equals_transformers(moe_models, expected, arch):
+    """The engine's Triton op set (kernels/moe.py, and the dense MLP's for Qwen2-MoE's shared expert,
+    interpreted on the CPU), chunked: mixed steps."""
     pytest.importorskip("triton")
     prompts, want = expected
-    llm = LLM(str(moe_models["mixtral"]), **CPU, num_kv_blocks=32, backend="triton", max_num_batched_tokens=16)
+    llm = LLM(str(moe_models[arch]), **CPU, num_kv_blocks=32, backend="triton", max_num_batched_tokens=16)
     outs = llm.generate(prompts[1:3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [w[:3] for w in want["mixtral"][1:3]]
+    assert [o.token_ids for o in outs] == [w[:3] for w in want[arch][1:3]]
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
