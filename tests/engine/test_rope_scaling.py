@@ -52,3 +52,15 @@ def test_greedy_past_the_original_context(scaled):
     assert llm.engine.max_model_len == 512
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
     assert got == hf_greedy(path, prompts, 12)
+
+
+def test_triton_rotary_kernels_read_the_scaled_table(scaled):
+    """The Triton op set (interpreted on the CPU) rotates with the same table, YaRN's factor included."""
+    pytest.importorskip("triton")
+    kind, path = scaled
+    if kind == "linear":
+        pytest.skip("the table differs from the default only by its frequencies: yarn covers it")
+    prompts = [[5, 9, 33, 70, 101, 7] * 25]  # 150 tokens: past yarn's original 128 / 64
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, backend="triton", max_num_batched_tokens=64)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]
+    assert got == hf_greedy(path, prompts, 4)
