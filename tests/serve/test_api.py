@@ -231,9 +231,12 @@ def test_several_served_model_names(model_dir):
     from serve.run_cmd import server_config_from_args
     from serve.server_config import ServerConfig
 
-    args = build_parser().parse_args(["run", "--served-model-name", "main", "alias", "--tool-parser", "auto"])
+    args = build_parser().parse_args(["run", "--served-model-name", "main", "alias", "--max-model-len", "2k"])
     cfg = server_config_from_args(args)
     assert (cfg.served_model_name, cfg.model_aliases) == ("main", ("alias",))
+    assert args.max_model_len == 2048  # 32k-style lengths, as serve kv-calc reads them
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--max-model-len", "lots"])
     with ServerThread(build(model_dir), ServerConfig(served_model_name="main", model_aliases=("alias",),
                                                      shutdown_timeout_s=1.0)) as srv:
         assert [m["id"] for m in srv.http.get("/v1/models").json()["data"]] == ["main", "alias"]
