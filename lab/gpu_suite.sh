@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks , run on the device machine from the repo root:
-#   lab/gpu_suite.sh tests|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab|tp   (several stages may be given)
+#   lab/gpu_suite.sh tests|api|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab|tp   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m lab.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -29,6 +29,16 @@ for stage in "$@"; do
         python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=15 \
         tests/engine/test_gpu.py tests/kernels ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
       echo "pytest exit ${PIPESTATUS[0]}"
+      ;;
+    api)
+      log "GPU tests of the API features: pooled embeddings (eager, whole-step and piecewise graphs), each MoE on one GPU"
+      PAGEDSERVE_FAILURES=$OUT/pytest-failures.txt timeout -s ABRT ${TESTS_TIMEOUT:-540} \
+        python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=10 \
+        tests/engine/test_embeddings.py tests/engine/test_moe.py 2>&1 | tee "$OUT/pytest-api.log" | tail -15
+      echo "pytest exit ${PIPESTATUS[0]}"
+      log "embeddings against their prefill, llama3-8b"
+      python3 -m lab.embed_cost --model .models/llama3-8b --prompts 256 --length 512 \
+        --result-json "$OUT/embed-cost.json" 2>&1 | tail -1
       ;;
     engine)
       for m in llama3-8b qwen2.5-0.5b; do
