@@ -4,8 +4,8 @@ template, tools, structured output and reasoning parser work as on /v1/chat/comp
 
 Stored responses (store: true, OpenAI's default) are JSON files in a folder every API process of the
 server shares, so previous_response_id and GET /v1/responses/{id} work whichever process answers;
-each process keeps its last STORE_LIMIT (at most STORE_BYTES) and drops older ones (the folder: serve/run_cmd.py names it in
-RESPONSES_DIR_ENV). They live as long as the server.
+each process keeps its last STORE_LIMIT (at most STORE_BYTES) and drops older ones (the folder:
+serve/run_cmd.py names it in RESPONSES_DIR_ENV). They live as long as the server.
 """
 from __future__ import annotations
 
