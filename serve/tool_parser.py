@@ -115,6 +115,11 @@ class ToolCallParser:
         self.fmt = fmt
         self.param_types = param_types or {}
         self.xml_args = ""  # qwen3_coder: the arguments' JSON so far
+        self._steps = {"text": self._text, "start": self._start, "call": self._in_call, "after_call": self._after_call,
+                       "mistral_open": self._mistral_open, "mistral_list": self._mistral_list,
+                       "mistral_name": self._mistral_name, "mistral_args": self._mistral_args,
+                       "xml_function": self._xml_function, "xml_params": self._xml_params,
+                       "xml_value": self._xml_value}  # each state's step; "content" takes the rest as it is
         self.pending = ""  # text not yet turned into events
         self.state = "start" if fmt == "llama3_json" else "text"
         self.call: _Call | None = None
@@ -154,28 +159,9 @@ class ToolCallParser:
     # -- the states; each returns whether it made progress ------------------------------------
 
     def _advance(self, events: list[Event]) -> bool:
-        if self.state == "text":
-            return self._text(events)
-        if self.state == "start":
-            return self._start(events)
-        if self.state == "call":
-            return self._in_call(events)
-        if self.state == "after_call":
-            return self._after_call(events)
-        if self.state == "mistral_open":
-            return self._mistral_open(events)
-        if self.state == "mistral_list":
-            return self._mistral_list(events)
-        if self.state == "mistral_name":
-            return self._mistral_name(events)
-        if self.state == "mistral_args":
-            return self._mistral_args(events)
-        if self.state == "xml_function":
-            return self._xml_function(events)
-        if self.state == "xml_params":
-            return self._xml_params(events)
-        if self.state == "xml_value":
-            return self._xml_value(events)
+        step = self._steps.get(self.state)
+        if step is not None:
+            return step(events)
         events.append(Content(self.pending))  # "content": the rest is plain text
         self.pending = ""
         return False

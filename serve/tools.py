@@ -118,7 +118,8 @@ def param_types(schema: dict[str, Any] | None) -> dict[str, str]:
 
 # -- the prompt ----------------------------------------------------------------------------------
 
-HERMES_SYSTEM = """# Tools
+# the tools inside <tools></tools>, as Hermes and Qwen list them
+TAGGED_TOOLS = """# Tools
 
 You may call one or more of the functions below to help with the user's request. Each is described \
 as a JSON schema inside <tools></tools>:
@@ -126,7 +127,10 @@ as a JSON schema inside <tools></tools>:
 {tools}
 </tools>
 
-To call a function, answer with its name and arguments as a JSON object inside <tool_call></tool_call> tags:
+"""
+
+HERMES_SYSTEM = TAGGED_TOOLS + """To call a function, answer with its name and arguments as a JSON object inside \
+<tool_call></tool_call> tags:
 <tool_call>
 {{"name": <function name>, "arguments": <arguments as a JSON object>}}
 </tool_call>"""
@@ -146,15 +150,8 @@ You may call one or more of the functions below to help with the user's request.
 
 To call functions, answer with [TOOL_CALLS] and a JSON list of calls: \
 [TOOL_CALLS][{{"name": <function name>, "arguments": <arguments as a JSON object>}}]"""
-QWEN3_CODER_SYSTEM = """# Tools
 
-You may call one or more of the functions below to help with the user's request. Each is described \
-as a JSON schema inside <tools></tools>:
-<tools>
-{tools}
-</tools>
-
-To call a function, answer with its name and each argument in a block of its own:
+QWEN3_CODER_SYSTEM = TAGGED_TOOLS + """To call a function, answer with its name and each argument in a block of its own:
 <tool_call>
 <function=the function's name>
 <parameter=an argument's name>
