@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 
 import httpx
@@ -44,7 +45,7 @@ def test_https(model_dir, tmp_path):
     proc, port = start_server(model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), scheme="https")
     try:
         r = httpx.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                       verify=str(cert), timeout=60)
+                       verify=ssl.create_default_context(cafile=str(cert)), timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # plain HTTP is not served
