@@ -22,6 +22,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.on_exit = on_exit
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._interrupted = False  # a SIGINT has come
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -42,4 +43,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.should_exit and self._loop is not None:
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.on_exit()))
+        if sig == signal.SIGINT and not self._interrupted:
+            # The first Ctrl-C drains even after a SIGTERM: one Ctrl-C reaches every API process
+            # while the server process sends them SIGTERM, in either order, and uvicorn would take a
+            # SIGINT after it for a second Ctrl-C and skip the app's shutdown. A second one forces.
+            self._interrupted = True
+            self.should_exit = True
+            return
         super().handle_exit(sig, frame)

@@ -74,3 +74,25 @@ def test_ctrl_c_exits_0_quietly(model_dir, engine_loop, extra, tmp_path):
     shutdown = stderr[before:]  # start-up may warn about the user's choices; stopping has no cause to
     assert not [w for w in ALARMING if w in shutdown], shutdown
     assert "Shutting down" in shutdown, shutdown
+
+
+def test_a_sigterm_before_the_ctrl_c_still_drains():
+    """An API process can get the server process's SIGTERM before the Ctrl-C that reached every
+    process: that SIGINT still drains (uvicorn took it for a second Ctrl-C and skipped the app's
+    shutdown: a traceback, once in a CI run); a second Ctrl-C forces the exit."""
+    import uvicorn
+
+    from serve.uvicorn_server import DrainingServer
+
+    async def on_exit() -> None:
+        pass
+
+    server = DrainingServer(uvicorn.Config(lambda scope, receive, send: None), on_exit)
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
+    alone = DrainingServer(uvicorn.Config(lambda scope, receive, send: None), on_exit)
+    alone.handle_exit(signal.SIGINT, None)
+    assert alone.should_exit and not alone.force_exit
