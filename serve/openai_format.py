@@ -290,6 +290,21 @@ class CompletionFormat(_FormatBase):
         return self._response(out, u)
 
 
+def token_logprobs(strings: TokenStrings, lps: list[TokenLogprob]) -> list[ChatTokenLogprob]:
+    """Each token's logprob with its text and bytes, and its top tokens', as chat completions and the
+    Responses API's output_text list them."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token, raw = strings.get(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
+
+    out = []
+    for lp in lps:
+        t = top(lp.token_id, lp.logprob)
+        out.append(ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes,
+                                    top_logprobs=[top(i, v) for i, v in lp.top]))
+    return out
+
+
 def tool_call_id(fmt: str | None = None) -> str:
     """A new call's id: OpenAI's shape, or for mistral the 9 letters and digits its templates insist on."""
     if fmt == "mistral":
@@ -314,19 +329,10 @@ class ChatFormat(_FormatBase):
                            and plan.tool_parser is None and plan.reasoning_parser is None)
         self._text_events = {}
 
-    def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        token, raw = self.strings.get(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(raw))
-
     def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
         if self.plan.logprobs is None:
             return None
-        content = []
-        for lp in lps:
-            t = self._top(lp.token_id, lp.logprob)
-            content.append(ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes,
-                                            top_logprobs=[self._top(i, v) for i, v in lp.top]))
-        return ChatLogprobs(content=content)
+        return ChatLogprobs(content=token_logprobs(self.strings, lps))
 
     def _chunk(self, choices: list[ChatChunkChoice], u: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.loop import RequestStream
-from scheduler.request import StepOutput, TokenLogprob
-from serve.openai_format import ChoiceState, TokenStrings, new_choices, tool_call_id, usage
+from scheduler.request import StepOutput
+from serve.openai_format import ChoiceState, TokenStrings, new_choices, token_logprobs, tool_call_id, usage
 from serve.prompts import Plan
+from serve.protocol import ChatTokenLogprob
 from serve.reasoning import split_reasoning
 from serve.responses import new_id
 from serve.responses_protocol import (FunctionCallItem, InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
-                                      ReasoningItem, ReasoningText, ResponseLogprob, ResponseObject, ResponseTopLogprob,
-                                      ResponseUsage)
+                                      ReasoningItem, ReasoningText, ResponseObject, ResponseUsage)
 from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
 
 
@@ -64,7 +64,7 @@ class ResponsesFormat:
         self.items: list[Any] = []  # closed items, in output order
         self.open: _Open | None = None
         self.parser = ToolCallParser(plan.tool_parser, plan.tool_params) if plan.tool_parser is not None else None
-        self.logprobs: list[ResponseLogprob] = []
+        self.logprobs: list[ChatTokenLogprob] = []
 
     # -- the response object ------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class ResponsesFormat:
         if reasoning:
             output.append(ReasoningItem(id=new_id("rs"), content=[ReasoningText(text=reasoning)], status="completed"))
         if text or not calls:
-            logprobs = self._logprobs(choice.logprobs) if self.plan.logprobs is not None else None
+            logprobs = token_logprobs(self.strings, choice.logprobs) if self.plan.logprobs is not None else None
             output.append(OutputMessage(id=new_id("msg"), status="completed",
                                         content=[OutputText(text=text, logprobs=logprobs)]))
         output += [FunctionCallItem(id=new_id("fc"), call_id=tool_call_id(self.plan.tool_parser), name=c.name,
@@ -96,15 +96,6 @@ class ResponsesFormat:
         if status == "incomplete":  # the item max_output_tokens cut, as when streamed
             output[-1].status = "incomplete"
         return self.response(status, output, response_usage(self.plan, choice))
-
-    def _logprobs(self, lps: list[TokenLogprob]) -> list[ResponseLogprob]:
-        out = []
-        for lp in lps:
-            token, raw = self.strings.get(lp.token_id)
-            top = [ResponseTopLogprob(token=t, logprob=v, bytes=list(b))
-                   for (t, b), v in ((self.strings.get(i), v) for i, v in lp.top)]
-            out.append(ResponseLogprob(token=token, logprob=lp.logprob, bytes=list(raw), top_logprobs=top))
-        return out
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -127,7 +118,7 @@ class ResponsesFormat:
                 events += self._grow("reasoning", thinking)
         if self.parser is None:
             if text or (out.logprobs and self.plan.logprobs is not None):
-                events += self._grow("message", text, self._logprobs(out.logprobs))
+                events += self._grow("message", text, token_logprobs(self.strings, out.logprobs))
             return events
         for e in self.parser.feed(text) + (self.parser.close() if out.finished else []):
             if isinstance(e, Content) and e.text:
@@ -162,7 +153,7 @@ class ResponsesFormat:
         response = self.response("failed", self.items, error={"code": "server_error", "message": message})
         return [self._event("response.failed", response=response.model_dump(mode="json"))], response
 
-    def _grow(self, kind: str, text: str, logprobs: list[ResponseLogprob] | None = None) -> list[str]:
+    def _grow(self, kind: str, text: str, logprobs: list[ChatTokenLogprob] | None = None) -> list[str]:
         """Events that add text to the open item of this kind, opening it first where another is open."""
         events = []
         if self.open is None or self.open.kind != kind:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from serve.protocol import SamplingFields
+from serve.protocol import ChatTokenLogprob, SamplingFields
 
 
 class ResponsesRequest(SamplingFields):
@@ -43,21 +43,11 @@ class ResponsesRequest(SamplingFields):
                                                                          "chat template, such as enable_thinking")
 
 
-class ResponseTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ResponseLogprob(ResponseTopLogprob):
-    top_logprobs: list[ResponseTopLogprob] = Field(default_factory=list)
-
-
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[ResponseLogprob] | None = None
+    logprobs: list[ChatTokenLogprob] | None = None  # as chat completions list them
 
 
 class ReasoningText(BaseModel):
