@@ -190,8 +190,7 @@ class RequestPlanner:
         texts = [self._encodable(check_text(p, "prompt")) for p in prompts if isinstance(p, str)]
 
         def finish(ids: list[list[int]]) -> Plan:
-            encoded = iter(ids)
-            inputs = [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in prompts]
+            inputs = self._inputs(prompts, ids)
             echo_only = req.max_tokens == 0
             return self._plan(req, inputs, 1 if echo_only else req.max_tokens, req.logprobs, echo=req.echo,
                               echo_only=echo_only)
@@ -225,9 +224,8 @@ class RequestPlanner:
     def embedding_draft(self, req: EmbeddingRequest, pooling: str) -> Draft:
         """The inputs of /v1/embeddings as prompts that each make one (unshown) token and return
         their final hidden states pooled (SamplingParams.pooling)."""
-        inputs = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
-            else list(req.input)
-        if not inputs or any(len(p) == 0 for p in inputs):
+        inputs = self._prompt_list(req.input, "input")
+        if any(len(p) == 0 for p in inputs):
             raise APIError(400, "input is empty: send a non-empty string, a list of them, or token ids", param="input")
         limit = self.config.max_waiting_requests
         if len(inputs) > limit:
@@ -236,11 +234,7 @@ class RequestPlanner:
         texts = [self._encodable(check_text(p, "input")) for p in inputs if isinstance(p, str)]
 
         def finish(ids: list[list[int]]) -> Plan:
-            encoded = iter(ids)
-            prompts = [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in inputs]
-            keep = req.truncate_prompt_tokens
-            if keep is not None:
-                prompts = [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
+            prompts = self._truncated(self._inputs(inputs, ids), req.truncate_prompt_tokens)
             for p in prompts:
                 self._check_length(len(p.token_ids), 1)
             return Plan(prompts, [SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling, priority=req.priority)])
@@ -291,14 +285,27 @@ class RequestPlanner:
     # -- prompts -------------------------------------------------------------------------------
 
     @staticmethod
-    def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    def _prompt_list(prompt: Any, param: str = "prompt") -> list[str | list[int]]:
+        """A request's prompt field (a string, strings, token ids or lists of them) as a list of prompts."""
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise APIError(400, "prompt is empty: send a non-empty string or list of token ids", param="prompt")
+            raise APIError(400, f"{param} is empty: send a non-empty string or list of token ids", param=param)
         if isinstance(prompt[0], int):
             return [prompt]
         return list(prompt)
+
+    def _inputs(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[PromptInput]:
+        """The prompts as PromptInputs: the texts' encoded ids in order, token-id prompts checked."""
+        encoded = iter(ids)
+        return [PromptInput(next(encoded), p) if isinstance(p, str) else self._id_prompt(p) for p in prompts]
+
+    @staticmethod
+    def _truncated(prompts: list[PromptInput], keep: int | None) -> list[PromptInput]:
+        """truncate_prompt_tokens (vLLM's): each prompt's last `keep` tokens."""
+        if keep is None:
+            return prompts
+        return [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
 
     def _id_prompt(self, prompt: list[int]) -> PromptInput:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
@@ -386,9 +393,7 @@ class RequestPlanner:
             raise APIError(400, "allowed_token_ids cannot go with structured output: the grammar decides the tokens",
                            param="allowed_token_ids")
         self._check_count(len(prompts), req.n)
-        if req.truncate_prompt_tokens is not None:  # the last N tokens (vLLM's meaning); echo shows them
-            keep = req.truncate_prompt_tokens
-            prompts = [p if len(p.token_ids) <= keep else PromptInput(p.token_ids[-keep:]) for p in prompts]
+        prompts = self._truncated(prompts, req.truncate_prompt_tokens)  # echo shows the tokens kept
         if max_tokens is not None and max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens} but this server allows at most {self.max_tokens_limit}",
                            param="max_tokens")
