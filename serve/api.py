@@ -449,9 +449,9 @@ def _pooling(engine: Any) -> Pooling | PoolingConfigError:
         return e
 
 
-async def _pooled(st: ServerState, request: Request, body: EmbeddingRequest) -> tuple[list[array], int]:
-    """Each input's pooled final hidden state (not normalized), and the prompt tokens they took;
-    ClientGone if the client left meanwhile."""
+async def _pooled(st: ServerState, request: Request, body: EmbeddingRequest) -> tuple[list[array], int, str]:
+    """Each input's pooled final hidden state (not normalized), the prompt tokens they took and the
+    model name to answer with; ClientGone if the client left meanwhile."""
     lora = _check_model(st, body.model)
     pooling = st.pooling
     if isinstance(pooling, PoolingConfigError):
@@ -469,7 +469,7 @@ async def _pooled(st: ServerState, request: Request, body: EmbeddingRequest) -> 
         stream.abort()
     if any(c.embedding is None for c in choices):
         raise APIError(500, "the engine returned no embedding", code="generation_failed")
-    return [c.embedding for c in choices], sum(len(p.token_ids) for p in plan.prompts)
+    return [c.embedding for c in choices], sum(len(p.token_ids) for p in plan.prompts), lora or st.model_name
 
 
 async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> Any:
@@ -479,7 +479,7 @@ async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> A
         raise APIError(400, f"dimensions is {body.dimensions} but this model's embeddings have {hidden}",
                        param="dimensions")
     try:
-        pooled, tokens = await _pooled(st, request, body)
+        pooled, tokens, model = await _pooled(st, request, body)
     except ClientGone:
         return Response(status_code=499)
     pooling = st.pooling
@@ -487,19 +487,19 @@ async def _embed(st: ServerState, request: Request, body: EmbeddingRequest) -> A
     normalize = pooling.normalize if body.normalize is None else body.normalize
     vectors = [finish_vector(v, body.dimensions, normalize) for v in pooled]
     data = [Embedding(index=i, embedding=encode_vector(v, body.encoding_format)) for i, v in enumerate(vectors)]
-    return EmbeddingResponse(data=data, model=_check_model(st, body.model) or st.model_name,
+    return EmbeddingResponse(data=data, model=model,
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 async def _similarities(st: ServerState, request: Request, model: str | None, firsts: list[str], seconds: list[str],
-                        truncate: int | None, priority: int) -> tuple[list[float], int]:
+                        truncate: int | None, priority: int) -> tuple[list[float], int, str]:
     """The cosine similarity of each first text to its second one, from their embeddings (as vLLM
     scores with an embedding model); a text that appears twice is embedded once."""
     texts = list(dict.fromkeys(firsts + seconds))
     body = EmbeddingRequest(model=model, input=texts, truncate_prompt_tokens=truncate, priority=priority)
-    pooled, tokens = await _pooled(st, request, body)
+    pooled, tokens, name = await _pooled(st, request, body)
     unit = {t: finish_vector(v, None, True) for t, v in zip(texts, pooled)}
-    return [float(unit[a] @ unit[b]) for a, b in zip(firsts, seconds)], tokens
+    return [float(unit[a] @ unit[b]) for a, b in zip(firsts, seconds)], tokens, name
 
 
 async def _score(st: ServerState, request: Request, body: ScoreRequest) -> Any:
@@ -514,12 +514,11 @@ async def _score(st: ServerState, request: Request, body: ScoreRequest) -> Any:
         raise APIError(400, f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: send one text_1, or as many "
                             "as text_2 (scored pair by pair)", param="text_2")
     try:
-        scores, tokens = await _similarities(st, request, body.model, firsts, seconds, body.truncate_prompt_tokens,
-                                             body.priority)
+        scores, tokens, model = await _similarities(st, request, body.model, firsts, seconds,
+                                                    body.truncate_prompt_tokens, body.priority)
     except ClientGone:
         return Response(status_code=499)
-    return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()),
-                         model=_check_model(st, body.model) or st.model_name,
+    return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                          data=[ScoreData(index=i, score=v) for i, v in enumerate(scores)],
                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
@@ -527,13 +526,13 @@ async def _score(st: ServerState, request: Request, body: ScoreRequest) -> Any:
 async def _rerank(st: ServerState, request: Request, body: RerankRequest) -> Any:
     """POST /v1/rerank: the documents by their similarity to the query, best first (top_n of them)."""
     try:
-        scores, tokens = await _similarities(st, request, body.model, [body.query] * len(body.documents),
-                                             body.documents, body.truncate_prompt_tokens, body.priority)
+        scores, tokens, model = await _similarities(st, request, body.model, [body.query] * len(body.documents),
+                                                    body.documents, body.truncate_prompt_tokens, body.priority)
     except ClientGone:
         return Response(status_code=499)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocument(text=body.documents[i]) if body.return_documents else None)
                for i in order]
-    return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=_check_model(st, body.model) or st.model_name,
+    return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=model,
                           usage=RerankUsage(total_tokens=tokens), results=results)
