@@ -41,7 +41,7 @@ from kvcache.host_pool import HostKVPool, KVCopier
 from kvcache.host_tier import host_tier_blocks
 from kvcache.pool import KVPool
 from kvcache.spec import KVCacheSpec, resolve_kv_dtype
-from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq
+from scheduler.request import Batch, SampleOutput, SamplingParams, ScheduledSeq, startup_lora_slots
 
 log = logging.getLogger("pagedserve")
 
@@ -476,9 +476,9 @@ class ModelRunner:
         drafts = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
         tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + drafts), COST_MAX_ROWS)
         self.lora = attach(self.model, slots, rank, targets, tokens, self.device, self.dtype)
+        self.lora_slot_of = startup_lora_slots(len(adapters))
         for slot, adapter in enumerate(adapters):
             self.lora.write(slot, adapter)
-            self.lora_slot_of[slot + 1] = slot
         if self.device.type == "cuda":
             self._lora_uploads = UploadRing(8 * tokens, slots=4)
         log.info("LoRA: %d adapter slots of rank up to %d%s", slots, rank,

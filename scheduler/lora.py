@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scheduler.policy import RequestRejected
+from scheduler.request import startup_lora_slots
 
 
 class UnknownAdapter(RequestRejected):
@@ -25,10 +26,10 @@ class LoraRegistry:
         self.loaded: dict[str, tuple[int, int]] = {}  # name -> (number, slot)
         self.paths: dict[str, str] = {}  # every adapter loaded so far, by name
         self.loaded_by: dict[str, str] = {}  # name -> the token of the load that brought it in (undo_load)
-        for i, (name, path) in enumerate(modules):
-            self.loaded[name] = (i + 1, i)
+        for (name, path), (number, slot) in zip(modules, startup_lora_slots(len(modules)).items()):
+            self.loaded[name] = (number, slot)
             self.paths[name] = path
-            numbers.add(i + 1)
+            numbers.add(number)
         self._next = len(modules) + 1
         self._last_use: dict[str, int] = {}
         self._clock = 0

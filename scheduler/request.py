@@ -141,6 +141,12 @@ class SamplingParams:
                 or (self.min_p > 0.0 and self.temperature > 0.0))
 
 
+def startup_lora_slots(count: int) -> dict[int, int]:
+    """The start-up adapters' numbers (SamplingParams.lora) and slots: 1..count in slots 0..count-1,
+    as the runner writes them and scheduler/lora.py's registry knows them."""
+    return {i + 1: i for i in range(count)}
+
+
 POOLING = ("last", "mean", "cls")
 SPECULATIVE_METHODS = ("ngram",)
 
