@@ -19,11 +19,13 @@ from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
 from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
+from engine.draft import DraftModel, Proposed, catch_up_chunks
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.logit_adjust import LogitAdjuster
 from engine.lora import TARGETS, LoraError, LoraMasks, attach, load_adapter
 from engine.loader import init_dummy_weights, load_weights
 from engine.models.llama import LlamaForCausalLM, rope_cos_sin
+from engine.parallel.topology import Stage
 from engine.parallel.comm import Comm
 from engine.parallel.graph_memory import NCCL_BYTES_PER_CAPTURE, nccl_captures
 from engine.parallel.group import SINGLE, TPGroup
@@ -263,6 +265,7 @@ class Launched:
     pooled: PooledSamples | None = None  # embedding requests' pooled rows (engine/pooling.py)
     # speculative decoding: per sampling item, its first row of samples and its draft (None: one row)
     drafts: list[tuple[int, list[int] | None]] | None = None
+    proposed: Proposed | None = None  # a draft model's drafts (engine/draft.py), on the device
 
 
 @dataclass
@@ -295,9 +298,29 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     return model
 
 
+def build_model(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig, device: torch.device,
+                dtype: torch.dtype, max_model_len: int, show_progress: bool = True, comm: Comm | None = None,
+                stage: Stage | None = None) -> LlamaForCausalLM:
+    """The model on the device with its weights (dummy ones with load_format "dummy"), ready to run."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_cfg, comm, stage, cfg.enable_expert_parallel,
+                                 model_cfg.quant or (AT_LOAD if cfg.quantization == "fp8" else None))
+    model = materialize(model, device, dtype)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model, cfg.seed)
+    else:
+        assert model_path is not None
+        load_weights(model, model_path, show_progress)
+    model.fold_act_orders()
+    model.cos_sin = rope_cos_sin(model_cfg, max_model_len, device)
+    return model.eval()
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
-                 max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE, pp: Pipe | None = None) -> None:
+                 max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE, pp: Pipe | None = None,
+                 draft: tuple[ModelConfig, Path | None] | None = None) -> None:
+        """draft: speculative decoding's draft model (engine/draft.py), its config and folder."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         # tp: this rank's place in the tensor-parallel group; every rank runs this same start-up, whose
@@ -335,18 +358,8 @@ class ModelRunner:
             self.startup_s[name] = now - clock
             clock = now
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, self.comm, None if pp is None else pp.stage, cfg.enable_expert_parallel,
-                                     model_cfg.quant or (AT_LOAD if cfg.quantization == "fp8" else None))
-        model = materialize(model, self.device, self.dtype)
-        if cfg.load_format == "dummy":
-            init_dummy_weights(model, cfg.seed)
-        else:
-            assert model_path is not None
-            load_weights(model, model_path, show_progress)
-        model.fold_act_orders()
-        model.cos_sin = rope_cos_sin(model_cfg, max_model_len, self.device)
-        self.model = model.eval()
+        self.model = model = build_model(model_cfg, model_path, cfg, self.device, self.dtype, max_model_len,
+                                         show_progress, self.comm, None if pp is None else pp.stage)
         # LoRA adapters (engine/lora.py): which adapter each token uses, set before each step
         self.lora: LoraMasks | None = None
         self._lora_uploads: UploadRing | None = None
@@ -371,6 +384,19 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype_name)
         self.kv_spec = KVCacheSpec.for_model(model.stage.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
+        self.draft: DraftModel | None = None
+        if draft is not None:
+            if tp.size > 1 or pp is not None:
+                raise ValueError("a draft model with tensor or pipeline parallelism is not supported yet; "
+                                 "use n-gram drafts ({\"method\": \"ngram\", ...}) or one GPU")
+            assert cfg.speculative_config is not None
+            draft_cfg, draft_path = draft
+            self.draft = DraftModel(
+                build_model(draft_cfg, draft_path, cfg, self.device, self.dtype, max_model_len, show_progress),
+                self.ops, cfg.speculative_config.num_speculative_tokens,
+                KVCacheSpec.for_model(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim, cfg.block_size,
+                                      kv_dtype, 1))
+            phase("draft model")
         # the step cost model (GPU): the scheduler's prompt budget, the graphs' largest mixed step;
         # every rank derives its graphs from it: rank 0's measurement for all. A start that measures
         # compiles the Triton kernels of every phase meanwhile, on threads.
@@ -403,6 +429,8 @@ class ModelRunner:
         if pp is not None:  # and on every stage (each holds its own layers' KV in as many blocks)
             self.num_blocks = pp.comm.min_int(self.num_blocks)
         self.pool = KVPool(self.kv_spec, self.num_blocks, self.device, self.dtype)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, self.device, self.dtype)
         phase("kv cache")
         self.offload: KVCopier | None = None  # the host tier's copies (kvcache/host_pool.py)
         self.host_blocks = 0
@@ -439,6 +467,9 @@ class ModelRunner:
                 if self.steps is not None:
                     self.steps.capture(self.piecewise.pool)
                     phase("step graphs")
+            if self.draft is not None:
+                self.draft.capture(cfg.max_num_seqs, self.max_blocks_per_seq, self.device)
+                phase("draft graphs")
         self.host_slots: HostSlots | None = None
         self.uploads: UploadRing | None = None
         if self.device.type == "cuda":
@@ -618,7 +649,8 @@ class ModelRunner:
         self.weight_bytes = weights
         kv_bytes = kv_cache_bytes(total, self.cfg.gpu_memory_utilization, weights, self.activation_bytes,
                                   self.graph_bytes_reserved())
-        blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        block_bytes = self.kv_spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft is not None else 0)
+        blocks = max(0, int(kv_bytes) // block_bytes)  # the draft model's pool has as many blocks
         if blocks < 1:
             raise ValueError("no GPU memory is left for the KV cache after the weights and activations; "
                              "raise --gpu-memory-utilization or lower --max-num-batched-tokens")
@@ -640,6 +672,9 @@ class ModelRunner:
                                                     step_tokens)
             prefill_tokens = graphed_token_counts(self.cfg.max_num_seqs, self.piecewise_max_tokens, step_tokens,
                                                   self._slow_buckets())
+        if self.draft is not None:
+            graphs += estimate_graph_bytes(self.draft.model.cfg, self.dtype_name, self.cfg.max_num_seqs,
+                                           self.max_model_len, self.cfg.block_size, 1)
         if tp > 1 and self.device.type == "cuda":  # NCCL's memory for the collectives the graphs capture
             stage = self.model.stage
             graphs += NCCL_BYTES_PER_CAPTURE * nccl_captures(
@@ -860,7 +895,7 @@ class ModelRunner:
         sample_on_device(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0)] * nseq, [0] * nseq),
                          self.generator).to_host()
 
-    def prepare(self, batch: Batch, prev: Launched | None = None
+    def prepare(self, batch: Batch, prev: Launched | None = None, drafts: Proposed | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, torch.Tensor, SamplingBatch, list[int]]:
         """Host-side inputs of one step, built with numpy and sent to the device in one copy:
         int64 [ids | positions | slots | logit indices | pending] then int32 [seq_lens | query
@@ -870,7 +905,7 @@ class ModelRunner:
         items = batch.items
         n_seqs = len(items)
         self._reserve_rows(n_seqs)
-        host = self._decode_inputs(items, prev) if batch.is_decode_only else self._mixed_inputs(batch, prev)
+        host = self._decode_inputs(items, prev) if batch.is_decode_only else self._mixed_inputs(batch, prev, drafts)
         n_tok, head, width = host.num_tokens, host.head, host.width
         both = self._upload(host.i64.view(np.uint8), host.i32.view(np.uint8))
         d64, d32 = both[:host.i64.nbytes].view(torch.int64), both[host.i64.nbytes:].view(torch.int32)
@@ -892,8 +927,12 @@ class ModelRunner:
         n_logits = host.num_logits
         if host.num_pending:
             k, at = host.num_pending, 3 * n_tok + n_logits
-            assert prev is not None and prev.samples is not None
-            take_pending(input_ids, d64[at:at + 2 * k], k, prev.samples.tokens)
+            if drafts is not None:
+                source = drafts.source
+            else:
+                assert prev is not None and prev.samples is not None
+                source = prev.samples.tokens
+            take_pending(input_ids, d64[at:at + 2 * k], k, source)
         return input_ids, d64[n_tok:2 * n_tok], meta, d64[3 * n_tok:3 * n_tok + n_logits], sbatch, sampled
 
     def _upload(self, a: np.ndarray, b: np.ndarray) -> torch.Tensor:
@@ -956,8 +995,9 @@ class ModelRunner:
                 width = len(table)
         return ids, starts, pend, rows, width
 
-    def _mixed_inputs(self, batch: Batch, prev: Launched | None) -> HostInputs:
-        """prepare() for a step with prefill chunks (several tokens per item), after any decodes."""
+    def _mixed_inputs(self, batch: Batch, prev: Launched | None, drafts: Proposed | None = None) -> HostInputs:
+        """prepare() for a step with prefill chunks (several tokens per item), after any decodes. drafts:
+        a draft model's, whose tokens are pending inputs (read from drafts.source on the device)."""
         bs = self.kv_spec.block_size
         items = batch.items
         n_seqs, n_tok = len(items), batch.num_tokens
@@ -975,6 +1015,7 @@ class ModelRunner:
         pend_rows: list[int] = []
         ids_list: list[int] = []
         rows: list[int] = []
+        num_drafted = 0
         for i, it in enumerate(items):
             rows.append(self._table_row(it.seq.seq_id, it.seq.block_table))
             toks = it.seq.token_ids
@@ -986,7 +1027,14 @@ class ModelRunner:
                     ids_list.append(0)
                     pend_at.append(int(qsl[i]))
                     pend_rows.append(prev.rows[it.seq.seq_id])
-                ids_list += it.draft
+                if drafts is None:
+                    ids_list += it.draft
+                else:
+                    first = int(qsl[i]) + 1
+                    pend_at += range(first, first + len(it.draft))
+                    pend_rows += drafts.rows(num_drafted)
+                    ids_list += [0] * len(it.draft)
+                    num_drafted += 1
                 continue
             if it.end <= len(toks):
                 ids_list += toks[it.start:it.end]
@@ -1092,16 +1140,47 @@ class ModelRunner:
         if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
             return self._launch_graph(batch, prev)
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
+        drafts = self._propose(batch, prev) if self.draft is not None and batch.has_drafts else None
+        launched = None
         if self.steps is not None and not batch.is_decode_only:
             key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
-            # a draft's positions each take a logit row; the graph's inputs hold 3 words a sequence for
-            # a logit row and a pending token's two
+            # a draft's positions each take a logit row, and a draft model's tokens are pending inputs
+            # too; the graph's inputs hold 3 words a sequence for a logit row and a pending token's two
             drafted = sum(len(it.draft) for it in batch.items[batch.num_decode:] if it.draft is not None)
-            if key is not None and (not drafted or 3 * n + drafted <= 3 * self.steps.num_seqs):
-                return self._launch_step_graph(batch, prev, key)
-        input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev)
-        hidden = self._forward(input_ids, positions, meta)
-        return self._sample_hidden(batch, hidden, logit_idx, sbatch, sampled, prompt_rows(batch.items))
+            if key is not None and 3 * n + drafted * (1 if drafts is None else 3) <= 3 * self.steps.num_seqs:
+                launched = self._launch_step_graph(batch, prev, key, drafts)
+        if launched is None:
+            input_ids, positions, meta, logit_idx, sbatch, sampled = self.prepare(batch, prev, drafts)
+            hidden = self._forward(input_ids, positions, meta)
+            launched = self._sample_hidden(batch, hidden, logit_idx, sbatch, sampled, prompt_rows(batch.items))
+        launched.proposed = drafts
+        return launched
+
+    def _propose(self, batch: Batch, prev: Launched | None) -> Proposed:
+        """The draft model's round for a step's drafted items (engine/draft.py): the forwards that catch
+        their draft KV up, then its k + 1 greedy steps from each one's last token (pending ones read
+        from prev's samples on the device)."""
+        draft = self.draft
+        assert draft is not None
+        drafted = [it for it in batch.items[batch.num_decode:] if it.draft is not None]
+        for chunk in catch_up_chunks(drafted, self.cfg.max_num_batched_tokens):
+            ids, pos, meta, *_ = self.prepare(Batch(chunk, 0, 1))
+            draft.forward(ids, pos, meta)
+        n = len(drafted)
+        g = draft.graphs
+        prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
+        if g is not None and n <= g.max_bs:
+            words = self._graph_inputs(drafted, prev, g.host_inputs())
+            if prev_tokens is not None:  # where the graphs read pending input tokens
+                g.tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
+            tokens = g.replay_steps(n, words, draft.k + 1)[:draft.k].clone()
+        else:
+            ids, pos, meta, *_ = self.prepare(Batch([ScheduledSeq(it.seq, it.start, 1) for it in drafted], n, 1), prev)
+            tokens = draft.steps(ids, pos, meta.block_tables)[:draft.k]
+        flat = tokens.reshape(-1)
+        return Proposed(tokens, flat if prev_tokens is None else torch.cat([prev_tokens, flat]),
+                        0 if prev_tokens is None else prev_tokens.shape[0],
+                        [(it.seq, it.start, it.seq.block_table) for it in drafted])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                  carry: torch.Tensor | None = None) -> torch.Tensor:
@@ -1204,15 +1283,18 @@ class ModelRunner:
         if deferred is not None:
             self._draw(launched, deferred.logits, deferred.sbatch, deferred.items, deferred.tokens_out)
 
-    def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int]) -> Launched:
+    def _launch_step_graph(self, batch: Batch, prev: Launched | None, key: tuple[int, int],
+                           drafts: Proposed | None = None) -> Launched:
         """launch() for a step with prefill tokens that a whole-step graph takes (engine/step_graph.py):
         the host inputs as for an eager step, uploaded in the graph's layout, then one replay."""
         items = batch.items
         self._reserve_rows(len(items))
-        host = self._mixed_inputs(batch, prev)
+        host = self._mixed_inputs(batch, prev, drafts)
         assert self.steps is not None
         pending = None
-        if host.num_pending:
+        if drafts is not None:
+            pending = drafts.source
+        elif host.num_pending:
             assert prev is not None and prev.samples is not None
             pending = prev.samples.tokens
         hidden, logit_rows = self.steps.run(key, host, batch.num_decode, len(items), pending)
@@ -1288,12 +1370,22 @@ class ModelRunner:
                     outputs[i] = SampleOutput(tokens[0][j], None, list(later[j]))
                 return outputs
             if launched.drafts is not None:
+                proposed = launched.proposed
+                # a draft model's tokens, per drafted item (every drafted item of the step, in order)
+                filled = proposed.tokens.T.tolist() if proposed is not None else None
+                d = 0
                 for i, (row, draft) in zip(launched.sampled, launched.drafts):
                     if draft is None:
                         outputs[i] = SampleOutput(tokens[row], logprobs[row])
-                    else:
-                        kept = accepted(tokens[row:row + len(draft) + 1], draft)
-                        outputs[i] = SampleOutput(kept[0], None, kept[1:])
+                        continue
+                    if filled is not None:
+                        draft = filled[d]
+                    kept = accepted(tokens[row:row + len(draft) + 1], draft)
+                    if proposed is not None:  # its draft KV now covers the positions before the next last token
+                        seq, start, table = proposed.items[d]
+                        seq.draft_kv = (table, start + len(kept))
+                        d += 1
+                    outputs[i] = SampleOutput(kept[0], None, kept[1:])
             else:
                 for j, i in enumerate(launched.sampled):
                     outputs[i] = SampleOutput(tokens[j], logprobs[j])

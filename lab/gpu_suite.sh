@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks , run on the device machine from the repo root:
-#   lab/gpu_suite.sh tests|api|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab|tp   (several stages may be given)
+#   lab/gpu_suite.sh tests|api|draft|engine|overlap|serve|budget|hold|prefix|trace|kvdecode|kvmeasure|pdl|ab|tp   (several stages may be given)
 # Per-step host/device timing of eager steps: python3 -m lab.steps (see its docstring).
 # Results go to $OUT (default /tmp/pagedserve-out). Needs the wheels of ../shared/gpu-wheelhouse.sh
 # in .whl for the HTTP stages.
@@ -39,6 +39,16 @@ for stage in "$@"; do
       log "embeddings against their prefill, llama3-8b"
       python3 -m lab.embed_cost --model .models/llama3-8b --prompts 256 --length 512 \
         --result-json "$OUT/embed-cost.json" 2>&1 | tail -1
+      ;;
+    draft)
+      log "GPU tests of speculative decoding (n-gram and draft model)"
+      PAGEDSERVE_FAILURES=$OUT/pytest-failures.txt timeout -s ABRT ${TESTS_TIMEOUT:-300} \
+        python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=10 \
+        tests/engine/test_draft_model.py tests/engine/test_speculative.py 2>&1 | tee "$OUT/pytest-draft.log" | tail -15
+      echo "pytest exit ${PIPESTATUS[0]}"
+      log "a draft model's round against a decode step, llama3-8b with a qwen2.5-0.5b-shaped draft"
+      python3 -m lab.spec_draft --model .models/llama3-8b --draft .models/qwen2.5-0.5b --batch ${BATCHES:-1 8 32} \
+        --drafts ${DRAFTS:-4} --result-json "$OUT/spec-draft.json" 2>&1 | grep -v "^{" | tail -12
       ;;
     engine)
       for m in llama3-8b qwen2.5-0.5b; do

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 from kvcache.block_manager import BlockManager
 from scheduler.ngram import NgramProposer
-from scheduler.request import (Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus, SpeculativeConfig,
-                               StepOutput)
+from scheduler.request import (DEVICE_DRAFT, Batch, SampleOutput, ScheduledSeq, Sequence, SequenceStatus,
+                               SpeculativeConfig, StepOutput)
 
 HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
 ENDED_DECAY = 0.95  # the weight of the last ended sequence's lengths against those before (_demand)
@@ -76,7 +76,8 @@ class SchedulerConfig:
     # the budget paces prompts by the demand (a pipeline stage's cost model): only then is it computed,
     # so that other engines' steps don't pay for a look at the waiting prompts they would ignore
     paced: bool = False
-    # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py); a step with drafts is
+    # speculative decoding: decodes carry n-gram drafts (scheduler/ngram.py) or a draft model's
+    # placeholders (DEVICE_DRAFT, filled by the runner: engine/draft.py); a step with drafts is
     # collected before the next is scheduled (the tokens it keeps are known only once it has run)
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (scheduler/lora.py): those loaded at start-up, (name, folder); runtime: more load
@@ -106,7 +107,7 @@ class Scheduler:
         self._ended_prompt = self._ended_output = 0.0
         spec = config.speculative
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                         if spec is not None else None)
+                         if spec is not None and spec.method == "ngram" else None)
         self.num_draft_tokens = 0  # draft tokens verified, and of them accepted
         self.num_accepted_tokens = 0
 
@@ -212,7 +213,7 @@ class Scheduler:
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
         sequence gets the cache blocks of all the steps, or the batch runs one step."""
         k = self.config.num_scheduler_steps
-        if k <= 1 or prompts_wait or self.proposer is not None:  # a draft needs its sequence's last token
+        if k <= 1 or prompts_wait or self.config.speculative is not None:  # a draft needs its sequence's last token
             return 1
         max_len = self.config.max_model_len
         for it in decodes:
@@ -240,7 +241,7 @@ class Scheduler:
         Returns whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
         most = self.config.max_num_batched_tokens if max_seqs is None else min(max_seqs, self.config.max_num_batched_tokens)
-        proposer = self.proposer if drafted is not None else None
+        drafting = drafted is not None and self.config.speculative is not None
         tokens = 0  # of drafts
         preempted = False
         i = 0
@@ -262,7 +263,7 @@ class Scheduler:
                     break
             else:
                 draft = None
-                if proposer is not None and pending <= 1:
+                if drafting and pending <= 1:
                     room = self.config.max_num_batched_tokens - len(decodes) - len(drafted) - tokens - 1
                     draft = self._draft(seq, start, room, len(running) - i - 1, pending)
                 if draft:
@@ -276,23 +277,30 @@ class Scheduler:
         return preempted
 
     def _draft(self, seq: Sequence, start: int, room: int, others: int, pending: int) -> list[int] | None:
-        """seq's n-gram draft to follow its last token (at position start), as long as its output,
-        the context, the step's tokens (room) and the cache allow, leaving a free block for each of
-        the `others` sequences still to decode (a draft never preempts); None for rows whose sampling
-        depends on more than the logits (logprobs, a grammar, logit adjustments). With its last token
-        pending (sampled by the step in flight), the lookup's first token stands in for it and the
-        draft is what follows; where the pending token differs, the draft is most likely rejected,
-        never wrong."""
+        """seq's draft to follow its last token (at position start), as long as its output, the
+        context, the step's tokens (room) and the cache allow, leaving a free block for each of the
+        `others` sequences still to decode (a draft never preempts); None for rows whose sampling
+        depends on more than the logits (logprobs, a grammar, logit adjustments). An n-gram draft:
+        with its last token pending (sampled by the step in flight), the lookup's first token stands
+        in for it and the draft is what follows; where the pending token differs, the draft is most
+        likely rejected, never wrong. A draft model's: num_speculative_tokens placeholders
+        (DEVICE_DRAFT) that the runner fills on the device, from the pending token too, or none
+        where fewer fit (the draft model runs every row of its batch as far)."""
         p = seq.params
         if p.logprobs is not None or p.grammar is not None or p.adjusts_logits:
             return None
         limit = min(room, self.config.max_model_len - 1 - start)
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - (len(seq.token_ids) + pending - seq.num_prompt_tokens) - 1)
-        assert self.proposer is not None
-        draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit + pending)[pending:]
-        if not draft:
-            return None
+        if self.proposer is None:
+            k = self.config.speculative.num_speculative_tokens
+            if limit < k:
+                return None
+            draft = [DEVICE_DRAFT] * k
+        else:
+            draft = self.proposer.propose(seq.seq_id, seq.token_ids, limit + pending)[pending:]
+            if not draft:
+                return None
         bm = self.bm
         new_blocks = bm.blocks_needed(start + 1 + len(draft)) - len(seq.block_table)
         if new_blocks > 0 and (new_blocks > bm.num_free_blocks - others

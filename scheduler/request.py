@@ -148,7 +148,9 @@ def startup_lora_slots(count: int) -> dict[int, int]:
 
 
 POOLING = ("last", "mean", "cls")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# a draft model's token in ScheduledSeq.draft: the runner fills it on the device (engine/draft.py)
+DEVICE_DRAFT = -1
 
 
 class SpeculativeConfigError(ValueError):
@@ -157,27 +159,38 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding's settings (scheduler/ngram.py), as vLLM's speculative_config for n-gram
-    drafts: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-    "prompt_lookup_min": M}."""
+    """Speculative decoding's settings, as vLLM's speculative_config: n-gram drafts (scheduler/ngram.py)
+    {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M},
+    or a draft model's (engine/draft.py) {"model": folder, "num_speculative_tokens": K}, its method
+    "draft_model" where a model is given."""
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    method: str = "ngram"
+    model: str | None = None  # the draft model's folder (or preset name, with dummy weights)
 
     @classmethod
     def from_dict(cls, d: Any) -> SpeculativeConfig:
         if not isinstance(d, dict):
             raise SpeculativeConfigError(f"speculative_config must be a JSON object; got {d!r}")
-        method = d.get("method", "ngram")
+        method = d.get("method", "draft_model" if "model" in d else "ngram")
         if method not in SPECULATIVE_METHODS:
             raise SpeculativeConfigError(f"speculative_config method {method!r} is not supported "
                                          f"(only {', '.join(SPECULATIVE_METHODS)})")
-        unknown = sorted(set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        keys = {"method", "num_speculative_tokens"} | (
+            {"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
+        unknown = sorted(set(d) - keys)
         if unknown:
-            raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} (method, "
-                                         "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+            raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} for method {method} "
+                                         f"({', '.join(sorted(keys))})")
         if "num_speculative_tokens" not in d:
             raise SpeculativeConfigError("speculative_config needs num_speculative_tokens (the draft's length, e.g. 4)")
+        if method == "draft_model":
+            model = d.get("model")
+            if not isinstance(model, str) or not model:
+                raise SpeculativeConfigError("speculative_config method draft_model needs \"model\": the draft "
+                                             f"model's folder; got {model!r}")
+            return cls(d["num_speculative_tokens"], method=method, model=model)
         hi, lo = d.get("prompt_lookup_max"), d.get("prompt_lookup_min")
         if hi is None:  # one bound given: the other's default moves to keep min <= max
             hi = max(cls.prompt_lookup_max, lo) if isinstance(lo, int) else cls.prompt_lookup_max
@@ -193,6 +206,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                                          f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError("speculative_config: a draft model goes with method draft_model")
 
 
 class SequenceStatus(enum.Enum):
@@ -238,6 +253,9 @@ class Sequence:
     # params.pooling: the pooled final hidden state so far (a sum for mean), until the first output
     # token takes it (take_embedding)
     pooled: array | None = None
+    # speculative decoding's draft model (engine/draft.py): the positions whose KV it has written, and
+    # the block table they were written under (a preempted sequence's new table starts it over)
+    draft_kv: tuple[list[int], int] | None = None
     num_prompt_tokens: int = field(init=False)  # a plain attribute: read several times per sequence and step
     hash_root: int | None = field(init=False)  # the prefix cache's chain starts here (its LoRA adapter's)
 

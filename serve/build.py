@@ -1,6 +1,7 @@
 """Assemble an engine from an EngineConfig: model folder -> config -> runner -> tokenizer -> core."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -159,6 +160,32 @@ def resolve_model(cfg: EngineConfig, show_progress: bool = True) -> tuple[Path, 
     return path, model_cfg, max_len
 
 
+def resolve_draft(cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True
+                  ) -> tuple[ModelConfig, Path] | None:
+    """Speculative decoding's draft model (speculative_config's "model"): its config and folder,
+    checked against the target's; None without one."""
+    spec = cfg.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1:
+        raise ValueError("a draft model with tensor or pipeline parallelism is not supported yet; use n-gram drafts "
+                         '(speculative_config {"method": "ngram", ...}) or one GPU')
+    assert spec.model is not None
+    try:
+        path = resolve_model_path(dataclasses.replace(cfg, model=spec.model), show_progress)
+        draft_cfg = ModelConfig.from_path(path)
+        draft_cfg.check_quantization(cfg.quantization)
+    except ModelConfigError as e:
+        raise ModelConfigError(f"speculative_config's draft model: {e}") from None
+    if draft_cfg.headless:
+        raise ModelConfigError(f"speculative_config's draft model {spec.model!r} has no LM head (an embedding model)")
+    if draft_cfg.vocab_size > model_cfg.vocab_size:
+        raise ModelConfigError(f"speculative_config's draft model {spec.model!r} has a larger vocabulary "
+                               f"({draft_cfg.vocab_size}) than the model ({model_cfg.vocab_size}): a draft model "
+                               "shares the model's tokenizer")
+    return draft_cfg, path
+
+
 def is_follower_rank(cfg: EngineConfig) -> bool:
     """A rank other than 0 of a tensor-parallel engine that a launcher (torchrun) started: it serves
     nothing itself, it follows rank 0 (run_follower)."""
@@ -183,6 +210,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type
                     "generates comes from its embedding tied as the head", path)
     # The tokenizer (with transformers' import, 1-3 s) loads on a thread while the runner builds,
     # whose start-up mostly waits on the device with the GIL released.
+    draft = resolve_draft(cfg, model_cfg, show_progress)  # before any rank starts
     loader = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     tokenizer = loader.submit(load_tokenizer, path, model_cfg.vocab_size)
     loader.shutdown(wait=False)
@@ -197,7 +225,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type
             raise
     from engine.runner import ModelRunner
 
-    runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress)
+    runner = ModelRunner(model_cfg, path, cfg, max_len, show_progress, draft=draft)
     return _assemble(cfg, path, model_cfg, max_len, runner, runner, tokenizer.result(), core_class)
 
 

@@ -92,12 +92,17 @@ def test_config_checks():
     for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
                        ({"method": "ngram"}, "needs num_speculative_tokens"),
                        ({"num_speculative_tokens": 0}, "from 1 to 16"),
-                       ({"num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+                       ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "unknown key 'prompt_lookup_max'"),
+                       ({"model": "", "num_speculative_tokens": 2}, "needs \"model\""),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": "2"}, "prompt_lookup_min must be an integer"),
                        ("ngram", "JSON object")):
         with pytest.raises(SpeculativeConfigError, match=words):
             SpeculativeConfig.from_dict(bad)
+    c = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/m", 3)
     with pytest.raises(ValueError, match="takes the place of multi-step rounds"):
         LLM(None, speculative_config=SPEC, num_scheduler_steps=4, **CPU)
 
