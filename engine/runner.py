@@ -320,7 +320,8 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig,
                  max_model_len: int, show_progress: bool = True, tp: TPGroup = SINGLE, pp: Pipe | None = None,
                  draft: tuple[ModelConfig, Path | None] | None = None) -> None:
-        """draft: speculative decoding's draft model (engine/draft.py), its config and folder."""
+        """draft: speculative decoding's draft model (engine/draft.py), its config and folder: on rank
+        0 only under tensor parallelism (it sends the other ranks its drafts)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         # tp: this rank's place in the tensor-parallel group; every rank runs this same start-up, whose
@@ -385,15 +386,18 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(model.stage.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                              cfg.block_size, kv_dtype, tp.size)
         self.draft: DraftModel | None = None
+        spec = cfg.speculative_config
+        # every rank's steps take a draft model's tokens, which rank 0's draft model proposes
+        self.model_drafts = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         if draft is not None:
-            if tp.size > 1 or pp is not None:
-                raise ValueError("a draft model with tensor or pipeline parallelism is not supported yet; "
-                                 "use n-gram drafts ({\"method\": \"ngram\", ...}) or one GPU")
-            assert cfg.speculative_config is not None
+            if pp is not None:
+                raise ValueError("a draft model with pipeline parallelism is not supported yet; use n-gram drafts "
+                                 "({\"method\": \"ngram\", ...}) or tensor parallelism")
+            assert spec is not None and self.comm.rank == 0
             draft_cfg, draft_path = draft
             self.draft = DraftModel(
                 build_model(draft_cfg, draft_path, cfg, self.device, self.dtype, max_model_len, show_progress),
-                self.ops, cfg.speculative_config.num_speculative_tokens,
+                self.ops, spec.num_speculative_tokens,
                 KVCacheSpec.for_model(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim, cfg.block_size,
                                       kv_dtype, 1))
             phase("draft model")
@@ -1140,7 +1144,7 @@ class ModelRunner:
         if g is not None and batch.is_decode_only and n <= g.max_bs and all(it.samples for it in batch.items):
             return self._launch_graph(batch, prev)
         assert batch.num_steps == 1, "a multi-step batch needs the decode graphs (build_engine turns it off without them)"
-        drafts = self._propose(batch, prev) if self.draft is not None and batch.has_drafts else None
+        drafts = self._proposed(batch, prev) if self.model_drafts and batch.has_drafts else None
         launched = None
         if self.steps is not None and not batch.is_decode_only:
             key = self.steps.key(batch.num_decode, n - batch.num_decode, batch.num_tokens)
@@ -1156,13 +1160,27 @@ class ModelRunner:
         launched.proposed = drafts
         return launched
 
-    def _propose(self, batch: Batch, prev: Launched | None) -> Proposed:
+    def _proposed(self, batch: Batch, prev: Launched | None) -> Proposed:
+        """A draft model's tokens for a step's drafted items: proposed here, or (a tensor-parallel rank
+        other than 0) rank 0's."""
+        drafted = [it for it in batch.items[batch.num_decode:] if it.draft is not None]
+        if self.draft is not None:
+            tokens = self._propose(drafted, prev)
+        else:
+            tokens = torch.empty((self.model_drafts, len(drafted)), dtype=torch.int64, device=self.device)
+        self.comm.broadcast(tokens)
+        prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
+        flat = tokens.reshape(-1)
+        return Proposed(tokens, flat if prev_tokens is None else torch.cat([prev_tokens, flat]),
+                        0 if prev_tokens is None else prev_tokens.shape[0],
+                        [(it.seq, it.start, it.seq.block_table) for it in drafted])
+
+    def _propose(self, drafted: list[ScheduledSeq], prev: Launched | None) -> torch.Tensor:
         """The draft model's round for a step's drafted items (engine/draft.py): the forwards that catch
         their draft KV up, then its k + 1 greedy steps from each one's last token (pending ones read
-        from prev's samples on the device)."""
+        from prev's samples on the device) -> the drafts [k, n]."""
         draft = self.draft
         assert draft is not None
-        drafted = [it for it in batch.items[batch.num_decode:] if it.draft is not None]
         for chunk in catch_up_chunks(drafted, self.cfg.max_num_batched_tokens):
             ids, pos, meta, *_ = self.prepare(Batch(chunk, 0, 1))
             draft.forward(ids, pos, meta)
@@ -1176,11 +1194,8 @@ class ModelRunner:
             tokens = g.replay_steps(n, words, draft.k + 1)[:draft.k].clone()
         else:
             ids, pos, meta, *_ = self.prepare(Batch([ScheduledSeq(it.seq, it.start, 1) for it in drafted], n, 1), prev)
-            tokens = draft.steps(ids, pos, meta.block_tables)[:draft.k]
-        flat = tokens.reshape(-1)
-        return Proposed(tokens, flat if prev_tokens is None else torch.cat([prev_tokens, flat]),
-                        0 if prev_tokens is None else prev_tokens.shape[0],
-                        [(it.seq, it.start, it.seq.block_table) for it in drafted])
+            tokens = draft.steps(ids, pos, meta.block_tables)[:draft.k].contiguous()
+        return tokens
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                  carry: torch.Tensor | None = None) -> torch.Tensor:

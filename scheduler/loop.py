@@ -120,7 +120,7 @@ class EngineSnapshot:
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
                    core.has_unfinished(), core.hold_wait(), *(tier or (None,) * 5),
                    *((sched.num_draft_tokens, sched.num_accepted_tokens)
-                     if sched.config.speculative is not None else ()))
+                     if getattr(sched, "speculating", False) else ()))
 
 
 _snapshot_values = attrgetter(*(f.name for f in fields(EngineSnapshot)))

@@ -112,6 +112,11 @@ class Scheduler:
         self.num_accepted_tokens = 0
 
     @property
+    def speculating(self) -> bool:
+        """Decodes carry drafts (n-gram or a draft model's)."""
+        return self.config.speculative is not None
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -213,7 +218,7 @@ class Scheduler:
         update(), cuts the text but leaves up to K - 1 tokens past it in the output's ids). Each
         sequence gets the cache blocks of all the steps, or the batch runs one step."""
         k = self.config.num_scheduler_steps
-        if k <= 1 or prompts_wait or self.config.speculative is not None:  # a draft needs its sequence's last token
+        if k <= 1 or prompts_wait or self.speculating:  # a draft needs its sequence's last token
             return 1
         max_len = self.config.max_model_len
         for it in decodes:
@@ -241,7 +246,7 @@ class Scheduler:
         Returns whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
         most = self.config.max_num_batched_tokens if max_seqs is None else min(max_seqs, self.config.max_num_batched_tokens)
-        drafting = drafted is not None and self.config.speculative is not None
+        drafting = drafted is not None and self.speculating
         tokens = 0  # of drafts
         preempted = False
         i = 0

@@ -167,9 +167,9 @@ def resolve_draft(cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool
     spec = cfg.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1:
-        raise ValueError("a draft model with tensor or pipeline parallelism is not supported yet; use n-gram drafts "
-                         '(speculative_config {"method": "ngram", ...}) or one GPU')
+    if cfg.pipeline_parallel_size > 1:
+        raise ValueError("a draft model with pipeline parallelism is not supported yet; use n-gram drafts "
+                         '(speculative_config {"method": "ngram", ...}) or tensor parallelism')
     assert spec.model is not None
     try:
         path = resolve_model_path(dataclasses.replace(cfg, model=spec.model), show_progress)
@@ -217,7 +217,7 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type
     if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1:
         from engine.parallel.executor import start_tensor_parallel
 
-        executor = start_tensor_parallel(model_cfg, path, cfg, max_len, show_progress)
+        executor = start_tensor_parallel(model_cfg, path, cfg, max_len, show_progress, draft)
         try:
             return _assemble(cfg, path, model_cfg, max_len, executor.runner, executor, tokenizer.result(), core_class)
         except BaseException:

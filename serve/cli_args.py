@@ -91,7 +91,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each decode carries up to K tokens that '
                         "followed the same n-gram earlier in its prompt or output, and a step keeps those the model "
-                        "agrees with (greedy output unchanged; no multi-step rounds)")
+                        'agrees with (greedy output unchanged; no multi-step rounds); or a draft model\'s, \'{"model": '
+                        '"FOLDER", "num_speculative_tokens": 4}\': a smaller model with the same tokenizer proposes them')
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=FOLDER",
                    help="LoRA adapters (PEFT folders) served beside the base model, as vLLM takes them: name=folder or "
                         '\'{"name": ..., "path": ...}\'; a request picks one by its name in the "model" field, and '

@@ -112,6 +112,12 @@ class Comm:
         _all_gather_single(out, t, group=self.group.device)  # rank r's t at rows r * n ..
         return out.view(self.size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's t into t on every rank, in place (a draft model's tokens: engine/draft.py)."""
+        if self.size > 1:
+            dist.broadcast(t, group=self.group.device, group_src=0)
+        return t
+
     # -- control (host values, over the gloo group; never inside a forward) -------------------
 
     def min_int(self, value: int) -> int:

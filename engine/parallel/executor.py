@@ -255,10 +255,10 @@ def check_devices(cfg: EngineConfig, device_type: str) -> None:
 
 
 def start_tensor_parallel(model_cfg: ModelConfig, model_path: Path | None, cfg: EngineConfig, max_model_len: int,
-                          show_progress: bool = True) -> TPExecutor:
+                          show_progress: bool = True, draft: tuple[ModelConfig, Path | None] | None = None) -> TPExecutor:
     """Rank 0: the other ranks started (or, under torchrun, joined), the groups made, rank 0's runner
     built -> the executor (a PipelineExecutor with several stages). Raises ValueError/RuntimeError
-    with a one-line reason when a rank fails."""
+    with a one-line reason when a rank fails. draft: a draft model's config and folder (rank 0's)."""
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     size = world_size(tp, pp)
     device_type = resolve_device(cfg.device).type
@@ -275,7 +275,8 @@ def start_tensor_parallel(model_cfg: ModelConfig, model_path: Path | None, cfg: 
         topo, workers = _spawn_ranks(model_cfg, model_path, cfg, max_model_len, device_type)
     group = topo.world
     try:
-        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress, tp=topo.tp, pp=topo.pipe)
+        runner = ModelRunner(model_cfg, model_path, cfg, max_model_len, show_progress, tp=topo.tp, pp=topo.pipe,
+                             draft=draft)
     except BaseException as e:
         why = workers.dead(wait_s=2.0) if workers is not None else None
         if workers is not None:

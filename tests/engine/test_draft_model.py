@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine.config import ModelConfigError
 from engine.grammar import regex_grammar
@@ -115,8 +116,23 @@ def test_bad_draft_models(tiny_models, tmp_path):
     big = build_model("llama", tmp_path / "big", vocab_size=600)
     with pytest.raises(ModelConfigError, match="larger vocabulary"):
         LLM(str(model), speculative_config=spec(big), **CPU)
-    with pytest.raises(ValueError, match="tensor or pipeline parallelism is not supported"):
-        LLM(str(model), speculative_config=spec(model), tensor_parallel_size=2, **CPU)
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
+        LLM(str(model), speculative_config=spec(model), pipeline_parallel_size=2, **CPU)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tensor_parallel_equals_one_process(tiny_models, async_scheduling):
+    """Rank 0 holds the draft model and sends every rank its drafts before the verifying step."""
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    kw = dict(async_scheduling=async_scheduling, num_kv_blocks=9, max_num_batched_tokens=16)
+    one, single, _ = generate(model, params, speculative_config=spec(model), **kw)
+    tp, stats, _ = generate(model, params, speculative_config=spec(model), tensor_parallel_size=2, **kw)
+    assert tp == one and stats["accepted"] == stats["drafted"] > 0
+    if not async_scheduling:
+        assert stats == single
+    other, _, _ = generate(model, params, speculative_config=spec(tiny_models["qwen3"]), tensor_parallel_size=2, **kw)
+    assert other == one
 
 
 def test_served_by_a_prefill_decode_pair(tiny_models):
@@ -174,3 +190,20 @@ def test_on_the_gpu(tiny_models):
                 assert runner.draft.graphs is not None and sched.num_draft_tokens > 0
                 assert runner.steps is None or runner.steps.num_runs > 0
     assert runs[3:6] == runs[:3] and runs[6:] == runs[:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_on_two_gpus(tiny_models):
+    """Two ranks over NCCL: rank 0's draft model replays its graphs and broadcasts the drafts; the
+    tokens equal one GPU's, every greedy draft kept with the model as its own draft (float32)."""
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(model), device="cuda", dtype="float32", num_kv_blocks=256, speculative_config=spec(model),
+                 tensor_parallel_size=tp) as llm:
+            runs.append([o.token_ids for o in llm.generate(PROMPTS * 4, params)])
+            sched = llm.engine.core.scheduler
+            assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
+    assert runs[1] == runs[0]
