@@ -17,6 +17,7 @@ writes their draft KV again, with the same tokens at the same positions.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,14 @@ class DraftModel:
         self.graphs = DecodeGraphs(self.model, self.ops, self.pool.layers, max_num_seqs, max_blocks_per_seq,
                                    self.kv_spec.block_size, device, self.k + 1)
         self.graphs.capture()
+
+    @torch.inference_mode()
+    def time_rounds(self, timer: Callable[[Callable[[], object]], float]) -> dict[int, float]:
+        """ms of a round's k + 1 replays of each decode graph (rows of padding: its weights and
+        launches, the larger part of a small model's step), by batch size; timer(fn) -> ms."""
+        g = self.graphs
+        assert g is not None
+        return {b: timer(lambda b=b: [g.graphs[b].replay() for _ in range(self.k + 1)]) for b in g.buckets}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> None:

@@ -4,6 +4,7 @@ Implements the scheduler's Executor protocol. Holds the model, the KV pool and t
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -488,6 +489,33 @@ class ModelRunner:
             finish_compiles()  # anything the early pass compiled that no phase launched
             phase("warm-up")
             self._check_budget()
+        # speculative decoding's gate (scheduler/policy.py _drafts_pay): rank 0's scheduler asks
+        self.speculation_ratio: Callable[[int], float] | None = None
+        if spec is not None and self.cost_model is not None and self.comm.rank == 0 and pp is None:
+            self.speculation_ratio = self._speculation_ratio(spec.num_speculative_tokens)
+
+    def _speculation_ratio(self, k: int) -> Callable[[int], float]:
+        """(sequences) -> a step in which they all take k draft tokens against one in which they decode:
+        the forward of k + 1 rows a sequence (the cost model's) and, with a draft model, its round of
+        k + 1 decode steps for that many rows (its graphs, timed here), against the forward of one
+        row a sequence."""
+        cost = self.cost_model
+        assert cost is not None
+        rounds: dict[int, float] = {}
+        if self.draft is not None and self.draft.graphs is not None:
+            rounds = self.draft.time_rounds(_device_ms)
+        buckets = sorted(rounds)
+
+        def ratio(seqs: int) -> float:
+            draft_ms = 0.0
+            if buckets:
+                draft_ms = rounds[buckets[min(bisect.bisect_left(buckets, seqs), len(buckets) - 1)]]
+            return (cost.forward(seqs * (k + 1)) + draft_ms) / cost.forward(seqs)
+
+        if rounds:
+            log.info("draft model: a round of %d steps takes %s ms at %s rows", k + 1,
+                     "/".join(f"{rounds[b]:.2f}" for b in buckets[:4]), "/".join(map(str, buckets[:4])))
+        return ratio
 
     def _attach_lora(self) -> None:
         cfg, model_cfg = self.cfg, self.model_cfg

@@ -7,12 +7,17 @@ mechanism end to end, not a useful setting). From the small draft's round time, 
 must keep to pay, and with drafts kept independently at rate a ((1 - a^(k+1)) / (1 - a) tokens a
 round) the speed a real draft of that size would give: projected, not measured.
 
+Each engine with drafts runs twice: drafting every step ("forced", what a round costs), and as the
+scheduler chooses ("gated": drafts while the tokens they keep pay for the round's cost, estimated
+from the cost model and the draft's rounds timed at start-up; scheduler/policy.py _drafts_pay).
+
 python -m lab.spec_draft --model .models/llama3-8b --draft .models/qwen2.5-0.5b --batch 1 8 32 --drafts 4 \
     --result-json PATH
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -66,10 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with LLM(args.model, **kw) as llm:
             print(f"{engine}: started in {time.perf_counter() - t0:.1f} s", flush=True)
-            for b in args.batch:
-                row = {"engine": engine, **measure(llm, b, args.input_len, args.output_len)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            sched = llm.engine.core.scheduler
+            gate = sched.config.speculation_ratio
+            # "forced": drafts in every step (the round's cost); "gated": where the scheduler finds they pay
+            for mode in (("forced", "gated") if draft is not None else ("",)):
+                sched.config = dataclasses.replace(sched.config, speculation_ratio=gate if mode == "gated" else None)
+                for b in args.batch:
+                    sched.kept_per_draft = float(k + 1)  # each measurement starts as an engine does
+                    row = {"engine": f"{engine} {mode}".strip(), **measure(llm, b, args.input_len, args.output_len)}
+                    if mode == "gated" and gate is not None:
+                        row["ratio_estimate"] = gate(b)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         del llm  # the next engine sizes its KV cache from the memory this one leaves
         gc.collect()
         torch.cuda.empty_cache()
@@ -80,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         b = base[r["batch"]]
         r["round_vs_decode_step"] = r["step_ms"] / b["step_ms"]
         r["tok_s_vs_default"] = r["tok_s"] / b["tok_s"]
-        if r["engine"] == "small draft":
+        if r["engine"] == "small draft forced":
             ratio = r["round_vs_decode_step"]
             lo, hi = 0.0, 1.0  # the acceptance rate at which a round pays for its time
             for _ in range(50):

@@ -52,6 +52,10 @@ from scheduler.request import (DEVICE_DRAFT, Batch, SampleOutput, ScheduledSeq, 
                                SpeculativeConfig, StepOutput)
 
 HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
+# speculative decoding where drafts do not pay: a drafting step every PROBE_STEPS steps measures again
+# what they keep; each drafted sequence moves the kept-tokens average this share of the way
+PROBE_STEPS = 32
+KEPT_WEIGHT = 0.1
 ENDED_DECAY = 0.95  # the weight of the last ended sequence's lengths against those before (_demand)
 
 
@@ -84,6 +88,10 @@ class SchedulerConfig:
     # while serving
     lora_modules: tuple[tuple[str, str], ...] = ()
     runtime_loras: bool = False
+    # (sequences) -> what a step in which they all draft costs against a step in which they decode
+    # (the runner's cost model, a draft model's rounds timed at start-up); drafts are taken while the
+    # tokens a drafted sequence keeps a step, on average, make up for it. None: always (the CPU)
+    speculation_ratio: Callable[[int], float] | None = None
 
 
 class Scheduler:
@@ -110,6 +118,10 @@ class Scheduler:
                          if spec is not None and spec.method == "ngram" else None)
         self.num_draft_tokens = 0  # draft tokens verified, and of them accepted
         self.num_accepted_tokens = 0
+        # tokens a drafted sequence kept a step, a running average (optimistic at first); the steps
+        # since drafts last paid (_drafts_pay)
+        self.kept_per_draft = float(spec.num_speculative_tokens + 1) if spec is not None else 0.0
+        self._unpaid_steps = 0
 
     @property
     def speculating(self) -> bool:
@@ -246,7 +258,7 @@ class Scheduler:
         Returns whether anything was preempted."""
         bm, bs, running = self.bm, self.bm.block_size, self.running
         most = self.config.max_num_batched_tokens if max_seqs is None else min(max_seqs, self.config.max_num_batched_tokens)
-        drafting = drafted is not None and self.speculating
+        drafting = drafted is not None and self.speculating and self._drafts_pay()
         tokens = 0  # of drafts
         preempted = False
         i = 0
@@ -280,6 +292,20 @@ class Scheduler:
                     bm.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + 1, seq.hash_root)
                 i += 1
         return preempted
+
+    def _drafts_pay(self) -> bool:
+        """Whether this step's decodes take drafts: while the tokens a drafted sequence keeps make up for
+        what drafting costs a step of this many sequences (SchedulerConfig.speculation_ratio), and
+        otherwise every PROBE_STEPS steps, which measures the drafts again."""
+        ratio = self.config.speculation_ratio
+        if ratio is None or self.kept_per_draft >= ratio(max(1, len(self.running))):
+            self._unpaid_steps = 0
+            return True
+        self._unpaid_steps += 1
+        if self._unpaid_steps < PROBE_STEPS:
+            return False
+        self._unpaid_steps = 0
+        return True
 
     def _draft(self, seq: Sequence, start: int, room: int, others: int, pending: int) -> list[int] | None:
         """seq's draft to follow its last token (at position start), as long as its output, the
@@ -474,6 +500,7 @@ class Scheduler:
         bs = self.bm.block_size
         status_finished, status_running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         steps = batch.num_steps
+        drafted = kept = 0
         for it, sample in zip(batch.items, samples):
             seq = it.seq
             seq.num_pending -= it.samples * steps
@@ -492,6 +519,8 @@ class Scheduler:
                     seq.num_computed_tokens = it.start + len(new)  # the rejected positions' KV is not kept
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(new) - 1
+                drafted += 1
+                kept += len(new)
             reason = None
             # a multi-step batch's (or a draft's) tokens in turn, until one ends the sequence (the rest are dropped)
             for j, token in enumerate(new):
@@ -514,6 +543,9 @@ class Scheduler:
                                       [sample.logprob] if sample.logprob else [], None, seq.num_prompt_tokens,
                                       num_out, seq.num_cached_tokens, seq.take_prompt_logprobs() if first else None,
                                       seq.take_embedding() if first else None))
+        if drafted:
+            weight = 1.0 - (1.0 - KEPT_WEIGHT) ** drafted
+            self.kept_per_draft += weight * (kept / drafted - self.kept_per_draft)
         return outputs
 
     def discard(self, batch: Batch) -> None:

@@ -245,7 +245,8 @@ def _assemble(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, max_len: in
                       SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len, cfg.enable_prefix_caching,
                                       cfg.prefill_hold_ms / 1e3, steps, runner.prompt_budget,
                                       runner.prompt_budget is not None and runner.cost_model.pipelined,
-                                      cfg.speculative_config, cfg.lora_modules, cfg.enable_lora),
+                                      cfg.speculative_config, cfg.lora_modules, cfg.enable_lora,
+                                      getattr(runner, "speculation_ratio", None)),
                       runner.num_blocks, cfg.block_size, eos_token_ids(path, model_cfg, tokenizer))
     if getattr(runner, "offload", None) is not None:
         if core_class is not EngineCore:

@@ -23,6 +23,14 @@ def spec(model, k: int = 4) -> dict:
     return {"model": str(model), "num_speculative_tokens": k}
 
 
+def draft_always(llm: LLM) -> None:
+    """Drafts in every step, whatever the GPU's cost model says they pay (the gate has its own test)."""
+    import dataclasses
+
+    sched = llm.engine.core.scheduler
+    sched.config = dataclasses.replace(sched.config, speculation_ratio=None)
+
+
 def test_catch_up_chunks_follow_each_sequence_in_order():
     """The positions from a sequence's draft KV to its last token, in forwards of at most budget
     tokens; a block table replaced since (preemption) starts the sequence over."""
@@ -90,6 +98,38 @@ def test_rows_without_drafts_beside_rows_with(tiny_models, async_scheduling):
     same, stats, _ = generate(model, params, speculative_config=spec(model), async_scheduling=async_scheduling)
     assert same == plain and stats["accepted"] == stats["drafted"] > 0
     assert same[0][1] == "stop" and same[0][0][-1] == stop and len(same[4][0]) == 7
+
+
+def test_drafts_stop_where_they_do_not_pay(tiny_models):
+    """The scheduler takes drafts while the tokens a drafted sequence keeps a step make up for what
+    drafting costs (SchedulerConfig.speculation_ratio, the GPU's cost model; 1.5 here): a draft model
+    whose drafts are never kept stops after a few steps and then drafts once every PROBE_STEPS steps;
+    the model as its own draft keeps drafting; at a cost nothing pays for, only the probes draft."""
+    import dataclasses
+
+    from scheduler.policy import PROBE_STEPS
+
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+
+    def run(draft, ratio):
+        with LLM(str(model), num_kv_blocks=64, speculative_config=spec(draft, 3), **CPU) as llm:
+            sched = llm.engine.core.scheduler
+            sched.config = dataclasses.replace(sched.config, speculation_ratio=lambda seqs: ratio)
+            outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            return outs, sched.num_draft_tokens // 3 // len(PROMPTS), llm.engine.core.stats.num_steps, sched
+
+    plain = generate(model, params)[0]
+    outs, rounds, steps, sched = run(tiny_models["qwen2"], 1.5)
+    assert outs == [ids for ids, _ in plain]
+    assert sched.num_accepted_tokens < sched.num_draft_tokens / 10 and sched.kept_per_draft < 1.5
+    # drafting until the average falls below 1.5 (5 -> 1.5 at ~0.41 of the way a step), then probes
+    assert 4 <= rounds <= 4 + steps // PROBE_STEPS + 1 and steps > 70
+    outs, rounds, steps, sched = run(model, 1.5)
+    assert outs == [ids for ids, _ in plain] and sched.kept_per_draft == 4.0 and steps < 25
+    outs, rounds, steps, sched = run(model, 10.0)
+    assert outs == [ids for ids, _ in plain]
+    assert 1 <= rounds <= steps // PROBE_STEPS + 1
 
 
 def test_shared_prefix_blocks_and_later_turns(tiny_models):
@@ -181,6 +221,9 @@ def test_on_the_gpu(tiny_models):
         cfg = None if draft is None else spec(draft)
         with LLM(str(model), device="cuda", dtype="float32", num_kv_blocks=256, speculative_config=cfg) as llm:
             sched, runner = llm.engine.core.scheduler, llm.engine.runner
+            if draft is not None:
+                assert sched.config.speculation_ratio is not None and sched.config.speculation_ratio(4) > 1
+                draft_always(llm)
             runs.append([o.token_ids for o in llm.generate(prompts, [greedy] * len(prompts))])
             if draft is model:
                 assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
@@ -203,6 +246,7 @@ def test_tensor_parallel_on_two_gpus(tiny_models):
     for tp in (1, 2):
         with LLM(str(model), device="cuda", dtype="float32", num_kv_blocks=256, speculative_config=spec(model),
                  tensor_parallel_size=tp) as llm:
+            draft_always(llm)
             runs.append([o.token_ids for o in llm.generate(PROMPTS * 4, params)])
             sched = llm.engine.core.scheduler
             assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
