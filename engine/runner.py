@@ -1192,21 +1192,22 @@ class ModelRunner:
         """A draft model's tokens for a step's drafted items: proposed here, or (a tensor-parallel rank
         other than 0) rank 0's."""
         drafted = [it for it in batch.items[batch.num_decode:] if it.draft is not None]
+        prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
         if self.draft is not None:
-            tokens = self._propose(drafted, prev)
+            tokens = self._propose(drafted, prev, prev_tokens)
         else:
             tokens = torch.empty((self.model_drafts, len(drafted)), dtype=torch.int64, device=self.device)
         self.comm.broadcast(tokens)
-        prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
         flat = tokens.reshape(-1)
         return Proposed(tokens, flat if prev_tokens is None else torch.cat([prev_tokens, flat]),
                         0 if prev_tokens is None else prev_tokens.shape[0],
                         [(it.seq, it.start, it.seq.block_table) for it in drafted])
 
-    def _propose(self, drafted: list[ScheduledSeq], prev: Launched | None) -> torch.Tensor:
+    def _propose(self, drafted: list[ScheduledSeq], prev: Launched | None,
+                 prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The draft model's round for a step's drafted items (engine/draft.py): the forwards that catch
         their draft KV up, then its k + 1 greedy steps from each one's last token (pending ones read
-        from prev's samples on the device) -> the drafts [k, n]."""
+        from prev's samples, prev_tokens, on the device) -> the drafts [k, n]."""
         draft = self.draft
         assert draft is not None
         for chunk in catch_up_chunks(drafted, self.cfg.max_num_batched_tokens):
@@ -1214,7 +1215,6 @@ class ModelRunner:
             draft.forward(ids, pos, meta)
         n = len(drafted)
         g = draft.graphs
-        prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
         if g is not None and n <= g.max_bs:
             words = self._graph_inputs(drafted, prev, g.host_inputs())
             if prev_tokens is not None:  # where the graphs read pending input tokens

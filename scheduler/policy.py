@@ -52,10 +52,12 @@ from scheduler.request import (DEVICE_DRAFT, Batch, SampleOutput, ScheduledSeq, 
                                SpeculativeConfig, StepOutput)
 
 HOLD_CAP = 4  # a held prompt waits at most HOLD_CAP * prefill_hold_s
-# speculative decoding where drafts do not pay: a drafting step every PROBE_STEPS steps measures again
-# what they keep; each drafted sequence moves the kept-tokens average this share of the way
-PROBE_STEPS = 32
-KEPT_WEIGHT = 0.1
+# speculative decoding where drafts do not pay: a drafting step now and then measures again what they
+# keep, at least PROBE_STEPS steps apart and as far apart as keeps the probes' extra time PROBE_SHARE
+# of the steps'; each drafted sequence moves the kept-tokens average KEPT_WEIGHT of the way
+PROBE_STEPS = 16
+PROBE_SHARE = 0.03
+KEPT_WEIGHT = 0.25
 ENDED_DECAY = 0.95  # the weight of the last ended sequence's lengths against those before (_demand)
 
 
@@ -296,13 +298,14 @@ class Scheduler:
     def _drafts_pay(self) -> bool:
         """Whether this step's decodes take drafts: while the tokens a drafted sequence keeps make up for
         what drafting costs a step of this many sequences (SchedulerConfig.speculation_ratio), and
-        otherwise every PROBE_STEPS steps, which measures the drafts again."""
-        ratio = self.config.speculation_ratio
-        if ratio is None or self.kept_per_draft >= ratio(max(1, len(self.running))):
+        otherwise in a probe step now and then, which measures the drafts again."""
+        cost = self.config.speculation_ratio
+        ratio = 1.0 if cost is None else cost(max(1, len(self.running)))
+        if self.kept_per_draft >= ratio:
             self._unpaid_steps = 0
             return True
         self._unpaid_steps += 1
-        if self._unpaid_steps < PROBE_STEPS:
+        if self._unpaid_steps < max(PROBE_STEPS, (ratio - 1.0) / PROBE_SHARE):
             return False
         self._unpaid_steps = 0
         return True
