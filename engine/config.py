@@ -169,6 +169,16 @@ class ModelConfig:
         if why is not None:
             raise ValueError(f"pipeline_parallel_size {why}")
 
+    def check_draft(self, draft: "ModelConfig", name: str) -> None:
+        """Raise ModelConfigError unless `draft` (speculative decoding's draft model, named `name`) can
+        propose tokens for this model: an LM head, and ids within this model's vocabulary."""
+        if draft.headless:
+            raise ModelConfigError(f"speculative_config's draft model {name!r} has no LM head (an embedding model)")
+        if draft.vocab_size > self.vocab_size:
+            raise ModelConfigError(f"speculative_config's draft model {name!r} has a larger vocabulary "
+                                   f"({draft.vocab_size}) than the model ({self.vocab_size}): a draft model "
+                                   "shares the model's tokenizer")
+
     def check_quantization(self, method: str | None) -> None:
         """Raise ModelConfigError if `method` (--quantization) would quantize a checkpoint whose
         weights are quantized already: it would otherwise be silently ignored."""

@@ -442,6 +442,10 @@ class KVPlan:
     # stage's cache then holds (the engine agrees on the smallest)
     pipeline_parallel_size: int = 1
     active_params: int | None = None  # a mixture of experts: the parameters one token's forward reads
+    # speculative decoding's draft model, on the first GPU (its weights are in weight_bytes): its KV
+    # pool has as many blocks as the model's, each of this layout
+    draft_spec: KVCacheSpec | None = None
+    draft_weight_bytes: int = 0
 
     @property
     def kv_dtype(self) -> str:
@@ -464,8 +468,12 @@ class KVPlan:
         return self.spec.bytes_per_block
 
     @property
+    def draft_bytes_per_block(self) -> int:
+        return self.draft_spec.bytes_per_block if self.draft_spec is not None else 0
+
+    @property
     def num_blocks(self) -> int:
-        return self.spec.num_blocks_for(self.kv_cache_bytes)
+        return max(0, self.kv_cache_bytes // (self.spec.bytes_per_block + self.draft_bytes_per_block))
 
     @property
     def max_tokens(self) -> int:
@@ -482,7 +490,9 @@ class KVPlan:
 
     def with_kv_dtype(self, kv_dtype: str, block_size: int | None = None) -> "KVPlan":
         """The same budget with another KV storage dtype (and block size, if given)."""
-        return replace(self, spec=replace(self.spec, dtype=kv_dtype, block_size=block_size or self.block_size))
+        size = block_size or self.block_size
+        draft = None if self.draft_spec is None else replace(self.draft_spec, dtype=kv_dtype, block_size=size)
+        return replace(self, spec=replace(self.spec, dtype=kv_dtype, block_size=size), draft_spec=draft)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -510,6 +520,8 @@ class KVPlan:
             "num_layers": self.spec.num_layers,
             "num_kv_heads_per_gpu": self.spec.num_kv_heads,
             "head_dim": self.spec.head_dim,
+            "draft_weight_bytes": self.draft_weight_bytes,
+            "draft_bytes_per_block": self.draft_bytes_per_block,
             "warnings": list(self.warnings),
         }
 
@@ -545,11 +557,13 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
          activation_bytes: int | None = None, graph_bytes: int = 0, *,
          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, model_name: str = "the model",
-         pipeline_parallel_size: int = 1, lora: LoraShape | None = None) -> KVPlan:
+         pipeline_parallel_size: int = 1, lora: LoraShape | None = None, draft: ModelShape | None = None) -> KVPlan:
     """Size one GPU's KV cache. Raises KVCalcInputError for unusable values, WeightsDontFitError
     when the weights exceed the budget, NoRoomForKVCacheError when not one block is left. With
     several pipeline stages: the stage whose GPU holds the fewest blocks (each stage's cache holds
-    its own layers' KV). lora: LoRA adapters, counted with the weights."""
+    its own layers' KV). lora: LoRA adapters, counted with the weights. draft: speculative decoding's
+    draft model, whole on the first GPU (the one with the fewest blocks then) beside its own KV pool
+    of as many blocks."""
     weight_dtype = resolve_model_dtype(dtype, model)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
     check_tensor_parallel(model, tensor_parallel_size)
@@ -568,6 +582,13 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
                                  kv_dtype, tensor_parallel_size)
     lora_layer = lora.bytes_per_layer(model, weight_dtype, tensor_parallel_size) if lora is not None else 0
     weights = weight_bytes_per_gpu(model, weight_dtype, tensor_parallel_size) + lora_layer * model.num_layers
+    draft_spec, draft_weights = None, 0
+    if draft is not None:
+        if pipeline_parallel_size > 1:
+            raise KVCalcInputError("a draft model with pipeline parallelism is not supported")
+        draft_spec = KVCacheSpec.for_model(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size, kv_dtype, 1)
+        draft_weights = weight_bytes_per_gpu(draft, weight_dtype, 1)
+        weights += draft_weights
     estimated = activation_bytes is None
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(model, weight_dtype, tensor_parallel_size, max_num_batched_tokens,
@@ -588,18 +609,20 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
                   else f"use GPUs with more memory (tensor parallel up to {MAX_SUGGESTED_TP} is not enough)")
         raise WeightsDontFitError(f"{model_name} needs {_gib(weights)} of weights in {weight_dtype}{per_gpu} "
                                   f"but {available}; {advice}")
-    if kv_bytes < spec.bytes_per_block:
+    block_bytes = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
+    if kv_bytes < block_bytes:
         what = "estimated" if estimated else "given"
         raise NoRoomForKVCacheError(
             f"{model_name}: {_gib(weights)} of weights + {_gib(activation_bytes)} of activations ({what}) "
-            f"+ {_gib(graph_bytes)} of CUDA graphs leave no room for one KV block of {spec.bytes_per_block:,} B; "
+            f"+ {_gib(graph_bytes)} of CUDA graphs leave no room for one KV block of {block_bytes:,} B; "
             f"{available}; raise --memory-utilization or --tensor-parallel-size")
 
     warnings = []
     result = KVPlan(spec, weight_dtype, gpu_memory_bytes, memory_utilization, max_len, tensor_parallel_size,
                     model.num_params(), weights, activation_bytes, estimated, graph_bytes, kv_bytes,
                     pipeline_parallel_size=pipeline_parallel_size,
-                    active_params=model.active_params() if getattr(model, "num_experts", 0) else None)
+                    active_params=model.active_params() if getattr(model, "num_experts", 0) else None,
+                    draft_spec=draft_spec, draft_weight_bytes=draft_weights)
     if result.max_concurrent_seqs == 0:
         warnings.append(f"the cache holds {result.max_tokens:,} tokens, fewer than one sequence of --max-model-len "
                         f"{max_len:,}; the engine would lower max_model_len to {result.max_tokens:,}")

@@ -178,7 +178,7 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"speculative_config method {method!r} is not supported "
                                          f"(only {', '.join(SPECULATIVE_METHODS)})")
         keys = {"method", "num_speculative_tokens"} | (
-            {"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
+            {"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model", "draft_tensor_parallel_size"})
         unknown = sorted(set(d) - keys)
         if unknown:
             raise SpeculativeConfigError(f"speculative_config: unknown key {unknown[0]!r} for method {method} "
@@ -190,6 +190,9 @@ class SpeculativeConfig:
             if not isinstance(model, str) or not model:
                 raise SpeculativeConfigError("speculative_config method draft_model needs \"model\": the draft "
                                              f"model's folder; got {model!r}")
+            if d.get("draft_tensor_parallel_size", 1) != 1:
+                raise SpeculativeConfigError("speculative_config draft_tensor_parallel_size must be 1: the draft model "
+                                             "runs whole on the first GPU")
             return cls(d["num_speculative_tokens"], method=method, model=model)
         hi, lo = d.get("prompt_lookup_max"), d.get("prompt_lookup_min")
         if hi is None:  # one bound given: the other's default moves to keep min <= max

@@ -177,12 +177,7 @@ def resolve_draft(cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool
         draft_cfg.check_quantization(cfg.quantization)
     except ModelConfigError as e:
         raise ModelConfigError(f"speculative_config's draft model: {e}") from None
-    if draft_cfg.headless:
-        raise ModelConfigError(f"speculative_config's draft model {spec.model!r} has no LM head (an embedding model)")
-    if draft_cfg.vocab_size > model_cfg.vocab_size:
-        raise ModelConfigError(f"speculative_config's draft model {spec.model!r} has a larger vocabulary "
-                               f"({draft_cfg.vocab_size}) than the model ({model_cfg.vocab_size}): a draft model "
-                               "shares the model's tokenizer")
+    model_cfg.check_draft(draft_cfg, spec.model)
     return draft_cfg, path
 
 

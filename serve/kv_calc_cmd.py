@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="count LoRA slots on every projection, as serve run --enable-lora makes them")
     parser.add_argument("--max-loras", default="0", help="with --enable-lora: adapters held at once (default 1)")
     parser.add_argument("--max-lora-rank", default="0", help="with --enable-lora: their largest rank (default 16)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='as serve run takes it: a draft model\'s, \'{"model": FOLDER, "num_speculative_tokens": 4}\', '
+                             "counts its weights and its KV pool (as many blocks as the model's) on the first GPU")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "
@@ -86,6 +89,8 @@ class CalcRequest:
     pipeline_parallel_size: int = 1
     gpu_rates: tuple[float, float] | None = None  # copy bandwidth and matmul rate, where the GPU is known
     lora: LoraShape | None = None  # --lora-modules
+    draft: ModelConfig | None = None  # --speculative-config's draft model
+    draft_name: str = ""
 
 
 def _parse_int(flag: str, value: Any, least: int = 1) -> int:
@@ -166,8 +171,33 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
                    _parse_int("--max-loras", getattr(args, "max_loras", "0"), 0),
                    _parse_int("--max-lora-rank", getattr(args, "max_lora_rank", "0"), 0)),
     )
+    draft = _draft_model(getattr(args, "speculative_config", None))
+    if draft is not None:
+        try:
+            config.check_draft(draft.config, draft.name)
+        except ModelConfigError as e:
+            raise KVCalcInputError(str(e)) from None
+        req = replace(req, draft=draft.config, draft_name=draft.name)
     _check_engine_limits(req)
     return req
+
+
+def _draft_model(text: str | None) -> Any:
+    """--speculative-config's draft model (engine/presets.py resolve_model's answer), or None."""
+    if not text:
+        return None
+    from scheduler.request import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        spec = SpeculativeConfig.from_dict(json.loads(text))
+    except ValueError as e:  # JSON's and the config's own errors
+        raise KVCalcInputError(f"--speculative-config: {e}") from None
+    if spec.model is None:
+        return None  # n-gram drafts take no memory of their own
+    try:
+        return resolve_model(spec.model)
+    except (ModelConfigError, SpeculativeConfigError, FileNotFoundError, ValueError) as e:
+        raise KVCalcInputError(f"--speculative-config's draft model: {e}") from None
 
 
 def _lora(modules: list[str], runtime: bool, max_loras: int, max_rank: int) -> LoraShape | None:
@@ -261,6 +291,8 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     if tokens.step:
         graphs += estimate_step_graph_bytes(req.max_num_seqs, max_len, block_size, tokens.step)
     graphs += nccl_graph_bytes(req, dtype, tokens)
+    if req.draft is not None:  # its decode graphs (engine/draft.py)
+        graphs += estimate_graph_bytes(req.draft, dtype, req.max_num_seqs, max_len, block_size, 1)
     if req.tensor_parallel_size > 1:
         from engine.parallel.peer_allreduce import fused_buffer_bytes
 
@@ -268,7 +300,8 @@ def plan_request(req: CalcRequest, activation_bytes: int | None = None) -> KVPla
     return plan(req.model, req.gpu_memory_bytes, req.memory_utilization, req.kv_cache_dtype, req.dtype,
                 block_size, req.max_model_len, req.tensor_parallel_size, activation_bytes, graphs,
                 max_num_batched_tokens=req.max_num_batched_tokens, max_num_seqs=req.max_num_seqs,
-                model_name=req.model_name, pipeline_parallel_size=req.pipeline_parallel_size, lora=req.lora)
+                model_name=req.model_name, pipeline_parallel_size=req.pipeline_parallel_size, lora=req.lora,
+                draft=req.draft)
 
 
 def format_bytes(n: int) -> str:
@@ -293,7 +326,8 @@ def _line(label: str, value: str, note: str = "") -> str:
 
 
 def format_text(req: CalcRequest, base: KVPlan) -> str:
-    tp = f", tensor parallel {base.tensor_parallel_size} (figures per GPU)" if base.tensor_parallel_size > 1 else ""
+    per_gpu = "figures of the first GPU, which holds the draft model" if req.draft is not None else "figures per GPU"
+    tp = f", tensor parallel {base.tensor_parallel_size} ({per_gpu})" if base.tensor_parallel_size > 1 else ""
     if base.pipeline_parallel_size > 1:
         tp = (f", tensor parallel {base.tensor_parallel_size} x pipeline parallel {base.pipeline_parallel_size} "
               f"(figures per GPU: a stage of {base.spec.num_layers} layers)")
@@ -309,6 +343,9 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
               + (f", {base.active_params / 1e9:.2f}B active a token" if base.active_params else "")
               + (f"; {req.lora.slots} LoRA adapter{'s' if req.lora.slots > 1 else ''} of rank up to {req.lora.rank} "
                  "included" if req.lora is not None else "")),
+        *([_line("  of which the draft model", format_bytes(base.draft_weight_bytes),
+                 f"{req.draft_name}, {req.draft.num_params() / 1e9:.2f}B parameters, whole on the first GPU")]
+          if req.draft is not None else []),
         _line("activations", format_bytes(base.activation_bytes), act),
         _line("CUDA graphs", format_bytes(base.graph_bytes),
               "decode, piecewise and step graphs (under TP, NCCL's share too), reserved as the engine does"),
@@ -316,6 +353,9 @@ def format_text(req: CalcRequest, base: KVPlan) -> str:
         _line("KV bytes per token", f"{base.bytes_per_token:,}", format_bytes(base.bytes_per_token)),
         _line("KV bytes per block", f"{base.bytes_per_block:,}",
               f"{format_bytes(base.bytes_per_block)}, {base.block_size} tokens"),
+        *([_line("  and the draft model's", f"{base.draft_bytes_per_block:,}",
+                 f"{format_bytes(base.draft_bytes_per_block)}: its pool has as many blocks")]
+          if base.draft_spec is not None else []),
         _line("blocks", f"{base.num_blocks:,}"),
         _line("tokens that fit", f"{base.max_tokens:,}"),
         _line(f"sequences of {seq_len} tokens", f"{base.max_concurrent_seqs:,}", "at once (--max-model-len)"),

@@ -96,6 +96,7 @@ def test_config_checks():
                        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
                        ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "unknown key 'prompt_lookup_max'"),
                        ({"model": "", "num_speculative_tokens": 2}, "needs \"model\""),
+                       ({"model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "must be 1"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": "2"}, "prompt_lookup_min must be an integer"),
                        ("ngram", "JSON object")):
@@ -103,6 +104,7 @@ def test_config_checks():
             SpeculativeConfig.from_dict(bad)
     c = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3})
     assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/m", 3)
+    assert SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}) == c
     with pytest.raises(ValueError, match="takes the place of multi-step rounds"):
         LLM(None, speculative_config=SPEC, num_scheduler_steps=4, **CPU)
 

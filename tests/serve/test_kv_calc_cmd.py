@@ -207,3 +207,38 @@ def test_gpu_memory_defaults_to_this_machines_gpu(monkeypatch, capsys):
     monkeypatch.setattr(cmd, "local_gpu", lambda: None)
     with pytest.raises(cmd.KVCalcInputError, match="--gpu-memory is required on a machine without a GPU"):
         cmd.read_request(parse("--model", "Llama-3-8B"))
+
+
+def test_a_draft_model_takes_its_weights_graphs_and_a_pool_of_as_many_blocks(capsys, tmp_path):
+    """--speculative-config's draft model (engine/draft.py): its weights and decode graphs on the
+    first GPU, and each block holds the model's KV and the draft's (the engine's rule)."""
+    argv = ("--model", "llama3-70b", "--gpu-memory", "H100", "-tp", "4", "--json")
+    spec = json.dumps({"model": "Llama-3-8B", "num_speculative_tokens": 4})
+    assert cmd.run(parse(*argv)) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert cmd.run(parse(*argv, "--speculative-config", spec)) == 0
+    out = json.loads(capsys.readouterr().out)
+    draft_weights = calc.weight_bytes_per_gpu(preset("Llama-3-8B"), "bfloat16", 1)
+    draft_graphs = calc.estimate_graph_bytes(preset("Llama-3-8B"), "bfloat16", 256, 8192, 16)
+    assert out["draft_weight_bytes"] == draft_weights and out["weight_bytes"] == alone["weight_bytes"] + draft_weights
+    assert out["graph_bytes"] == alone["graph_bytes"] + draft_graphs
+    assert out["draft_bytes_per_block"] == 2_097_152 and out["bytes_per_block"] == alone["bytes_per_block"]
+    assert out["num_blocks"] == out["kv_cache_bytes"] // (out["bytes_per_block"] + out["draft_bytes_per_block"])
+    assert out["kv_cache_bytes"] == alone["kv_cache_bytes"] - draft_weights - draft_graphs
+    # the other KV dtypes' rows change both pools' pages
+    fp8 = next(row for row in out["table"] if row["kv_cache_dtype"] == "fp8")
+    p = cmd.plan_request(cmd.read_request(parse(*argv, "--speculative-config", spec))).with_kv_dtype("fp8", 32)
+    assert fp8["num_blocks"] == p.num_blocks == p.kv_cache_bytes // (p.bytes_per_block + p.draft_bytes_per_block)
+    # 32-token FP8 pages with a float32 scale per token and KV head: 32 layers x 8 heads x 32 x (128 + 4) x 2
+    assert p.draft_bytes_per_block == 2_162_688
+    assert cmd.run(parse(*argv[:-1], "--speculative-config", spec)) == 0
+    text = capsys.readouterr().out
+    assert "of which the draft model" in text and "first GPU, which holds the draft model" in text
+    # n-gram drafts take no memory; a larger vocabulary, bad JSON and pipeline stages are refused
+    assert cmd.run(parse(*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == alone["num_blocks"]
+    for bad, words in (('{"model": "Qwen2.5-0.5B", "num_speculative_tokens": 4}', "larger vocabulary"),
+                       ("{nope", "--speculative-config"), (spec, "pipeline parallelism")):
+        extra = ("-pp", "2") if words == "pipeline parallelism" else ()
+        assert cmd.run(parse(*argv, "--speculative-config", bad, *extra)) == 2
+        assert words in capsys.readouterr().err
