@@ -186,7 +186,7 @@ def _draft_model(text: str | None) -> Any:
     """--speculative-config's draft model (engine/presets.py resolve_model's answer), or None."""
     if not text:
         return None
-    from scheduler.request import SpeculativeConfig, SpeculativeConfigError
+    from scheduler.request import SpeculativeConfig
 
     try:
         spec = SpeculativeConfig.from_dict(json.loads(text))
@@ -196,7 +196,7 @@ def _draft_model(text: str | None) -> Any:
         return None  # n-gram drafts take no memory of their own
     try:
         return resolve_model(spec.model)
-    except (ModelConfigError, SpeculativeConfigError, FileNotFoundError, ValueError) as e:
+    except (ModelConfigError, PresetError) as e:
         raise KVCalcInputError(f"--speculative-config's draft model: {e}") from None
 
 
@@ -444,6 +444,12 @@ def _run_measure(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(req.model.raw or {}))
+        speculative = None
+        if req.draft is not None:
+            draft_dir = Path(tmp) / "draft"
+            draft_dir.mkdir()
+            (draft_dir / "config.json").write_text(json.dumps(req.draft.raw or {}))
+            speculative = {**json.loads(args.speculative_config), "model": str(draft_dir)}
         cfg = EngineConfig(model=tmp, load_format="dummy", dtype=req.dtype, kv_cache_dtype=req.kv_cache_dtype,
                            block_size=req.block_size, max_model_len=req.max_model_len,
                            max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
@@ -451,7 +457,8 @@ def _run_measure(args: argparse.Namespace) -> int:
                            tensor_parallel_size=req.tensor_parallel_size,
                            pipeline_parallel_size=req.pipeline_parallel_size,
                            quantization="fp8" if req.model.quant == AT_LOAD else None,
-                           lora_modules=tuple(m.partition("=")[::2] for m in getattr(args, "lora_modules", None) or []))
+                           lora_modules=tuple(m.partition("=")[::2] for m in getattr(args, "lora_modules", None) or []),
+                           speculative_config=speculative)
         engine = build_engine(cfg, show_progress=False)
         runner = engine.runner  # rank 0's; the blocks are the fewest any rank holds
         # read before shutdown, which frees the graphs
@@ -460,6 +467,8 @@ def _run_measure(args: argparse.Namespace) -> int:
             graph_pool += runner.piecewise.pool_bytes + runner.piecewise.static_bytes
         if runner.steps is not None:
             graph_pool += runner.steps.pool_bytes + runner.steps.static_bytes
+        if runner.draft is not None and runner.draft.graphs is not None:
+            graph_pool += runner.draft.graphs.pool_bytes
         graph_reserved = runner.graph_bytes_reserved()
         runner_steps = runner.steps is not None
         free_after_start = torch.cuda.mem_get_info()[0]
