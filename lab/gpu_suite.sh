@@ -16,6 +16,16 @@ fi
 export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 log() { echo "== $* ($(date +%T))"; }
+# gpu_tests NAME DEFAULT_TIMEOUT_S FILE...: the GPU-marked tests of FILEs, cut at TESTS_TIMEOUT (dumping
+# every thread's stack), failures written as they happen (tests/conftest.py); log in $OUT/pytest-NAME.log
+gpu_tests() {
+  local name=$1 limit=$2
+  shift 2
+  PAGEDSERVE_FAILURES=$OUT/pytest-failures.txt timeout -s ABRT ${TESTS_TIMEOUT:-$limit} \
+    python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=10 "$@" 2>&1 \
+    | tee "$OUT/pytest-$name.log" | tail -15
+  echo "pytest exit ${PIPESTATUS[0]}"
+}
 
 for stage in "$@"; do
   case $stage in
@@ -32,20 +42,14 @@ for stage in "$@"; do
       ;;
     api)
       log "GPU tests of the API features: pooled embeddings (eager, whole-step and piecewise graphs), each MoE on one GPU"
-      PAGEDSERVE_FAILURES=$OUT/pytest-failures.txt timeout -s ABRT ${TESTS_TIMEOUT:-540} \
-        python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=10 \
-        tests/engine/test_embeddings.py tests/engine/test_moe.py 2>&1 | tee "$OUT/pytest-api.log" | tail -15
-      echo "pytest exit ${PIPESTATUS[0]}"
+      gpu_tests api 540 tests/engine/test_embeddings.py tests/engine/test_moe.py
       log "embeddings against their prefill, llama3-8b"
       python3 -m lab.embed_cost --model .models/llama3-8b --prompts 256 --length 512 \
         --result-json "$OUT/embed-cost.json" 2>&1 | tail -1
       ;;
     draft)
       log "GPU tests of speculative decoding (n-gram and draft model)"
-      PAGEDSERVE_FAILURES=$OUT/pytest-failures.txt timeout -s ABRT ${TESTS_TIMEOUT:-300} \
-        python3 -X faulthandler -m pytest -m gpu -p no:cacheprovider --durations=10 \
-        tests/engine/test_draft_model.py tests/engine/test_speculative.py 2>&1 | tee "$OUT/pytest-draft.log" | tail -15
-      echo "pytest exit ${PIPESTATUS[0]}"
+      gpu_tests draft 300 tests/engine/test_draft_model.py tests/engine/test_speculative.py
       log "a draft model's round against a decode step, llama3-8b with a qwen2.5-0.5b-shaped draft"
       python3 -m lab.spec_draft --model .models/llama3-8b --draft .models/qwen2.5-0.5b --batch ${BATCHES:-1 8 32} \
         --drafts ${DRAFTS:-4} --result-json "$OUT/spec-draft.json" 2>&1 | grep -v "^{" | tail -12

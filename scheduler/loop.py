@@ -91,6 +91,7 @@ class EngineSnapshot:
     # speculative decoding (scheduler/ngram.py): draft tokens verified, and of them accepted; None without it
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    spec_drafts: int | None = None  # drafts verified (a sequence's draft in a step)
 
     @property
     def kv_usage(self) -> float:
@@ -119,7 +120,7 @@ class EngineSnapshot:
                    stats.num_steps, stats.num_preemptions, stats.num_step_failures, stats.prompt_tokens,
                    stats.generation_tokens, counter("prefix_cache_queries"), counter("prefix_cache_hits"),
                    core.has_unfinished(), core.hold_wait(), *(tier or (None,) * 5),
-                   *((sched.num_draft_tokens, sched.num_accepted_tokens)
+                   *((sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_drafts)
                      if getattr(sched, "speculating", False) else ()))
 
 

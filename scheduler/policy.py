@@ -120,6 +120,7 @@ class Scheduler:
                          if spec is not None and spec.method == "ngram" else None)
         self.num_draft_tokens = 0  # draft tokens verified, and of them accepted
         self.num_accepted_tokens = 0
+        self.num_drafts = 0  # drafts verified (a sequence's in a step)
         # tokens a drafted sequence kept a step, a running average (optimistic at first); the steps
         # since drafts last paid (_drafts_pay)
         self.kept_per_draft = float(spec.num_speculative_tokens + 1) if spec is not None else 0.0
@@ -547,6 +548,7 @@ class Scheduler:
                                       num_out, seq.num_cached_tokens, seq.take_prompt_logprobs() if first else None,
                                       seq.take_embedding() if first else None))
         if drafted:
+            self.num_drafts += drafted
             weight = 1.0 - (1.0 - KEPT_WEIGHT) ** drafted
             self.kept_per_draft += weight * (kept / drafted - self.kept_per_draft)
         return outputs

@@ -203,9 +203,9 @@ def build_engine(cfg: EngineConfig, show_progress: bool = True, core_class: type
     if model_cfg.headless:
         log.warning("%s is a base model without an LM head (an embedding model): it serves embeddings; text it "
                     "generates comes from its embedding tied as the head", path)
+    draft = resolve_draft(cfg, model_cfg, show_progress)  # before any rank starts
     # The tokenizer (with transformers' import, 1-3 s) loads on a thread while the runner builds,
     # whose start-up mostly waits on the device with the GIL released.
-    draft = resolve_draft(cfg, model_cfg, show_progress)  # before any rank starts
     loader = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     tokenizer = loader.submit(load_tokenizer, path, model_cfg.vocab_size)
     loader.shutdown(wait=False)

@@ -114,6 +114,9 @@ class _EngineCollector(Collector):
             yield metric(CounterMetricFamily, "spec_decode_num_accepted_tokens",
                          "Speculative decoding: draft tokens the model agreed with (kept).",
                          lambda row: row.snapshot.spec_accepted_tokens or 0)
+            yield metric(CounterMetricFamily, "spec_decode_num_drafts",
+                         "Speculative decoding: drafts verified (one sequence's draft in a step); the mean tokens a "
+                         "draft keeps is 1 + accepted tokens / drafts.", lambda row: row.snapshot.spec_drafts or 0)
 
     def _host_tier_metrics(self, names: list[str], rows: list[_Source]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """The host tier of the prefix cache (--kv-offload-gib): hits per tier, bytes each way, occupancy."""

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfigError
-from engine.grammar import regex_grammar
 from serve import LLM, SamplingParams
-from tests.engine.test_speculative import CPU, PROMPTS, generate
+from tests.engine.test_speculative import CPU, PROMPTS, generate, mixed_rows
 from tests.models import build_model, hf_greedy
 
 
@@ -87,13 +86,7 @@ def test_rows_without_drafts_beside_rows_with(tiny_models, async_scheduling):
     (fewer than k tokens are left) and its draft KV falls behind; stop tokens end drafted rows where
     they would end without drafts."""
     model = tiny_models["llama"]
-    plain_out = generate(model, [SamplingParams(max_tokens=40, temperature=0)] * len(PROMPTS))[0]
-    stop = plain_out[0][0][8]
-    params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0, grammar=regex_grammar("[a-z ]{10,40}")),
-              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    params, stop = mixed_rows(model)
     plain, _, _ = generate(model, params, async_scheduling=async_scheduling)
     same, stats, _ = generate(model, params, speculative_config=spec(model), async_scheduling=async_scheduling)
     assert same == plain and stats["accepted"] == stats["drafted"] > 0

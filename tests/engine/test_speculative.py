@@ -148,19 +148,25 @@ def test_seeded_sampling_equals_without_drafts(tiny_models):
     assert spec == plain and stats["accepted"] > 0
 
 
+def mixed_rows(model) -> tuple[list[SamplingParams], int]:
+    """Rows that take no draft (logprobs, a grammar, penalties) beside rows that do, one of them with
+    a stop token it samples (its 9th greedy token), one ending after 7 -> (params, the stop token)."""
+    plain_out = generate(model, [SamplingParams(max_tokens=40, temperature=0)] * len(PROMPTS))[0]
+    stop = plain_out[0][0][8]
+    return [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]),
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=30, temperature=0, grammar=regex_grammar("[a-z ]{10,40}")),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)], stop
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_rows_without_drafts_beside_rows_with(tiny_models, async_scheduling):
     """Logprobs, a grammar and penalties keep one token a step, in the same steps as drafted rows
     (async: the grammar's mask waits for its pending token in a step that verifies drafts); stop
     tokens and max_tokens end drafted rows where they would end without drafts."""
     model = tiny_models["llama"]
-    plain_out = generate(model, [SamplingParams(max_tokens=40, temperature=0)] * len(PROMPTS))[0]
-    stop = plain_out[0][0][8]  # a token the first row samples: a stop for it
-    params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0, grammar=regex_grammar("[a-z ]{10,40}")),
-              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    params, stop = mixed_rows(model)
     plain, _, plain_outs = generate(model, params, async_scheduling=async_scheduling)
     spec, stats, spec_outs = generate(model, params, speculative_config=SPEC, async_scheduling=async_scheduling)
     assert spec == plain and stats["accepted"] > 0
@@ -201,7 +207,8 @@ def test_served_with_metrics(tiny_models):
               if line.startswith("pagedserve:spec_decode_num_")}
     drafted = counts["pagedserve:spec_decode_num_draft_tokens_total"]
     kept = counts["pagedserve:spec_decode_num_accepted_tokens_total"]
-    assert 0 < kept <= drafted
+    drafts = counts["pagedserve:spec_decode_num_drafts_total"]
+    assert 0 < kept <= drafted and 0 < drafts <= drafted <= 4 * drafts
 
 
 @pytest.mark.parametrize("mode", [["--data-parallel-size", "2"], ["--disaggregate", "1:1"]])
