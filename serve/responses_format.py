@@ -5,9 +5,8 @@ the answer (a message with one output_text part) and the tool calls (function_ca
 each item opens (response.output_item.added), grows by deltas and closes (.done events) in order,
 between response.created / response.in_progress and response.completed (response.incomplete when
 max_output_tokens cut it, response.failed when the engine failed it); every event carries a
-sequence_number, and the last one the whole response. Text a model writes after a tool call opens
-a second message item when streamed (items only open in order); the whole response's one message
-holds all of the text.
+sequence_number, and the last one the whole response. Items come in the order the model wrote
+them, whole or streamed: text after a tool call is a message item of its own after the call.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from serve.reasoning import split_reasoning
 from serve.responses import new_id
 from serve.responses_protocol import (FunctionCallItem, InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
                                       ReasoningItem, ReasoningText, ResponseObject, ResponseUsage)
-from serve.tool_parser import CallArgs, CallStart, Content, ToolCallParser, parse_all
+from serve.tool_parser import CallArgs, CallStart, Content, ParsedCall, ToolCallParser, parse_in_order
 
 
 def response_usage(plan: Plan, choice: ChoiceState) -> ResponseUsage:
@@ -81,18 +80,24 @@ class ResponsesFormat:
         text, reasoning = choice.text, ""
         if self.plan.reasoning_parser is not None:
             reasoning, text = split_reasoning(self.plan.reasoning_parser, self.plan.thinking_opened, text)
-        calls = []
+        parts: list[str | ParsedCall] = [text] if text else []
         if self.plan.tool_parser is not None:
-            text, calls = parse_all(text, self.plan.tool_parser, self.plan.tool_params)
+            parts = parse_in_order(text, self.plan.tool_parser, self.plan.tool_params)
         output: list[Any] = []
         if reasoning:
             output.append(ReasoningItem(id=new_id("rs"), content=[ReasoningText(text=reasoning)], status="completed"))
-        if text or not calls:
-            logprobs = token_logprobs(self.strings, choice.logprobs) if self.plan.logprobs is not None else None
-            output.append(OutputMessage(id=new_id("msg"), status="completed",
-                                        content=[OutputText(text=text, logprobs=logprobs)]))
-        output += [FunctionCallItem(id=new_id("fc"), call_id=tool_call_id(self.plan.tool_parser), name=c.name,
-                                    arguments=c.arguments, status="completed") for c in calls]
+        # the token logprobs (of the whole text) go with the first message
+        logprobs = token_logprobs(self.strings, choice.logprobs) if self.plan.logprobs is not None else None
+        if not parts:
+            parts = [""]  # an empty answer is still a message
+        for part in parts:
+            if isinstance(part, str):
+                output.append(OutputMessage(id=new_id("msg"), status="completed",
+                                            content=[OutputText(text=part, logprobs=logprobs)]))
+                logprobs = [] if logprobs is not None else None
+            else:
+                output.append(FunctionCallItem(id=new_id("fc"), call_id=tool_call_id(self.plan.tool_parser),
+                                               name=part.name, arguments=part.arguments, status="completed"))
         if status == "incomplete":  # the item max_output_tokens cut, as when streamed
             output[-1].status = "incomplete"
         return self.response(status, output, response_usage(self.plan, choice))

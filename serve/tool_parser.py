@@ -451,18 +451,37 @@ class ParsedCall:
     arguments: str = ""
 
 
-def assemble(events: list[Event]) -> tuple[str, list[ParsedCall]]:
-    """The content and the calls that a sequence of events adds up to."""
-    content = ""
+def in_order(events: list[Event]) -> list[str | ParsedCall]:
+    """What a sequence of events adds up to, in order: runs of content (non-empty) and the calls
+    between them (a Responses API output's message and function_call items)."""
+    out: list[str | ParsedCall] = []
     calls: list[ParsedCall] = []
     for e in events:
         if isinstance(e, Content):
-            content += e.text
+            if not e.text:
+                continue
+            if out and isinstance(out[-1], str):
+                out[-1] += e.text
+            else:
+                out.append(e.text)
         elif isinstance(e, CallStart):
             calls.append(ParsedCall(e.name))
+            out.append(calls[-1])
         else:
             calls[e.index].arguments += e.text
-    return content, calls
+    return out
+
+
+def assemble(events: list[Event]) -> tuple[str, list[ParsedCall]]:
+    """The content and the calls that a sequence of events adds up to."""
+    parts = in_order(events)
+    return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ParsedCall)]
+
+
+def parse_in_order(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None = None
+                   ) -> list[str | ParsedCall]:
+    parser = ToolCallParser(fmt, param_types)
+    return in_order(parser.feed(text) + parser.close())
 
 
 def parse_all(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None = None

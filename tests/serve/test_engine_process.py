@@ -36,6 +36,10 @@ def fail_next_steps(n: int, core) -> None:
     core.executor.fail_next = n
 
 
+def slow_steps(seconds: float, core) -> None:
+    core.executor.step_s = seconds
+
+
 def break_next_step(core) -> None:
     """The next step raises outside the model (a scheduler bug), once."""
     def broken():
@@ -84,6 +88,22 @@ def test_queue_full_rejections_and_aborts_across_the_pipe(srv):
     aborted = metric(srv, "pagedserve:request_success_total{finished_reason=abort}")
     r = srv.http.post("/v1/completions", json={**LONG, "prompt": [5] * 100})  # the core's RequestRejected
     assert r.status_code == 400 and "the whole cache holds 16 blocks" in r.json()["error"]["message"]
+    # the first request's 200 steps take 10 s, so it runs while the others arrive however slow the
+    # machine (a tiny model's steps took less than two requests' round trips on a loaded CI runner)
+    srv.call(functools.partial(slow_steps, 0.05))
+    try:
+        queue_behind_a_running_request(srv)
+    finally:
+        srv.call(functools.partial(slow_steps, 0.0))
+    srv.wait_idle(timeout=5)  # the three dropped clients were aborted and their blocks freed
+    assert metric(srv, "pagedserve:request_success_total{finished_reason=abort}") == aborted + 3
+    assert metric(srv, "pagedserve:requests_rejected_total{reason=queue_full}") == 1
+    m = srv.metrics()
+    assert m["pagedserve:kv_cache_used_blocks"] == 0 and m["pagedserve:num_requests_waiting"] == 0
+
+
+def queue_behind_a_running_request(srv) -> None:
+    """One request runs, two wait (the most that may), a fourth is told to come back later."""
     with srv.http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as first:
         lines = first.iter_lines()
         while not next(lines).startswith("data:"):
@@ -95,11 +115,6 @@ def test_queue_full_rejections_and_aborts_across_the_pipe(srv):
             r = srv.http.post("/v1/completions", json=LONG)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
             assert int(r.headers["retry-after"]) >= 1
-    srv.wait_idle(timeout=5)  # the three dropped clients were aborted and their blocks freed
-    assert metric(srv, "pagedserve:request_success_total{finished_reason=abort}") == aborted + 3
-    assert metric(srv, "pagedserve:requests_rejected_total{reason=queue_full}") == 1
-    m = srv.metrics()
-    assert m["pagedserve:kv_cache_used_blocks"] == 0 and m["pagedserve:num_requests_waiting"] == 0
 
 
 def test_model_fault_in_the_engine_process(srv):

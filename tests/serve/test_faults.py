@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import openai
 import pytest
@@ -13,11 +14,13 @@ from tests.serve.test_errors import TRACE_HINTS
 
 
 class FaultyExecutor:
-    """Wraps the model runner; raises in the next `fail_next` execute() calls."""
+    """Wraps the model runner; raises in the next `fail_next` execute() calls; each call takes at
+    least `step_s` seconds (a request that must outlast a test's other requests)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.fail_next = 0
+        self.step_s = 0.0
         self.lock = threading.Lock()
 
     def execute(self, batch):
@@ -25,6 +28,8 @@ class FaultyExecutor:
             fail, self.fail_next = self.fail_next > 0, max(0, self.fail_next - 1)
         if fail:
             raise RuntimeError("injected fault in /secret/path/model.py line 42")
+        if self.step_s:
+            time.sleep(self.step_s)
         return self.inner.execute(batch)
 
 

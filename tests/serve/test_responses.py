@@ -276,3 +276,30 @@ def test_json_schema_output(default_client):
                                         max_output_tokens=300)
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), NESTED_SCHEMA)
+
+
+def test_items_come_in_the_order_the_model_wrote_them():
+    """Text, a tool call, more text: a message, the call and a second message, in the whole response
+    as in the streamed one (whose items open in order), whatever the chunks the text came in."""
+    from scheduler.request import SamplingParams, StepOutput
+    from serve.openai_format import ChoiceState
+    from serve.prompts import Plan, PromptInput
+    from serve.responses_format import ResponsesFormat
+
+    text = 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\nDone.'
+    plan = Plan([PromptInput([1, 2, 3])], [SamplingParams(max_tokens=50)], tool_parser="hermes")
+    whole = ResponsesFormat(plan, {}, "m", None).final(ChoiceState(0, 3, text=text, finish_reason="stop"))
+    shape = [(i.type, i.content[0].text if i.type == "message" else (i.name, i.arguments)) for i in whole.output]
+    assert shape == [("message", "Let me look.\n"), ("function_call", ("get_time", '{"city": "Oslo"}')),
+                     ("message", "Done.")]
+    for size in (1, 7, len(text)):
+        fmt = ResponsesFormat(plan, {}, "m", None)
+        choice = ChoiceState(0, 3)
+        for at in range(0, len(text), size):
+            last = at + size >= len(text)
+            out = StepOutput(0, [5], last, "stop" if last else None, text[at:at + size])
+            choice.update(out)
+            fmt.step_events(choice, out)
+        _, streamed = fmt.end_events(choice)
+        assert [(i.type, i.content[0].text if i.type == "message" else (i.name, i.arguments))
+                for i in streamed.output] == shape, size
