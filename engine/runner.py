@@ -1448,8 +1448,15 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         torch.cuda.synchronize(self.device)  # no replay still running
-        for holder in (self.graphs, self.piecewise, self.steps):
-            for g in (holder.graphs.values() if holder is not None else ()):
+        draft_graphs = self.draft.graphs if self.draft is not None else None
+        for holder in (self.graphs, self.piecewise, self.steps, draft_graphs):
+            if holder is None:
+                continue
+            # a decode graph's twin without the LoRA adapters (DecodeGraphs.plain) holds collectives too
+            plain = [graph for graph, _ in getattr(holder, "plain", {}).values()]
+            for g in list(holder.graphs.values()) + plain:
                 for graph in (g if isinstance(g, list) else [g]):
                     graph.reset()
         self.graphs = self.piecewise = self.steps = None
+        if self.draft is not None:
+            self.draft.graphs = None
