@@ -176,7 +176,9 @@ class GrammarTokenizer:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        # an end-of-sequence id past the vocabulary (a config's, beside another tokenizer) is never
+        # sampled, and llguidance refuses it
+        self.eos_token_ids = [i for i in eos_token_ids if 0 <= i < vocab_size] or [hf_tokenizer.eos_token_id]
         self._tokenizer: Any = None
         self._lock = threading.Lock()
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.grammar import GrammarTokenizer
+from engine.grammar import GrammarTokenizer, first_line
 from scheduler.request import ScheduledSeq, Sequence
 
 log = logging.getLogger("pagedserve")
@@ -176,5 +176,12 @@ def build_grammar_masks(tokenizer: Any, vocab_size: int, eos_token_ids: list[int
     if GrammarTokenizer.supported(tokenizer) is not None:
         return None
     grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size, sorted(eos_token_ids))
-    threading.Thread(target=grammar_tokenizer.get, name="grammar-vocabulary", daemon=True).start()
+
+    def build() -> None:  # a failure shows again, to the first request with a grammar
+        try:
+            grammar_tokenizer.get()
+        except Exception as e:
+            log.warning("structured output: the grammar engine could not read the tokenizer: %s", first_line(str(e)))
+
+    threading.Thread(target=build, name="grammar-vocabulary", daemon=True).start()
     return GrammarMasks(grammar_tokenizer, device, threads=min(8, os.cpu_count() or 1))

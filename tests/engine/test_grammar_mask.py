@@ -199,3 +199,13 @@ def test_constrained_on_the_gpu(model_dir):
         results.append([o.token_ids for o in outs])
         llm.shutdown()
     assert results[0] == results[1]
+
+
+def test_end_of_sequence_ids_past_the_vocabulary_are_left_out(tokenizers):
+    """A config's end-of-sequence id beside a smaller tokenizer (the benchmark folders: Llama-3's
+    128001 with a 49,152-token vocabulary) is never sampled; llguidance refused it, which failed the
+    vocabulary's build on start-up with a traceback in the log."""
+    hf, _ = tokenizers
+    t = GrammarTokenizer(hf, VOCAB, [hf.eos_token_id, 128001])
+    assert t.eos_token_ids == [hf.eos_token_id] and t.get() is not None
+    assert GrammarTokenizer(hf, VOCAB, [128001]).eos_token_ids == [hf.eos_token_id]
