@@ -69,6 +69,16 @@ def test_greedy_equals_without_drafts(tiny_models, setting):
     assert other == plain and stats["drafted"] > 0
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_kv_pages(tiny_models, kv):
+    """The draft model's pool takes the model's KV dtype (and its 32-token pages)."""
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain, _, _ = generate(model, params, kv_cache_dtype=kv)
+    same, stats, _ = generate(model, params, kv_cache_dtype=kv, speculative_config=spec(model, 3))
+    assert same == plain and stats["accepted"] == stats["drafted"] > 0
+
+
 def test_seeded_sampling_equals_without_drafts(tiny_models):
     params = [SamplingParams(max_tokens=25, temperature=t, top_p=tp, seed=s, ignore_eos=True)
               for t, tp, s in ((0.3, 1.0, 1), (0.8, 0.9, 2), (0.2, 1.0, 3), (1.0, 1.0, 4), (0.1, 0.95, 5))]
