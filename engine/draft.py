@@ -14,6 +14,10 @@ give the draft, the last writes the k-th draft token's KV. Whatever prefix of th
 keeps, the draft's KV then covers every position before the next round's last token. A sequence whose
 block table is replaced (preempted) starts over, and so does one that shares cached prefix blocks: it
 writes their draft KV again, with the same tokens at the same positions.
+
+Under tensor parallelism rank 0 alone holds the draft model and broadcasts each round's drafts. The
+scheduler decides whether a step drafts at all (scheduler/policy.py _drafts_pay), from the rounds'
+cost timed at start-up (time_rounds).
 """
 from __future__ import annotations
 
