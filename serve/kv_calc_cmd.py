@@ -173,11 +173,15 @@ def read_request(args: argparse.Namespace) -> CalcRequest:
     )
     draft = _draft_model(getattr(args, "speculative_config", None))
     if draft is not None:
+        draft_config = draft.config
         try:
-            config.check_draft(draft.config, draft.name)
+            config.check_draft(draft_config, draft.name)
+            if getattr(args, "quantization", None) == "fp8":  # the engine quantizes the draft's weights too
+                draft_config.check_quantization("fp8")
+                draft_config = replace(draft_config, quant=AT_LOAD)
         except ModelConfigError as e:
             raise KVCalcInputError(str(e)) from None
-        req = replace(req, draft=draft.config, draft_name=draft.name)
+        req = replace(req, draft=draft_config, draft_name=draft.name)
     _check_engine_limits(req)
     return req
 

@@ -234,6 +234,10 @@ def test_a_draft_model_takes_its_weights_graphs_and_a_pool_of_as_many_blocks(cap
     assert cmd.run(parse(*argv[:-1], "--speculative-config", spec)) == 0
     text = capsys.readouterr().out
     assert "of which the draft model" in text and "first GPU, which holds the draft model" in text
+    # with --quantization fp8 the draft's projections are FP8 too
+    assert cmd.run(parse(*argv, "--speculative-config", spec, "--quantization", "fp8")) == 0
+    fp8_draft = json.loads(capsys.readouterr().out)["draft_weight_bytes"]
+    assert draft_weights / 2 < fp8_draft < draft_weights * 0.6
     # n-gram drafts take no memory; a larger vocabulary, bad JSON and pipeline stages are refused
     assert cmd.run(parse(*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')) == 0
     assert json.loads(capsys.readouterr().out)["num_blocks"] == alone["num_blocks"]
