@@ -681,8 +681,10 @@ class ModelRunner:
         self.weight_bytes = weights
         kv_bytes = kv_cache_bytes(total, self.cfg.gpu_memory_utilization, weights, self.activation_bytes,
                                   self.graph_bytes_reserved())
-        block_bytes = self.kv_spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft is not None else 0)
-        blocks = max(0, int(kv_bytes) // block_bytes)  # the draft model's pool has as many blocks
+        block_bytes = self.kv_spec.bytes_per_block  # and the draft model's: its pool has as many blocks
+        if self.draft is not None:
+            block_bytes += self.draft.kv_spec.bytes_per_block
+        blocks = max(0, int(kv_bytes) // block_bytes)
         if blocks < 1:
             raise ValueError("no GPU memory is left for the KV cache after the weights and activations; "
                              "raise --gpu-memory-utilization or lower --max-num-batched-tokens")

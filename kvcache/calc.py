@@ -531,8 +531,10 @@ MAX_SUGGESTED_TP = 8  # the GPUs of one host
 
 def _smallest_tp_that_fits(model: ModelShape, dtype: str, kv_dtype: str, block_size: int, gpu_memory_bytes: int,
                            memory_utilization: float, activation_bytes: int | None, graph_bytes: int, start: int,
-                           max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
-    """The smallest tensor-parallel degree above start that leaves room for one KV block."""
+                           max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                           draft_weights: int = 0, draft_block_bytes: int = 0) -> int | None:
+    """The smallest tensor-parallel degree above start that leaves room for one KV block (and a
+    draft model's weights and block on the first GPU)."""
     for tp in range(start + 1, MAX_SUGGESTED_TP + 1):
         try:
             check_tensor_parallel(model, tp)
@@ -541,8 +543,9 @@ def _smallest_tp_that_fits(model: ModelShape, dtype: str, kv_dtype: str, block_s
         act = (estimate_activation_bytes(model, dtype, tp, max_num_batched_tokens, max_num_seqs, max_model_len).total_bytes
                if activation_bytes is None else activation_bytes)
         spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype, tp)
-        weights = weight_bytes_per_gpu(model, dtype, tp)
-        if kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, act, graph_bytes) >= spec.bytes_per_block:
+        weights = weight_bytes_per_gpu(model, dtype, tp) + draft_weights
+        if (kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, act, graph_bytes)
+                >= spec.bytes_per_block + draft_block_bytes):
             return tp
     return None
 
@@ -586,7 +589,8 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
     if draft is not None:
         if pipeline_parallel_size > 1:
             raise KVCalcInputError("a draft model with pipeline parallelism is not supported")
-        draft_spec = KVCacheSpec.for_model(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size, kv_dtype, 1)
+        draft_spec = KVCacheSpec.for_model(draft.num_layers, draft.num_kv_heads, draft.head_dim, block_size,
+                                           kv_dtype, 1)
         draft_weights = weight_bytes_per_gpu(draft, weight_dtype, 1)
         weights += draft_weights
     estimated = activation_bytes is None
@@ -604,10 +608,13 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
         per_gpu = " per GPU" if tensor_parallel_size * pipeline_parallel_size > 1 else ""
         tp = _smallest_tp_that_fits(model, weight_dtype, kv_dtype, block_size, gpu_memory_bytes, memory_utilization,
                                     None if estimated else activation_bytes, graph_bytes, tensor_parallel_size,
-                                    max_num_batched_tokens, max_num_seqs, max_len)
+                                    max_num_batched_tokens, max_num_seqs, max_len, draft_weights,
+                                    draft_spec.bytes_per_block if draft_spec is not None else 0)
         advice = (f"use --tensor-parallel-size {tp} or more" if tp is not None
                   else f"use GPUs with more memory (tensor parallel up to {MAX_SUGGESTED_TP} is not enough)")
-        raise WeightsDontFitError(f"{model_name} needs {_gib(weights)} of weights in {weight_dtype}{per_gpu} "
+        with_draft = " with its draft model" if draft is not None else ""
+        raise WeightsDontFitError(f"{model_name}{with_draft} needs {_gib(weights)} of weights in {weight_dtype}"
+                                  f"{per_gpu} "
                                   f"but {available}; {advice}")
     block_bytes = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
     if kv_bytes < block_bytes:

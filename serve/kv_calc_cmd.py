@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", default="0", help="with --enable-lora: adapters held at once (default 1)")
     parser.add_argument("--max-lora-rank", default="0", help="with --enable-lora: their largest rank (default 16)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='as serve run takes it: a draft model\'s, \'{"model": FOLDER, "num_speculative_tokens": 4}\', '
-                             "counts its weights and its KV pool (as many blocks as the model's) on the first GPU")
+                        help='as serve run takes it: a draft model\'s, \'{"model": FOLDER, "num_speculative_tokens": '
+                             '4}\', counts its weights and its KV pool (as many blocks as the model\'s) on the first GPU')
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--accuracy", action="store_true",
                         help="measure each KV dtype's accuracy against the bf16 cache (runs the model on the CPU; "

@@ -238,6 +238,11 @@ def test_a_draft_model_takes_its_weights_graphs_and_a_pool_of_as_many_blocks(cap
     assert cmd.run(parse(*argv, "--speculative-config", spec, "--quantization", "fp8")) == 0
     fp8_draft = json.loads(capsys.readouterr().out)["draft_weight_bytes"]
     assert draft_weights / 2 < fp8_draft < draft_weights * 0.6
+    # where the weights don't fit, the advice counts the draft's on the first GPU
+    small = ("--model", "llama3-70b", "--gpu-memory", "60GiB", "-tp", "2")
+    assert cmd.run(parse(*small)) == 1 and "use --tensor-parallel-size 4 or more" in capsys.readouterr().err
+    assert cmd.run(parse(*small, "--speculative-config", spec)) == 1
+    assert "with its draft model needs" in (err := capsys.readouterr().err) and "--tensor-parallel-size 8" in err
     # n-gram drafts take no memory; a larger vocabulary, bad JSON and pipeline stages are refused
     assert cmd.run(parse(*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')) == 0
     assert json.loads(capsys.readouterr().out)["num_blocks"] == alone["num_blocks"]
