@@ -4,7 +4,6 @@ Implements the scheduler's Executor protocol. Holds the model, the KV pool and t
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ import torch
 from engine.attention import AttnMetadata, Ops, reference_ops
 from engine.config import AUTO_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from engine.cost_model import CHUNK as COST_CHUNK, MAX_ROWS as COST_MAX_ROWS, StepCostModel
-from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words
+from engine.cuda_graph import DecodeGraphs, graph_buckets, head_words, smallest_bucket
 from engine.draft import DraftModel, Proposed, catch_up_chunks
 from engine.grammar_mask import GrammarMasks, apply_token_bitmask
 from engine.logit_adjust import LogitAdjuster
@@ -507,9 +506,7 @@ class ModelRunner:
         buckets = sorted(rounds)
 
         def ratio(seqs: int) -> float:
-            draft_ms = 0.0
-            if buckets:
-                draft_ms = rounds[buckets[min(bisect.bisect_left(buckets, seqs), len(buckets) - 1)]]
+            draft_ms = rounds[smallest_bucket(buckets, seqs) or buckets[-1]] if buckets else 0.0
             return (cost.forward(seqs * (k + 1)) + draft_ms) / cost.forward(seqs)
 
         if rounds:
@@ -681,10 +678,7 @@ class ModelRunner:
         self.weight_bytes = weights
         kv_bytes = kv_cache_bytes(total, self.cfg.gpu_memory_utilization, weights, self.activation_bytes,
                                   self.graph_bytes_reserved())
-        block_bytes = self.kv_spec.bytes_per_block  # and the draft model's: its pool has as many blocks
-        if self.draft is not None:
-            block_bytes += self.draft.kv_spec.bytes_per_block
-        blocks = max(0, int(kv_bytes) // block_bytes)
+        blocks = self.kv_spec.num_blocks_for(kv_bytes, self.draft.kv_spec if self.draft is not None else None)
         if blocks < 1:
             raise ValueError("no GPU memory is left for the KV cache after the weights and activations; "
                              "raise --gpu-memory-utilization or lower --max-num-batched-tokens")

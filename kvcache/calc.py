@@ -473,7 +473,7 @@ class KVPlan:
 
     @property
     def num_blocks(self) -> int:
-        return max(0, self.kv_cache_bytes // (self.spec.bytes_per_block + self.draft_bytes_per_block))
+        return self.spec.num_blocks_for(self.kv_cache_bytes, self.draft_spec)
 
     @property
     def max_tokens(self) -> int:
@@ -532,7 +532,7 @@ MAX_SUGGESTED_TP = 8  # the GPUs of one host
 def _smallest_tp_that_fits(model: ModelShape, dtype: str, kv_dtype: str, block_size: int, gpu_memory_bytes: int,
                            memory_utilization: float, activation_bytes: int | None, graph_bytes: int, start: int,
                            max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                           draft_weights: int = 0, draft_block_bytes: int = 0) -> int | None:
+                           draft_weights: int = 0, draft_spec: KVCacheSpec | None = None) -> int | None:
     """The smallest tensor-parallel degree above start that leaves room for one KV block (and a
     draft model's weights and block on the first GPU)."""
     for tp in range(start + 1, MAX_SUGGESTED_TP + 1):
@@ -544,8 +544,8 @@ def _smallest_tp_that_fits(model: ModelShape, dtype: str, kv_dtype: str, block_s
                if activation_bytes is None else activation_bytes)
         spec = KVCacheSpec.for_model(model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype, tp)
         weights = weight_bytes_per_gpu(model, dtype, tp) + draft_weights
-        if (kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, act, graph_bytes)
-                >= spec.bytes_per_block + draft_block_bytes):
+        if spec.num_blocks_for(kv_cache_bytes(gpu_memory_bytes, memory_utilization, weights, act, graph_bytes),
+                               draft_spec) >= 1:
             return tp
     return None
 
@@ -608,8 +608,7 @@ def plan(model: ModelShape, gpu_memory_bytes: int, memory_utilization: float = 0
         per_gpu = " per GPU" if tensor_parallel_size * pipeline_parallel_size > 1 else ""
         tp = _smallest_tp_that_fits(model, weight_dtype, kv_dtype, block_size, gpu_memory_bytes, memory_utilization,
                                     None if estimated else activation_bytes, graph_bytes, tensor_parallel_size,
-                                    max_num_batched_tokens, max_num_seqs, max_len, draft_weights,
-                                    draft_spec.bytes_per_block if draft_spec is not None else 0)
+                                    max_num_batched_tokens, max_num_seqs, max_len, draft_weights, draft_spec)
         advice = (f"use --tensor-parallel-size {tp} or more" if tp is not None
                   else f"use GPUs with more memory (tensor parallel up to {MAX_SUGGESTED_TP} is not enough)")
         with_draft = " with its draft model" if draft is not None else ""

@@ -82,9 +82,11 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    def num_blocks_for(self, kv_bytes: int) -> int:
-        """How many whole blocks fit in kv_bytes."""
-        return max(0, int(kv_bytes) // self.bytes_per_block)
+    def num_blocks_for(self, kv_bytes: int, draft: KVCacheSpec | None = None) -> int:
+        """How many whole blocks fit in kv_bytes; with a draft model's layout, each block beside one of
+        the draft's (its pool has as many blocks: engine/draft.py)."""
+        block_bytes = self.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+        return max(0, int(kv_bytes) // block_bytes)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -26,6 +26,7 @@ import time
 
 from lab.kernels import write_json
 from lab.offline import time_decode
+from lab.spec_steps import break_even_acceptance, kept_per_round
 
 
 def measure(llm, batch: int, input_len: int, output_len: int) -> dict:
@@ -42,10 +43,6 @@ def measure(llm, batch: int, input_len: int, output_len: int) -> dict:
     return {"batch": batch, "steps": steps, "tokens": n, "step_ms": 1e3 * elapsed / steps, "tok_s": n / elapsed,
             "tokens_per_seq_step": n / steps / batch, "accepted": sched.num_accepted_tokens - before[0],
             "drafted": sched.num_draft_tokens - before[1]}
-
-
-def kept_per_round(a: float, k: int) -> float:
-    return sum(a ** j for j in range(k + 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         r["tok_s_vs_default"] = r["tok_s"] / b["tok_s"]
         if r["engine"] == "small draft forced":
             ratio = r["round_vs_decode_step"]
-            lo, hi = 0.0, 1.0  # the acceptance rate at which a round pays for its time
-            for _ in range(50):
-                a = (lo + hi) / 2
-                lo, hi = (a, hi) if kept_per_round(a, k) < ratio else (lo, a)
-            r["break_even_acceptance"] = round(hi, 3) if ratio < k + 1 else None
+            r["break_even_acceptance"] = break_even_acceptance(ratio, k)
             r["projected_vs_default"] = {str(a): round(kept_per_round(a, k) / ratio, 3) for a in (0.5, 0.6, 0.7, 0.8, 0.9)}
         print(f"B={r['batch']} {r['engine']}: a round {r['step_ms']:.2f} ms = {r['round_vs_decode_step']:.2f}x a decode "
               f"step, {r['tokens_per_seq_step']:.2f} tokens a sequence, {r['tok_s_vs_default']:.2f}x the default's tok/s"

@@ -21,6 +21,23 @@ from lab.kernels import write_json
 from lab.offline import time_decode
 
 
+def kept_per_round(a: float, k: int) -> float:
+    """Tokens a sequence keeps from a step with k draft tokens, each kept independently at rate a."""
+    return sum(a ** j for j in range(k + 1))
+
+
+def break_even_acceptance(ratio: float, k: int) -> float | None:
+    """The acceptance rate at which a step with k draft tokens, costing `ratio` decode steps, pays for
+    its time (None: not even at 100%)."""
+    if ratio >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if kept_per_round(a, k) < ratio else (lo, a)
+    return round(hi, 3)
+
+
 def measure(llm, batch: int, k: int, input_len: int, output_len: int) -> dict:
     from serve import SamplingParams
 
@@ -76,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["engine"] == "speculative" and r["drafts"]:
             r["step_vs_decode"] = r["step_ms"] / base[r["batch"]]
             ratio = r["step_vs_decode"]
-            # the acceptance rate a at which (1 - a^(k+1)) / (1 - a) tokens a step pay for its time
-            lo, hi = 0.0, 1.0
-            for _ in range(50):
-                a = (lo + hi) / 2
-                kept = sum(a ** j for j in range(r["drafts"] + 1))
-                lo, hi = (a, hi) if kept < ratio else (lo, a)
-            r["break_even_acceptance"] = round(hi, 3) if ratio < r["drafts"] + 1 else None
+            r["break_even_acceptance"] = break_even_acceptance(ratio, r["drafts"])
             print(f"B={r['batch']} k={r['drafts']}: step {r['step_ms']:.2f} ms = {ratio:.2f}x a decode step; "
                   f"pays from acceptance {r['break_even_acceptance']}", flush=True)
     if args.result_json:

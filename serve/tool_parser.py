@@ -478,13 +478,17 @@ def assemble(events: list[Event]) -> tuple[str, list[ParsedCall]]:
     return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ParsedCall)]
 
 
+def _events(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None) -> list[Event]:
+    """A whole output's events, as its stream would give them."""
+    parser = ToolCallParser(fmt, param_types)
+    return parser.feed(text) + parser.close()
+
+
 def parse_in_order(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None = None
                    ) -> list[str | ParsedCall]:
-    parser = ToolCallParser(fmt, param_types)
-    return in_order(parser.feed(text) + parser.close())
+    return in_order(_events(text, fmt, param_types))
 
 
 def parse_all(text: str, fmt: str, param_types: dict[str, dict[str, str]] | None = None
               ) -> tuple[str, list[ParsedCall]]:
-    parser = ToolCallParser(fmt, param_types)
-    return assemble(parser.feed(text) + parser.close())
+    return assemble(_events(text, fmt, param_types))

@@ -22,12 +22,13 @@ def spec(model, k: int = 4) -> dict:
     return {"model": str(model), "num_speculative_tokens": k}
 
 
-def draft_always(llm: LLM) -> None:
-    """Drafts in every step, whatever the GPU's cost model says they pay (the gate has its own test)."""
+def set_gate(llm: LLM, ratio: float | None) -> None:
+    """What drafting costs a step, as the scheduler's gate sees it (SchedulerConfig.speculation_ratio);
+    None: drafts in every step, whatever the GPU's cost model says they pay (the gate has its own test)."""
     import dataclasses
 
     sched = llm.engine.core.scheduler
-    sched.config = dataclasses.replace(sched.config, speculation_ratio=None)
+    sched.config = dataclasses.replace(sched.config, speculation_ratio=None if ratio is None else lambda seqs: ratio)
 
 
 def test_catch_up_chunks_follow_each_sequence_in_order():
@@ -109,8 +110,6 @@ def test_drafts_stop_where_they_do_not_pay(tiny_models):
     whose drafts are never kept stops after a few steps and then drafts in a probe step every
     PROBE_STEPS; the model as its own draft keeps drafting; at a cost nothing pays for (5: more than
     the k + 1 tokens a round can keep), it never drafts, its probes (5 - 1) / PROBE_SHARE steps apart."""
-    import dataclasses
-
     from scheduler.policy import PROBE_SHARE, PROBE_STEPS
 
     model = tiny_models["llama"]
@@ -119,7 +118,7 @@ def test_drafts_stop_where_they_do_not_pay(tiny_models):
     def run(draft, ratio):
         with LLM(str(model), num_kv_blocks=64, speculative_config=spec(draft, 3), **CPU) as llm:
             sched = llm.engine.core.scheduler
-            sched.config = dataclasses.replace(sched.config, speculation_ratio=lambda seqs: ratio)
+            set_gate(llm, ratio)
             outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
             return outs, sched.num_draft_tokens // 3 // len(PROMPTS), llm.engine.core.stats.num_steps, sched
 
@@ -226,7 +225,7 @@ def test_on_the_gpu(tiny_models):
             sched, runner = llm.engine.core.scheduler, llm.engine.runner
             if draft is not None:
                 assert sched.config.speculation_ratio is not None and sched.config.speculation_ratio(4) > 1
-                draft_always(llm)
+                set_gate(llm, None)
             runs.append([o.token_ids for o in llm.generate(prompts, [greedy] * len(prompts))])
             if draft is model:
                 assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
@@ -249,7 +248,7 @@ def test_tensor_parallel_on_two_gpus(tiny_models):
     for tp in (1, 2):
         with LLM(str(model), device="cuda", dtype="float32", num_kv_blocks=256, speculative_config=spec(model),
                  tensor_parallel_size=tp) as llm:
-            draft_always(llm)
+            set_gate(llm, None)
             runs.append([o.token_ids for o in llm.generate(PROMPTS * 4, params)])
             sched = llm.engine.core.scheduler
             assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
